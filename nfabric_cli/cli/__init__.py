@@ -1,0 +1,1 @@
+"""Thin command modules: parse, call one library function, render."""

@@ -1,0 +1,66 @@
+"""Shared CLI plumbing: error handling with stable exit codes, JSON output, the console."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from nfabric_cli.errors import CheckFailed, InputError
+
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("NFABRIC_DEBUG", "") not in ("", "0")
+
+
+def handle_errors(fn: F) -> F:
+    """Turn library exceptions into one-line messages and exit codes (2 bad input, 1 failure)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except InputError as exc:
+            if debug_enabled():
+                traceback.print_exc()
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except CheckFailed as exc:
+            err_console.print(f"[bold red]failed:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+        except Exception as exc:  # a bug: still one line unless --debug
+            if debug_enabled():
+                traceback.print_exc()
+            else:
+                err_console.print(
+                    f"[bold red]internal error:[/] {type(exc).__name__}: {exc} "
+                    "(run with --debug for the traceback)",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(obj: Any) -> None:
+    """Print machine output: stable keys, no colour, one document on stdout."""
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()

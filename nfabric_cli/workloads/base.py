@@ -1,0 +1,57 @@
+"""The workload interface: what every built-in or plugin workload provides.
+
+A workload is a model factory, per-rank training batches, a loss and an evaluation. Every
+stage uses the same object: calibration (N simulated workers in one process), validation
+(one process per rank under DDP) and the CLI.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """Protocol for workloads; built-ins subclass `BaseWorkload` below.
+
+    Determinism: the same seed gives the same initial weights and the same batches.
+    Sharding: rank r of W sees only its own shard of the training set (disjoint, covering).
+    """
+
+    name: str
+    metric_name: str  # e.g. "accuracy" or "val_loss"
+    higher_is_better: bool
+    default_steps: int  # steps at which FP32 training reaches a meaningful metric
+    batch_size: int  # per rank
+    head_selector: str  # region selector of the sensitive head, e.g. "head.*"
+
+    def build_model(self, seed: int) -> nn.Module: ...
+
+    def make_optimizer(
+        self, params: Any, total_steps: int
+    ) -> tuple[torch.optim.Optimizer, Any]:
+        """Return (optimizer, lr_scheduler or None); the scheduler is stepped once per step."""
+        ...
+
+    def train_batch(
+        self, step: int, rank: int, world_size: int, seed: int
+    ) -> tuple[torch.Tensor, ...]:
+        """The batch rank `rank` trains on at `step` (random access, deterministic)."""
+        ...
+
+    def shard_indices(self, rank: int, world_size: int) -> Any:
+        """Training-set indices owned by `rank` (for tests of disjointness)."""
+        ...
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor: ...
+
+    def evaluate(self, model: nn.Module) -> float:
+        """The held-out metric (accuracy, validation loss, ...)."""
+        ...
+
+    def data_fingerprint(self) -> str:
+        """Hash of the data, recorded in profile provenance."""
+        ...
