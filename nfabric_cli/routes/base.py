@@ -1,0 +1,298 @@
+"""The `Route` interface and the shared flow of code-based (low-bit) routes.
+
+A route composes three small parts (GRACE's split): a codec (`encode` / `decode`), an
+optional error-feedback memory (`memory.py`, applied by the caller per parameter name), and a
+collective plan (`plan`). The same codec functions run in the real collective (`reduce`) and in
+the single-process simulator (`simulate`); for code-based routes the two agree bit for bit.
+
+Low-bit reduction, for every code route:
+1. each rank computes per-chunk scales (`chunks.py`) and agrees them with the other ranks
+   (exact MAX for int8/int4, or a mean summed in rank order for sign/ternary);
+2. each rank packs integer codes into bytes;
+3. the codes are combined exactly as integers, either `sharded` (all-to-all of packed shards,
+   each rank combines its shard, all-gather of packed results) or `central` (gather to rank 0,
+   combine, broadcast back);
+4. every rank decodes the combined integers with the agreed scales.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nfabric_cli.errors import InputError
+from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
+from nfabric_cli.routes.comm import Comm, sum_in_rank_order
+from nfabric_cli.routes.packing import bits_for_levels, pack_uint, unpack_uint
+from nfabric_cli.routes.plan import CommOp, WireBytes, plan_wire_bytes
+from nfabric_cli.routes.spec import RouteSpec
+
+
+def check_input(x: torch.Tensor) -> torch.Tensor:
+    """Routes take a contiguous 1-D floating tensor; say clearly what is wrong otherwise."""
+    if not isinstance(x, torch.Tensor):
+        raise InputError(f"route input must be a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise InputError(f"route input must be a floating-point tensor, got {x.dtype}")
+    if not x.is_contiguous():
+        raise InputError("route input must be contiguous (got a strided view); call .contiguous()")
+    return x.reshape(-1)
+
+
+@dataclass
+class Payload:
+    """What one rank puts on the wire: packed codes and the per-chunk scales."""
+
+    codes: torch.Tensor  # uint8, packed
+    scales: torch.Tensor  # float32, one per chunk (empty for float routes)
+    numel: int
+    segments: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + 4 * self.scales.numel()
+
+
+class Route:
+    """One way a gradient slice crosses the fabric. Subclasses: float and code routes."""
+
+    name = "route"
+    max_world_size = 1 << 20
+
+    def __init__(self, spec: RouteSpec) -> None:
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec.label()})"
+
+    # -- contract --------------------------------------------------------------------------
+    def plan(self, numel: int, world_size: int, segments: tuple[int, ...] | None = None) -> list[CommOp]:
+        raise NotImplementedError
+
+    def wire_bytes(
+        self, numel: int, world_size: int, rank: int = 1, segments: tuple[int, ...] | None = None
+    ) -> WireBytes:
+        """Exact bytes rank `rank` sends and receives to aggregate `numel` elements."""
+        return plan_wire_bytes(self.plan(numel, world_size, segments), world_size, rank)
+
+    def reduce(
+        self,
+        flat: torch.Tensor,
+        comm: Comm,
+        segments: tuple[int, ...] | None = None,
+        stats: dict[str, float] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Real collective: this rank's gradient in, the agreed mean out (may reuse `flat`)."""
+        raise NotImplementedError
+
+    def simulate(
+        self,
+        grads: Sequence[torch.Tensor],
+        segments: tuple[int, ...] | None = None,
+        stats: dict[str, float] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        """Single-process simulation: N workers' gradients in, what every rank receives out."""
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+        raise NotImplementedError
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        raise NotImplementedError
+
+    def roundtrip(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> torch.Tensor:
+        """decode(encode(x)) with local scales: what error feedback subtracts."""
+        return self.decode(self.encode(x, segments))
+
+    def check_world(self, world_size: int) -> None:
+        if world_size < 1:
+            raise InputError(f"world size must be >= 1, got {world_size}")
+        if world_size > self.max_world_size:
+            raise InputError(
+                f"route {self.name} aggregates exactly only up to {self.max_world_size} ranks; "
+                f"got world size {world_size}"
+            )
+
+
+def padded_payload_nbytes(nbytes: int, world_size: int) -> int:
+    """Pad so each of the W shards is a whole number of 8-byte groups (any result width fits)."""
+    unit = 8 * world_size
+    return -(-nbytes // unit) * unit
+
+
+class CodeRoute(Route):
+    """Shared flow of the low-bit routes; subclasses define codes and how they combine."""
+
+    elems_per_byte = 1  # payload packing density
+    pad_byte = 0  # a byte that encodes "zero" codes, used to pad payloads to whole shards
+    scale_agreement = "max"  # "max" (exact all-reduce MAX) or "mean" (rank-ordered mean)
+
+    # -- subclass hooks ---------------------------------------------------------------------
+    def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode_codes(
+        self, x: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, gen: torch.Generator | None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def combine(
+        self, shards: Sequence[torch.Tensor], world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Packed payload shards from every rank -> (combined int64 values, per-element
+        agreement in [0, 1] for the health monitor, or None where a route has no such signal)."""
+        raise NotImplementedError
+
+    def result_range(self, world_size: int) -> tuple[int, int]:
+        """Inclusive range of combined values, for packing the result."""
+        raise NotImplementedError
+
+    def decode_values(
+        self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- sizes -------------------------------------------------------------------------------
+    def payload_nbytes(self, numel: int) -> int:
+        return -(-numel // self.elems_per_byte)
+
+    def result_bits(self, world_size: int) -> int:
+        lo, hi = self.result_range(world_size)
+        return bits_for_levels(hi - lo + 1)
+
+    def _sizes(self, numel: int, world_size: int) -> tuple[int, int]:
+        """(padded payload bytes, full result bytes)."""
+        padded = padded_payload_nbytes(self.payload_nbytes(numel), world_size)
+        result = padded * self.elems_per_byte * self.result_bits(world_size) // 8
+        return padded, result
+
+    def plan(self, numel: int, world_size: int, segments: tuple[int, ...] | None = None) -> list[CommOp]:
+        self.check_world(world_size)
+        if world_size == 1 or numel == 0:
+            return []
+        layout = chunk_layout(check_segments(numel, segments), self.spec.effective_chunk)
+        scale_kind = "allreduce" if self.scale_agreement == "max" else "all_gather"
+        ops = [CommOp(scale_kind, 4 * layout.nchunks)]
+        padded, result = self._sizes(numel, world_size)
+        if self.spec.reducer == "sharded":
+            ops += [CommOp("all_to_all", padded), CommOp("all_gather", result // world_size)]
+        else:
+            ops += [CommOp("gather", padded), CommOp("broadcast", result)]
+        return ops
+
+    # -- local codec ---------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+        x = check_input(x).float()
+        segs = check_segments(x.numel(), segments)
+        layout = chunk_layout(segs, self.spec.effective_chunk)
+        scales = self.local_scales(x, layout)
+        return Payload(self.encode_codes(x, layout, scales, None), scales, x.numel(), segs)
+
+    def decode(self, payload: Payload) -> torch.Tensor:
+        layout = chunk_layout(payload.segments, self.spec.effective_chunk)
+        return self.local_decode(payload, layout)
+
+    # -- aggregation -----------------------------------------------------------------------------
+    def _pack_result(self, values: torch.Tensor, world_size: int) -> torch.Tensor:
+        lo, _ = self.result_range(world_size)
+        return pack_uint(values - lo, self.result_bits(world_size))
+
+    def _unpack_result(self, packed: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
+        lo, _ = self.result_range(world_size)
+        return unpack_uint(packed, numel, self.result_bits(world_size)).to(torch.int64) + lo
+
+    def _pad(self, codes: torch.Tensor, padded: int) -> torch.Tensor:
+        if codes.numel() == padded:
+            return codes
+        out = torch.full((padded,), self.pad_byte, dtype=torch.uint8)
+        out[: codes.numel()] = codes
+        return out
+
+    @staticmethod
+    def _record_agreement(
+        agree: torch.Tensor | None, valid: int, stats: dict[str, float] | None
+    ) -> None:
+        if stats is None or agree is None:
+            return
+        stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(agree[:valid].sum())
+        stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid)
+
+    def reduce(
+        self,
+        flat: torch.Tensor,
+        comm: Comm,
+        segments: tuple[int, ...] | None = None,
+        stats: dict[str, float] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        x = check_input(flat).float()
+        w, n = comm.world_size, x.numel()
+        self.check_world(w)
+        if w == 1 or n == 0:
+            return self.simulate([x], segments, stats, [generator])
+        layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
+        local = self.local_scales(x, layout)
+        if self.scale_agreement == "max":
+            agreed = comm.allreduce(local.clone(), op=torch.distributed.ReduceOp.MAX)
+            code_scales = agreed
+        else:
+            agreed = sum_in_rank_order(comm.all_gather(local)) / w
+            code_scales = local
+        padded, result_nbytes = self._sizes(n, w)
+        codes = self._pad(self.encode_codes(x, layout, code_scales, generator), padded)
+        shard_elems = padded * self.elems_per_byte // w
+        if self.spec.reducer == "sharded":
+            mine = comm.all_to_all(codes).view(w, padded // w)
+            values, agree = self.combine(list(mine.unbind(0)), w)
+            start = comm.rank * shard_elems
+            self._record_agreement(agree, max(0, min(shard_elems, n - start)), stats)
+            packed = torch.cat(comm.all_gather(self._pack_result(values, w)))
+        else:
+            parts = comm.gather(codes)
+            packed = torch.empty(result_nbytes, dtype=torch.uint8)
+            if parts is not None:
+                values, agree = self.combine(parts, w)
+                self._record_agreement(agree, n, stats)
+                packed = self._pack_result(values, w)
+            comm.broadcast(packed)
+        values = self._unpack_result(packed, n, w)
+        return self.decode_values(values, agreed, layout, w)
+
+    def simulate(
+        self,
+        grads: Sequence[torch.Tensor],
+        segments: tuple[int, ...] | None = None,
+        stats: dict[str, float] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> torch.Tensor:
+        xs = [check_input(g).float() for g in grads]
+        w, n = len(xs), xs[0].numel()
+        self.check_world(w)
+        if n == 0:
+            return torch.zeros(0)
+        gens = list(generators) if generators is not None else [None] * w
+        layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
+        local = [self.local_scales(x, layout) for x in xs]
+        if self.scale_agreement == "max":
+            agreed = local[0].clone()
+            for s in local[1:]:
+                torch.maximum(agreed, s, out=agreed)
+            code_scales = [agreed] * w
+        else:
+            agreed = sum_in_rank_order(local) / w
+            code_scales = local
+        padded, _ = self._sizes(n, w)
+        codes = [
+            self._pad(self.encode_codes(x, layout, s, g), padded)
+            for x, s, g in zip(xs, code_scales, gens)
+        ]
+        values, agree = self.combine(codes, w)
+        self._record_agreement(agree, n, stats)
+        return self.decode_values(values[:n], agreed, layout, w)

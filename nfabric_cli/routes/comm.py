@@ -1,0 +1,87 @@
+"""`Comm`: the blocking collectives routes use, with a byte meter.
+
+Each call records the logical bytes it moved (see `plan.py`), so the traffic a run reports is
+counted from the collectives actually issued, and a test can compare it with `wire_bytes`.
+Calls are blocking: the DDP hook runs them on one worker thread in bucket order, which keeps
+the collective order identical on every rank (see `runtime/hook.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from nfabric_cli.routes.plan import WireBytes, op_wire_bytes
+
+
+class Comm:
+    """Blocking collectives over one process group, metered in logical bytes."""
+
+    __slots__ = ("group", "world_size", "rank", "bytes", "calls")
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.bytes = WireBytes()
+        self.calls: list[tuple[str, int]] = []
+
+    def _meter(self, kind: str, nbytes: int) -> None:
+        self.calls.append((kind, nbytes))
+        self.bytes = self.bytes + op_wire_bytes(kind, nbytes, self.world_size, self.rank)
+
+    def take(self) -> WireBytes:
+        """Bytes since the last call to `take` (and forget them)."""
+        out, self.bytes = self.bytes, WireBytes()
+        self.calls.clear()
+        return out
+
+    def allreduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        self._meter("allreduce", t.numel() * t.element_size())
+        dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
+        """Equal-split all-to-all of a 1-D byte buffer whose length is a multiple of W."""
+        out = torch.empty_like(t)
+        self._meter("all_to_all", t.numel() * t.element_size())
+        dist.all_to_all_single(out, t, group=self.group)
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        outs = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._meter("all_gather", t.numel() * t.element_size())
+        dist.all_gather(outs, t, group=self.group)
+        return outs
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Gather to group rank 0 (the central reducer); other ranks get None."""
+        self._meter("gather", t.numel() * t.element_size())
+        dst = self._global_rank(0)
+        if self.rank == 0:
+            outs = [torch.empty_like(t) for _ in range(self.world_size)]
+            dist.gather(t, gather_list=outs, dst=dst, group=self.group)
+            return outs
+        dist.gather(t, gather_list=None, dst=dst, group=self.group)
+        return None
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Broadcast from group rank 0 into `t` (same shape on every rank)."""
+        self._meter("broadcast", t.numel() * t.element_size())
+        dist.broadcast(t, src=self._global_rank(0), group=self.group)
+        return t
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return dist.get_global_rank(self.group, group_rank)
+
+
+def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum tensors in rank order: the same float result in the simulator and on every rank."""
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    return total

@@ -1,0 +1,88 @@
+"""`int8` / `int4`: per-chunk scaled integer codes, summed exactly as integers (CGX-style).
+
+Every rank quantises with the same scale (the all-reduced MAX of per-chunk absmax), so
+codes from different ranks are commensurable and their integer sum is exact. int4 codes are in
+[-7, 7] and packed two per byte. Rounding is to nearest (ties to even) or stochastic
+(floor(x/s + u), u ~ U[0, 1), unbiased).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nfabric_cli.routes.base import CodeRoute, Payload
+from nfabric_cli.routes.chunks import ChunkLayout
+from nfabric_cli.routes.packing import pack_uint, unpack_uint
+
+
+class IntRoute(CodeRoute):
+    qmax = 127
+    scale_agreement = "max"
+    # The combined sum travels in at most 32 bits: W * qmax must fit comfortably.
+    max_world_size = 1 << 16
+
+    def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        def absmax(v: torch.Tensor) -> torch.Tensor:
+            lo, hi = torch.aminmax(v, dim=1)
+            return torch.maximum(hi, lo.neg())
+
+        return layout.reduce(x, absmax)
+
+    def _codes(
+        self, x: torch.Tensor, layout: ChunkLayout, absmax: torch.Tensor, gen: torch.Generator | None
+    ) -> torch.Tensor:
+        inv = torch.where(absmax > 0, self.qmax / absmax, torch.zeros_like(absmax))
+        q = layout.scale_into(x, inv, torch.empty_like(x))
+        if self.spec.rounding == "stochastic":
+            q.add_(torch.rand(q.shape, generator=gen)).floor_()
+        else:
+            q.round_()
+        return q.clamp_(-self.qmax, self.qmax).to(torch.int8)
+
+    def combine(self, shards: Sequence[torch.Tensor], world_size: int) -> tuple[torch.Tensor, None]:
+        total = self._unpack_codes(shards[0]).to(torch.int64)
+        for s in shards[1:]:
+            total += self._unpack_codes(s)
+        return total, None
+
+    def result_range(self, world_size: int) -> tuple[int, int]:
+        return -self.qmax * world_size, self.qmax * world_size
+
+    def decode_values(
+        self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
+    ) -> torch.Tensor:
+        # values / (qmax * W) first: a constant input decodes exactly (±1 * absmax).
+        v = values.float().div_(self.qmax * world_size)
+        return layout.scale_into(v, scales, v)
+
+    def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
+        codes = self._unpack_codes(payload.codes)[: payload.numel].float().div_(self.qmax)
+        return layout.scale_into(codes, payload.scales, codes)
+
+
+class Int8Route(IntRoute):
+    name = "int8"
+    qmax = 127
+    elems_per_byte = 1
+
+    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
+        return self._codes(x, layout, scales, gen).view(torch.uint8)
+
+    def _unpack_codes(self, packed: torch.Tensor) -> torch.Tensor:
+        return packed.view(torch.int8)
+
+
+class Int4Route(IntRoute):
+    name = "int4"
+    qmax = 7
+    elems_per_byte = 2
+    pad_byte = 0x88  # two zero codes (stored with offset 8)
+
+    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
+        return pack_uint((self._codes(x, layout, scales, gen) + 8).view(torch.uint8), 4)
+
+    def _unpack_codes(self, packed: torch.Tensor) -> torch.Tensor:
+        codes = unpack_uint(packed, packed.numel() * 2, 4)
+        return codes.to(torch.int8) - 8

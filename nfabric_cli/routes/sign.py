@@ -1,0 +1,78 @@
+"""`sign` (G-Binary, sign-count): 1 bit per element on the way in.
+
+Each rank sends the packed bits of g > 0 (exact zeros vote negative) and its per-chunk mean |g|;
+ranks agree on the mean scale. The reducer counts positive votes per element, c in [0, W]:
+- `majority` (default): the result is sign(2c - W). Tie rule: with an even world size a tie
+  (c = W/2) gives 0, i.e. no update for that element; so the result travels in 1 bit for odd W
+  and 2 bits for even W. Every rank decodes scale * result.
+- `count`: the result is the count itself, decoded as scale * (2c - W) / W (a scaled vote mean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nfabric_cli.routes.base import CodeRoute, Payload
+from nfabric_cli.routes.chunks import ChunkLayout
+from nfabric_cli.routes.packing import pack_bool, unpack_bool
+
+
+class SignRoute(CodeRoute):
+    name = "sign"
+    elems_per_byte = 8
+    scale_agreement = "mean"
+    max_world_size = 255  # counts are combined in uint8 range
+
+    def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        return layout.reduce(
+            x, lambda v: torch.linalg.vector_norm(v, ord=1, dim=1) / v.shape[1]
+        )
+
+    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
+        return pack_bool(x > 0)
+
+    def combine(
+        self, shards: Sequence[torch.Tensor], world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = shards[0].numel() * 8
+        count = unpack_bool(shards[0], n).to(torch.int64)
+        for s in shards[1:]:
+            count += unpack_bool(s, n)
+        margin = 2 * count - world_size
+        # Agreement |2c/W - 1|: 1 when unanimous, near 0 when the votes are coin flips.
+        agree = margin.abs().float() / world_size
+        return (count if self.spec.mode == "count" else torch.sign(margin)), agree
+
+    def result_range(self, world_size: int) -> tuple[int, int]:
+        if self.spec.mode == "count":
+            return 0, world_size
+        return -1, 1
+
+    def result_bits(self, world_size: int) -> int:
+        if self.spec.mode == "majority" and world_size % 2 == 1:
+            return 1  # no ties possible: the result is +-1
+        return super().result_bits(world_size)
+
+    def _pack_result(self, values: torch.Tensor, world_size: int) -> torch.Tensor:
+        if self.spec.mode == "majority" and world_size % 2 == 1:
+            return pack_bool(values > 0)
+        return super()._pack_result(values, world_size)
+
+    def _unpack_result(self, packed: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
+        if self.spec.mode == "majority" and world_size % 2 == 1:
+            return unpack_bool(packed, numel).to(torch.int64) * 2 - 1
+        return super()._unpack_result(packed, numel, world_size)
+
+    def decode_values(
+        self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
+    ) -> torch.Tensor:
+        v = values.float()
+        if self.spec.mode == "count":
+            v = (2 * v - world_size) / world_size
+        return layout.scale_into(v, scales, torch.empty(values.numel()))
+
+    def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
+        bits = unpack_bool(payload.codes, payload.numel).float()
+        return layout.scale_into(bits * 2 - 1, payload.scales, torch.empty_like(bits))

@@ -1,0 +1,68 @@
+"""`ternary` (G-Ternary): gated {-1, 0, +1} votes, base-3 packed at 1.6 bits per element.
+
+Per chunk, elements with |g| < tau * absmax are gated to 0; the rest send their sign. The
+chunk's scale is the mean |g| of the elements that passed the gate, so scale * sign keeps the
+magnitude of what was sent. Ranks agree on the mean scale; the reducer sums votes exactly
+(range [-W, W]) and every rank decodes mean_scale * votes / W.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from nfabric_cli.routes.base import CodeRoute, Payload
+from nfabric_cli.routes.chunks import ChunkLayout
+from nfabric_cli.routes.packing import pack_trits, unpack_trits
+
+
+class TernaryRoute(CodeRoute):
+    name = "ternary"
+    elems_per_byte = 5
+    pad_byte = 121  # five digits of 1, i.e. five zero votes
+    scale_agreement = "mean"
+    max_world_size = 127  # votes are combined in int8 range
+
+    def _gate(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        absmax = layout.reduce(x, lambda v: v.abs().amax(dim=1))
+        thresh = absmax * self.spec.tau
+        mag = x.abs()
+        per_elem = layout.scale_into(torch.ones_like(x), thresh, torch.empty_like(x))
+        return torch.le(per_elem, mag) & (mag > 0)
+
+    def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        keep = self._gate(x, layout)
+        kept = torch.where(keep, x.abs(), torch.zeros_like(x))
+        total = layout.reduce(kept, lambda v: v.sum(dim=1))
+        count = layout.reduce(keep.float(), lambda v: v.sum(dim=1))
+        return total / count.clamp_min(1.0)
+
+    def _votes(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        keep = self._gate(x, layout)
+        return torch.where(keep, torch.sign(x), torch.zeros_like(x)).to(torch.int8)
+
+    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
+        return pack_trits((self._votes(x, layout) + 1).view(torch.uint8))
+
+    def payload_nbytes(self, numel: int) -> int:
+        return (numel + 4) // 5
+
+    def combine(self, shards: Sequence[torch.Tensor], world_size: int) -> tuple[torch.Tensor, None]:
+        n = shards[0].numel() * 5
+        total = unpack_trits(shards[0], n).to(torch.int64)
+        for s in shards[1:]:
+            total += unpack_trits(s, n)
+        return total - len(shards), None
+
+    def result_range(self, world_size: int) -> tuple[int, int]:
+        return -world_size, world_size
+
+    def decode_values(
+        self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
+    ) -> torch.Tensor:
+        return layout.scale_into(values.float(), scales / world_size, torch.empty(values.numel()))
+
+    def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
+        votes = unpack_trits(payload.codes, payload.numel).float() - 1.0
+        return layout.scale_into(votes, payload.scales, torch.empty_like(votes))
