@@ -1,0 +1,93 @@
+"""`attach(ddp_model, profile_or_bindings, total_steps)`: the one call users make.
+
+Compiles a profile against `ddp_model.module` (same rules and errors as `compile-profile`) or
+loads bindings, checks that they cover the model, creates a dedicated process group for the
+fabric's collectives (so they never interleave with DDP's own), registers `fabric_hook`, and
+returns the `FabricState` (phase, byte counters, event log, `observe(loss)`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from typing import Any
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.binding.fingerprint import trainable_parameters
+from nfabric_cli.binding.store import load_bindings_or_profile
+from nfabric_cli.errors import InputError
+from nfabric_cli.runtime.hook import fabric_hook
+from nfabric_cli.runtime.inject import Injection
+from nfabric_cli.runtime.state import FabricState
+
+_LIVE: "weakref.WeakSet[FabricState]" = weakref.WeakSet()
+
+
+def attach(
+    ddp_model: DistributedDataParallel,
+    source: str | os.PathLike[str] | Bindings,
+    total_steps: int | None = None,
+    *,
+    substrate: Any | None = None,
+    monitor: bool = True,
+    gate: bool = True,
+    injections: tuple[Injection, ...] = (),
+    seed: int = 0,
+    dedicated_group: bool = True,
+) -> FabricState:
+    """Register the fabric hook on `ddp_model` and return its state.
+
+    `source` is a profile (file or directory) or bindings file, or a `Bindings` object.
+    `total_steps` places the phase boundaries (fractions of the run); it is required when the
+    profile has more than one phase and the bindings do not carry it. `dedicated_group=False`
+    reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    module = ddp_model.module
+    pg = ddp_model.process_group
+    world_size = dist.get_world_size(pg)
+    if isinstance(source, Bindings):
+        bindings = source
+    else:
+        cap_mb = ddp_model.bucket_bytes_cap / (1024 * 1024)
+        bindings = load_bindings_or_profile(
+            source, module, world_size=world_size, total_steps=total_steps,
+            bucket_cap_mb=cap_mb if cap_mb != 25 else None, substrate=substrate,
+        )
+    _check_coverage(bindings, module)
+    steps = total_steps or bindings.total_steps
+    if steps is None:
+        if len(bindings.phases) > 1:
+            raise InputError("the profile has several phases: pass total_steps to attach")
+        steps = 1
+    group = pg
+    if dedicated_group:
+        ranks = None if pg is None or pg == dist.group.WORLD else dist.get_process_group_ranks(pg)
+        group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+    state = FabricState(
+        bindings, module, steps, group,
+        monitor=monitor, gate=gate, injections=tuple(injections), seed=seed,
+    )
+    ddp_model.register_comm_hook(state, fabric_hook)
+    _LIVE.add(state)
+    return state
+
+
+def _check_coverage(bindings: Bindings, module: Any) -> None:
+    names = {p.name for p in trainable_parameters(module)}
+    missing = sorted(names - set(bindings.params))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise InputError(f"bindings do not cover {len(missing)} trainable parameter(s): {shown}")
+
+
+@atexit.register
+def _close_all() -> None:
+    # Join worker threads before interpreter teardown destroys the process groups under them.
+    for state in list(_LIVE):
+        state.close()

@@ -1,0 +1,89 @@
+"""`CapacityGate`: admit a low-bit route for a bucket only where it is predicted to pay.
+
+The verdict is taken on the *actual* bucket (DDP rebuilds buckets after the first step, so
+the compile-time plan is only a forecast), from the substrate's α-β cost model
+(`substrate/cost.py`). Without a substrate every bucket is admitted as the profile wrote it.
+Measured collective times can revoke an admission: if a bucket's low-bit reduction is seen
+slower than the model's fp32 prediction by the margin for `revoke_after` consecutive steps,
+that bucket falls back to fp32 (decided from all-reduced timings, so every rank agrees).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from nfabric_cli.routes.spec import RouteSpec
+
+
+@dataclass(frozen=True)
+class Verdict:
+    admit: bool
+    reason: str
+    fp32_time_s: float | None = None
+    lowbit_time_s: float | None = None
+
+
+ADMIT_AS_WRITTEN = Verdict(True, "no substrate: admitted as written")
+
+
+class CapacityGate:
+    __slots__ = ("substrate", "world_size", "_cache", "_revoked", "_slow", "revoke_after", "enabled")
+
+    def __init__(
+        self, substrate: Any | None, world_size: int, enabled: bool = True, revoke_after: int = 3
+    ) -> None:
+        self.substrate = _as_substrate(substrate)
+        self.world_size = world_size
+        self.enabled = enabled
+        self.revoke_after = revoke_after
+        self._cache: dict[tuple, Verdict] = {}
+        self._revoked: dict[tuple, str] = {}
+        self._slow: dict[tuple, int] = {}
+
+    def verdict(self, key: tuple, route_numels: dict[RouteSpec, int]) -> Verdict:
+        """Verdict for a bucket (key: its parameter names + phase) given elements per route."""
+        if not self.enabled or self.substrate is None:
+            return ADMIT_AS_WRITTEN
+        if key in self._revoked:
+            return Verdict(False, self._revoked[key])
+        cached = self._cache.get(key)
+        if cached is None:
+            if not any(spec.lowbit for spec in route_numels):
+                cached = Verdict(True, "all fp32")
+            else:
+                from nfabric_cli.substrate.cost import bucket_verdict
+
+                v, reason, t32, tlow = bucket_verdict(self.substrate, route_numels, self.world_size)
+                cached = Verdict(v == "admit", reason, t32, tlow)
+            self._cache[key] = cached
+        return cached
+
+    def observe(self, key: tuple, measured_lowbit_s: float) -> str | None:
+        """Feed an (all-ranks max) measured low-bit time; return a reason when revoking."""
+        v = self._cache.get(key)
+        if v is None or not v.admit or v.fp32_time_s is None or key in self._revoked:
+            return None
+        margin = getattr(self.substrate, "margin", 0.1)
+        if measured_lowbit_s > v.fp32_time_s * (1 + margin):
+            self._slow[key] = self._slow.get(key, 0) + 1
+        else:
+            self._slow[key] = 0
+        if self._slow[key] >= self.revoke_after:
+            reason = (
+                f"revoked: measured {measured_lowbit_s * 1e3:.2f} ms > predicted fp32 "
+                f"{v.fp32_time_s * 1e3:.2f} ms for {self.revoke_after} steps"
+            )
+            self._revoked[key] = reason
+            return reason
+        return None
+
+
+def _as_substrate(substrate: Any | None) -> Any | None:
+    if substrate is None or substrate == {}:
+        return None
+    if isinstance(substrate, dict):
+        from nfabric_cli.substrate.model import Substrate
+
+        return Substrate.from_dict(substrate)
+    return substrate

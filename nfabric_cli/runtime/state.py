@@ -1,0 +1,282 @@
+"""`FabricState`: everything the hook needs across buckets and steps.
+
+Per bucket (on the worker thread): inject faults (tests), check finiteness, measure per-scope
+gradient norms, pick each parameter's effective route (profile route unless the health
+monitor forces fp32 for its region or the capacity gate refuses the bucket), reduce each
+(region, route) group, meter the bytes. Per step (after the last bucket): one small all-reduce
+of the health statistics, the monitor's decision (identical on every rank, since it only sees
+agreed numbers), neutralise a non-finite step, complete the step's futures, advance the phase.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.binding.fingerprint import trainable_parameters
+from nfabric_cli.profile.phases import Phase
+from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
+from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime.gate import CapacityGate
+from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
+from nfabric_cli.runtime.inject import Injection, apply_injection
+from nfabric_cli.runtime.traffic import TrafficMeter
+
+_FP32_ROUTE = make_route(FP32)
+
+
+class FabricState:
+    """Routing state of one DDP model. Create it with `nfabric_cli.attach`."""
+
+    def __init__(
+        self,
+        bindings: Bindings,
+        module: torch.nn.Module,
+        total_steps: int,
+        group: dist.ProcessGroup | None,
+        *,
+        monitor: bool = True,
+        gate: bool = True,
+        injections: tuple[Injection, ...] = (),
+        seed: int = 0,
+    ) -> None:
+        self.bindings = bindings
+        self.total_steps = max(1, int(total_steps))
+        self.comm = Comm(group)
+        self.rank = self.comm.rank
+        self.world_size = self.comm.world_size
+        self.seed = seed
+        self.injections = tuple(injections)
+        self.step = 0
+        self.events: list[dict[str, Any]] = []
+        self.meter = TrafficMeter(rank=dist.get_rank())
+        self.ef = ErrorFeedback()
+        self.skipped_steps: list[int] = []
+        self.step_times: list[float] = []
+        self._names = {id(tp.param): tp.name for tp in trainable_parameters(module)}
+        self._scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
+        self.monitor_enabled = monitor
+        self.monitor = HealthMonitor(self._scopes, HealthThresholds.from_dict(bindings.meta.get("health") or {}))
+        self.gate = CapacityGate(bindings.meta.get("substrate"), self.world_size, enabled=gate)
+        self._phase = bindings.phase_at(0, self.total_steps)
+        self._enter_phase(self._phase, 0)
+        self._loss: float | None = None
+        self._pending: list[tuple[torch.futures.Future, torch.Tensor]] = []
+        self._step_acc: dict[str, float] = {}
+        self._nonfinite = False
+        self._bucket_times: list[tuple[tuple, float]] = []
+        self._step_started: float | None = None
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
+
+    # -- public ----------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def observe(self, loss: torch.Tensor | float) -> None:
+        """Feed this step's local training loss to the health monitor (call before backward)."""
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        with self._lock:
+            self._loss = value
+
+    def bytes_per_route(self) -> dict[str, int]:
+        return self.meter.per_route()
+
+    def traffic_frame(self):  # -> pandas.DataFrame
+        return self.meter.frame()
+
+    def effective_routes(self) -> dict[str, str]:
+        """Parameter -> route label in force now (after health fallbacks)."""
+        return {n: self._effective(n).label() for n in self.bindings.params}
+
+    def close(self) -> None:
+        """Stop the worker thread (idempotent). Call before destroying the process group."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    # -- hook entry --------------------------------------------------------------------------
+    def submit(
+        self, buffer: torch.Tensor, params: list[torch.Tensor], is_last: bool, fut: torch.futures.Future
+    ) -> None:
+        if self._pool is None:
+            raise RuntimeError("nfabric state is closed")
+        names = [self._names[id(p)] for p in params]
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        job = self._pool.submit(self._reduce_bucket, buffer, names, [p.numel() for p in params], is_last, fut)
+        job.add_done_callback(lambda j: self._fail_step(j, fut))
+
+    # -- per bucket (worker thread) ----------------------------------------------------------
+    def _effective(self, name: str) -> RouteSpec:
+        pb = self.bindings.params[name]
+        spec = pb.routes[self._phase.name]
+        if spec.lowbit and self.monitor_enabled and self.monitor.forced_fp32(pb.regions[self._phase.name]):
+            return FP32
+        return spec
+
+    def _reduce_bucket(
+        self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool, fut: torch.futures.Future
+    ) -> None:
+        step, phase = self.step, self._phase.name
+        offsets = [0]
+        for n in numels[:-1]:
+            offsets.append(offsets[-1] + n)
+        slices = [buffer[o : o + n] for o, n in zip(offsets, numels)]
+        if self.injections:
+            apply_injection(self.injections, step, self.rank, slices)
+        self._measure(names, slices)
+        specs = [self._effective(n) for n in names]
+        if any(s.lowbit for s in specs):
+            numel_by_spec: dict[RouteSpec, int] = {}
+            for s, n in zip(specs, numels):
+                numel_by_spec[s] = numel_by_spec.get(s, 0) + n
+            verdict = self.gate.verdict((tuple(names), phase), numel_by_spec)
+            if not verdict.admit:
+                specs = [FP32] * len(specs)
+        if self._nonfinite:
+            # Never encode NaN/Inf: the sign of NaN is not a vote. The step is zeroed later.
+            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if all(not s.lowbit and s.name == "fp32" for s in specs):
+            _FP32_ROUTE.reduce(buffer, self.comm)  # in place: exactly allreduce_hook
+            self.meter.add(step, phase, "fp32", self.comm.take())
+        else:
+            self._reduce_groups(names, slices, specs, step, phase)
+        self.meter.add_fp32_reference(step, _FP32_ROUTE.wire_bytes(buffer.numel(), self.world_size, self.rank))
+        self._pending.append((fut, buffer))
+        if is_last:
+            self._finish_step(step)
+
+    def _measure(self, names: list[str], slices: list[torch.Tensor]) -> None:
+        acc = self._step_acc
+        for name, g in zip(names, slices):
+            norm = float(torch.linalg.vector_norm(g))
+            if not math.isfinite(norm):
+                self._nonfinite = True
+                continue
+            key = "norm2:" + self.bindings.params[name].regions[self._phase.name]
+            acc[key] = acc.get(key, 0.0) + norm * norm
+
+    def _reduce_groups(
+        self, names: list[str], slices: list[torch.Tensor], specs: list[RouteSpec], step: int, phase: str
+    ) -> None:
+        groups: dict[tuple[str, RouteSpec], list[int]] = {}
+        for i, (name, spec) in enumerate(zip(names, specs)):
+            region = self.bindings.params[name].regions[phase] if spec.lowbit else ""
+            groups.setdefault((region, spec), []).append(i)
+        for (region, spec), idx in groups.items():
+            route = make_route(spec)
+            parts = []
+            for i in idx:
+                if spec.error_feedback:
+                    parts.append(self.ef.compensate(names[i], spec.label(), slices[i]))
+                else:
+                    parts.append(slices[i])
+            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            segs = tuple(p.numel() for p in parts)
+            stats: dict[str, float] = {}
+            gen = None
+            if spec.rounding == "stochastic":
+                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 4099 + self.rank)
+            t0 = time.perf_counter()
+            out = route.reduce(flat, self.comm, segs, stats, gen)
+            if spec.lowbit:
+                self._bucket_times.append(((tuple(names), phase), time.perf_counter() - t0))
+            self.meter.add(step, phase, spec.label(), self.comm.take())
+            if spec.error_feedback and spec.lowbit:
+                for i, comp in zip(idx, parts):
+                    self.ef.update(names[i], comp, route.roundtrip(comp))
+            off = 0
+            for i in idx:
+                n = slices[i].numel()
+                slices[i].copy_(out[off : off + n])
+                off += n
+            if "agree_n" in stats:
+                acc = self._step_acc
+                acc["agree_sum:" + region] = acc.get("agree_sum:" + region, 0.0) + stats["agree_sum"]
+                acc["agree_n:" + region] = acc.get("agree_n:" + region, 0.0) + stats["agree_n"]
+
+    # -- per step ------------------------------------------------------------------------------
+    def _finish_step(self, step: int) -> None:
+        with self._lock:
+            loss, self._loss = self._loss, None
+        keys = [f"{k}:{s}" for s in self._scopes for k in ("norm2", "agree_sum", "agree_n")]
+        bucket_keys = [k for k, _ in self._bucket_times]
+        local = [1.0 if self._nonfinite else 0.0, 0.0 if loss is None else 1.0]
+        local.append(loss if loss is not None and math.isfinite(loss) else 0.0)
+        local += [self._step_acc.get(k, 0.0) for k in keys]
+        local += [t for _, t in self._bucket_times]
+        if loss is not None and not math.isfinite(loss):
+            local[0] = 1.0
+        vec = torch.tensor(local, dtype=torch.float64)
+        if self.world_size > 1:
+            self.comm.allreduce(vec)
+        self.meter.add(step, self._phase.name, "control", self.comm.take())
+        v = vec.tolist()
+        nonfinite = v[0] > 0
+        loss_mean = v[2] / v[1] if v[1] > 0 else None
+        vals = dict(zip(keys, v[3 : 3 + len(keys)]))
+        norms = {s: math.sqrt(vals[f"norm2:{s}"]) for s in self._scopes}
+        agree = {
+            s: vals[f"agree_sum:{s}"] / vals[f"agree_n:{s}"]
+            for s in self._scopes
+            if vals[f"agree_n:{s}"] > 0
+        }
+        if self.monitor_enabled:
+            stats = StepStats(step, loss_mean, nonfinite, norms, agree)
+            for ev in self.monitor.check(stats):
+                self._log(ev.to_dict())
+        for key, total in zip(bucket_keys, v[3 + len(keys) :]):
+            reason = self.gate.observe(key, total / self.world_size)
+            if reason:
+                self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
+        if nonfinite:
+            for _, buf in self._pending:
+                buf.zero_()
+            self.skipped_steps.append(step)
+            self._log({"step": step, "scope": "all", "from": "update", "to": "skipped",
+                       "reason": "nonfinite gradient or loss: update neutralised on every rank"})
+        pending, self._pending = self._pending, []
+        self._step_acc, self._nonfinite, self._bucket_times = {}, False, []
+        if self._step_started is not None:
+            self.step_times.append(time.perf_counter() - self._step_started)
+            self._step_started = None
+        self.step = step + 1
+        nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
+        if nxt.name != self._phase.name:
+            self._enter_phase(nxt, self.step)
+        for fut, buf in pending:
+            fut.set_result(buf)
+
+    def _fail_step(self, job: Any, fut: torch.futures.Future) -> None:
+        """Surface a worker exception in DDP's main thread instead of hanging the step."""
+        exc = job.exception()
+        if exc is None:
+            return
+        pending, self._pending = self._pending, []
+        for f in [p for p, _ in pending] + [fut]:
+            if not f.done():
+                f.set_exception(exc)
+
+    def _enter_phase(self, phase: Phase, step: int) -> None:
+        self._phase = phase
+        routes = {}
+        for b in self.bindings.params.values():
+            routes[b.regions[phase.name]] = b.routes[phase.name].name
+        self.monitor.set_routes(routes)
+        for ev in self.monitor.on_phase_change(phase.name, step):
+            self._log(ev.to_dict())
+
+    def _log(self, event: dict[str, Any]) -> None:
+        event = {"step": event["step"], "rank": self.rank, **{k: v for k, v in event.items() if k != "step"}}
+        self.events.append(event)
+
+

@@ -1,0 +1,88 @@
+"""`TrafficMeter`: bytes one rank sent and received, per step, route and phase.
+
+Rows come from the `Comm` byte meter (what the collectives actually passed), next to the bytes
+the same buckets would have cost all-reduced in fp32, so the traffic fraction is measured on
+the same steps. `control` rows are the small health-statistics all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from nfabric_cli.routes.plan import WireBytes
+
+
+@dataclass
+class TrafficRow:
+    step: int
+    phase: str
+    route: str
+    sent: int
+    received: int
+
+
+class TrafficMeter:
+    """Accumulates rows; `frame()` exports them, `fraction()` summarises against fp32."""
+
+    __slots__ = ("_acc", "_fp32", "rank")
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self._acc: dict[tuple[int, str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self._fp32: dict[int, int] = defaultdict(int)
+
+    def add(self, step: int, phase: str, route: str, wb: WireBytes) -> None:
+        cell = self._acc[(step, phase, route)]
+        cell[0] += wb.sent
+        cell[1] += wb.received
+
+    def add_fp32_reference(self, step: int, wb: WireBytes) -> None:
+        """What the same buckets would have cost in fp32 (sent + received)."""
+        self._fp32[step] += wb.total
+
+    def rows(self) -> list[TrafficRow]:
+        return [TrafficRow(s, p, r, v[0], v[1]) for (s, p, r), v in sorted(self._acc.items())]
+
+    def frame(self) -> pd.DataFrame:
+        """One row per (step, phase, route): rank, sent, received, total bytes."""
+        rows = [
+            {"rank": self.rank, "step": r.step, "phase": r.phase, "route": r.route,
+             "sent": r.sent, "received": r.received, "total": r.sent + r.received}
+            for r in self.rows()
+        ]
+        cols = ["rank", "step", "phase", "route", "sent", "received", "total"]
+        return pd.DataFrame(rows, columns=cols)
+
+    def total_bytes(self, include_control: bool = True) -> int:
+        return sum(
+            v[0] + v[1] for (_, _, route), v in self._acc.items()
+            if include_control or route != "control"
+        )
+
+    def fp32_bytes(self) -> int:
+        return sum(self._fp32.values())
+
+    def fraction(self, include_control: bool = True) -> float:
+        """Measured bytes over all-fp32 bytes on the same steps (1.0 when nothing moved)."""
+        ref = self.fp32_bytes()
+        return self.total_bytes(include_control) / ref if ref else 1.0
+
+    def per_route(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (_, _, route), v in self._acc.items():
+            out[route] += v[0] + v[1]
+        return dict(out)
+
+    def summary(self) -> dict[str, Any]:
+        steps = {s for (s, _, _) in self._acc} | set(self._fp32)
+        return {
+            "steps": len(steps),
+            "bytes": self.total_bytes(),
+            "fp32_bytes": self.fp32_bytes(),
+            "traffic_fraction": self.fraction(),
+            "per_route": self.per_route(),
+        }
