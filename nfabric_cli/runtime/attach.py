@@ -23,6 +23,7 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.runtime.hook import fabric_hook
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.state import FabricState
+from nfabric_cli.runtime.trace import TraceRecorder
 
 _LIVE: "weakref.WeakSet[FabricState]" = weakref.WeakSet()
 
@@ -38,6 +39,7 @@ def attach(
     injections: tuple[Injection, ...] = (),
     seed: int = 0,
     dedicated_group: bool = True,
+    trace_dir: str | os.PathLike[str] | None = None,
 ) -> FabricState:
     """Register the fabric hook on `ddp_model` and return its state.
 
@@ -45,6 +47,7 @@ def attach(
     `total_steps` places the phase boundaries (fractions of the run); it is required when the
     profile has more than one phase and the bindings do not carry it. `dedicated_group=False`
     reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
+    `trace_dir` records per-bucket traces for `nfabric replay` (see `runtime/trace.py`).
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
@@ -54,10 +57,10 @@ def attach(
     if isinstance(source, Bindings):
         bindings = source
     else:
-        cap_mb = ddp_model.bucket_bytes_cap / (1024 * 1024)
         bindings = load_bindings_or_profile(
             source, module, world_size=world_size, total_steps=total_steps,
-            bucket_cap_mb=cap_mb if cap_mb != 25 else None, substrate=substrate,
+            bucket_cap_mb=_bucket_cap_mb(ddp_model), substrate=substrate,
+            find_unused_parameters=bool(ddp_model.find_unused_parameters),
         )
     _check_coverage(bindings, module)
     steps = total_steps or bindings.total_steps
@@ -69,13 +72,31 @@ def attach(
     if dedicated_group:
         ranks = None if pg is None or pg == dist.group.WORLD else dist.get_process_group_ranks(pg)
         group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+    trace = None
+    if trace_dir is not None:
+        trace = TraceRecorder(trace_dir, dist.get_rank(group), dist.get_world_size(group),
+                              dist.get_backend(group))
     state = FabricState(
         bindings, module, steps, group,
-        monitor=monitor, gate=gate, injections=tuple(injections), seed=seed,
+        monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
     )
     ddp_model.register_comm_hook(state, fabric_hook)
     _LIVE.add(state)
     return state
+
+
+def _bucket_cap_mb(ddp_model: DistributedDataParallel) -> float | None:
+    """The `bucket_cap_mb` this DDP was built with; None for DDP's default (small first bucket).
+
+    The bucket plan is only a forecast (the hook keys everything by parameter name), but a
+    matching plan makes the modelled bytes and verdicts describe the real buckets.
+    """
+    cap = ddp_model.bucket_bytes_cap
+    default = getattr(ddp_model, "bucket_bytes_cap_default", None)
+    if default is None:
+        cfg = getattr(ddp_model, "_bucket_config", None)
+        default = cfg is not None and cfg.first_bucket_bytes_cap < cfg.bucket_bytes_cap
+    return None if default else cap / (1024 * 1024)
 
 
 def _check_coverage(bindings: Bindings, module: Any) -> None:

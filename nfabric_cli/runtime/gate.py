@@ -80,10 +80,6 @@ class CapacityGate:
 
 
 def _as_substrate(substrate: Any | None) -> Any | None:
-    if substrate is None or substrate == {}:
-        return None
-    if isinstance(substrate, dict):
-        from nfabric_cli.substrate.model import Substrate
+    from nfabric_cli.substrate.model import as_substrate
 
-        return Substrate.from_dict(substrate)
-    return substrate
+    return as_substrate(substrate, source="profile substrate")

@@ -27,6 +27,7 @@ from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
 from nfabric_cli.runtime.inject import Injection, apply_injection
+from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
 
 _FP32_ROUTE = make_route(FP32)
@@ -46,8 +47,10 @@ class FabricState:
         gate: bool = True,
         injections: tuple[Injection, ...] = (),
         seed: int = 0,
+        trace: TraceRecorder | None = None,
     ) -> None:
         self.bindings = bindings
+        self.trace = trace
         self.total_steps = max(1, int(total_steps))
         self.comm = Comm(group)
         self.rank = self.comm.rank
@@ -102,6 +105,8 @@ class FabricState:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+            if self.trace is not None:
+                self.trace.close()
 
     # -- hook entry --------------------------------------------------------------------------
     def submit(
@@ -145,11 +150,18 @@ class FabricState:
         if self._nonfinite:
             # Never encode NaN/Inf: the sign of NaN is not a vote. The step is zeroed later.
             buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        bucket = self.trace.next_bucket(step) if self.trace is not None else 0
         if all(not s.lowbit and s.name == "fp32" for s in specs):
+            local = buffer.clone() if self.trace is not None else None
+            t0 = time.perf_counter()
             _FP32_ROUTE.reduce(buffer, self.comm)  # in place: exactly allreduce_hook
-            self.meter.add(step, phase, "fp32", self.comm.take())
+            wb = self.comm.take()
+            self.meter.add(step, phase, "fp32", wb)
+            if self.trace is not None:
+                self.trace.record(step, phase, bucket, buffer.numel(), len(names), FP32,
+                                  tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
         else:
-            self._reduce_groups(names, slices, specs, step, phase)
+            self._reduce_groups(names, slices, specs, step, phase, bucket)
         self.meter.add_fp32_reference(step, _FP32_ROUTE.wire_bytes(buffer.numel(), self.world_size, self.rank))
         self._pending.append((fut, buffer))
         if is_last:
@@ -166,7 +178,13 @@ class FabricState:
             acc[key] = acc.get(key, 0.0) + norm * norm
 
     def _reduce_groups(
-        self, names: list[str], slices: list[torch.Tensor], specs: list[RouteSpec], step: int, phase: str
+        self,
+        names: list[str],
+        slices: list[torch.Tensor],
+        specs: list[RouteSpec],
+        step: int,
+        phase: str,
+        bucket: int = 0,
     ) -> None:
         groups: dict[tuple[str, RouteSpec], list[int]] = {}
         for i, (name, spec) in enumerate(zip(names, specs)):
@@ -186,11 +204,17 @@ class FabricState:
             gen = None
             if spec.rounding == "stochastic":
                 gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 4099 + self.rank)
+            local = flat.clone() if self.trace is not None else None
             t0 = time.perf_counter()
             out = route.reduce(flat, self.comm, segs, stats, gen)
+            seconds = time.perf_counter() - t0
             if spec.lowbit:
-                self._bucket_times.append(((tuple(names), phase), time.perf_counter() - t0))
-            self.meter.add(step, phase, spec.label(), self.comm.take())
+                self._bucket_times.append(((tuple(names), phase), seconds))
+            wb = self.comm.take()
+            self.meter.add(step, phase, spec.label(), wb)
+            if self.trace is not None:
+                self.trace.record(step, phase, bucket, sum(s.numel() for s in slices), len(names),
+                                  spec, segs, seconds, wb.sent, wb.received, local)
             if spec.error_feedback and spec.lowbit:
                 for i, comp in zip(idx, parts):
                     self.ef.update(names[i], comp, route.roundtrip(comp))

@@ -1,0 +1,75 @@
+"""Overhead of the fabric hook: an all-fp32 profile vs plain DDP, interleaved in one run.
+
+Both models train the same MLP on the same batches over gloo on loopback; rounds alternate
+plain and fabric so drift in machine load hits both alike. The ratio of median step times is
+the hook's cost (worker-thread hand-off, statistics all-reduce, bookkeeping).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+
+
+def _time_steps(ddp: DDP, steps: int, rank: int, state=None) -> float:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        if state is not None:
+            state.observe(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:])
+
+
+def _worker(rank: int, world: int, steps: int, tmp: str, rounds: int) -> None:
+    from nfabric_cli import attach
+    from nfabric_cli.binding import compile_profile, static_profile
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    plain = DDP(_model())
+    fabric_model = _model()
+    fabric = DDP(fabric_model)
+    bindings = compile_profile(static_profile(fabric_model, "fp32"), fabric_model, world_size=world)
+    state = attach(fabric, bindings, total_steps=steps * rounds)
+    plain_t, fabric_t = [], []
+    for _ in range(rounds):
+        plain_t.append(_time_steps(plain, steps, rank))
+        fabric_t.append(_time_steps(fabric, steps, rank, state))
+    state.close()
+    if rank == 0:
+        torch.save((plain_t, fabric_t), os.path.join(tmp, "out.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_runtime(world_size: int = 2, steps: int = 60, rounds: int = 3) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world_size, steps, tmp, rounds), nprocs=world_size, start_method="spawn")
+        plain_t, fabric_t = torch.load(os.path.join(tmp, "out.pt"))
+    plain, fabric = statistics.median(plain_t), statistics.median(fabric_t)
+    return {"world_size": world_size, "steps": steps, "rounds": rounds,
+            "plain_step_s": plain, "fabric_step_s": fabric, "ratio": fabric / plain}

@@ -1,0 +1,178 @@
+"""compile_profile: resolve a profile's selectors against a real model instance.
+
+Every trainable parameter gets exactly one route per phase (first matching rule by priority;
+tied tensors once, frozen parameters none), or compilation fails naming what is wrong: a
+selector that matches nothing, parameters left unrouted, or a model that is not the one the
+profile was made for. The result carries DDP's bucket plan, a capacity verdict per bucket
+and phase, and the modelled bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from nfabric_cli.binding.bindings import Bindings, BucketPlan, ParamBinding
+from nfabric_cli.binding.buckets import bucket_slots, plan_buckets
+from nfabric_cli.binding.fingerprint import TrainableParam, fingerprint_of, trainable_parameters
+from nfabric_cli.binding.selectors import check_selector, selector_matches
+from nfabric_cli.errors import InputError
+from nfabric_cli.profile.operating import OperatingProfile
+from nfabric_cli.routes.spec import RouteSpec
+
+NO_SUBSTRATE_REASON = "no substrate: admitted as written"
+
+
+def name_some(names: list[str], limit: int = 5) -> str:
+    """'a, b, c' or 'a, b, c, d, e and 7 more' for error messages."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def check_fingerprint(profile: OperatingProfile, params: list[TrainableParam]) -> str:
+    """This model's fingerprint; InputError if the profile names a different one."""
+    found = fingerprint_of(params)
+    expected = profile.meta.get("model_fingerprint")
+    if expected and expected != found:
+        workload = profile.meta.get("workload") or "unknown workload"
+        raise InputError(
+            f"profile was made for another model ({workload}, fingerprint {expected}); this model "
+            f"has fingerprint {found} over {len(params)} trainable parameters "
+            f"({name_some([p.name for p in params], 3)})"
+        )
+    return found
+
+
+def resolve_routes(
+    profile: OperatingProfile, params: list[TrainableParam]
+) -> dict[str, dict[str, tuple[RouteSpec, str]]]:
+    """param name -> phase -> (route, region): the first rule that matches, per phase."""
+    resolved: dict[str, dict[str, tuple[RouteSpec, str]]] = {p.name: {} for p in params}
+    dead: dict[str, list[str]] = {}  # selector -> phases where it matches nothing
+    unrouted: dict[str, list[str]] = {}
+    for phase in profile.phases():
+        rules = profile.rules(phase.name)
+        for rule in rules:
+            check_selector(rule.region)
+            if not any(selector_matches(rule.region, p) for p in params):
+                dead.setdefault(rule.region, []).append(phase.name)
+        for p in params:
+            rule = next((r for r in rules if selector_matches(r.region, p)), None)
+            if rule is None:
+                unrouted.setdefault(phase.name, []).append(p.name)
+            else:
+                resolved[p.name][phase.name] = (rule.spec(), rule.region)
+    if dead:
+        named = [f"{sel!r} ({', '.join(phases)})" for sel, phases in dead.items()]
+        raise InputError(
+            f"selector {name_some(named)} matches no trainable parameter of this model"
+        )
+    if unrouted:
+        phase_name, names = next(iter(unrouted.items()))
+        raise InputError(
+            f"{len(names)} parameter(s) left unrouted in phase {phase_name!r}: {name_some(names)} "
+            "(add a default rule '*')"
+        )
+    return resolved
+
+
+def plan_layout(
+    bindings: Bindings,
+    params: list[TrainableParam],
+    bucket_cap_mb: float | None,
+    find_unused_parameters: bool = False,
+    ready_order: list[str] | None = None,
+) -> None:
+    """(Re)plan DDP's buckets for `bindings`: bucket and offset of every parameter, empty
+    verdicts (call `fill_buckets` next). Routes are untouched: they are keyed by name."""
+    layout = plan_buckets(params, bucket_cap_mb, find_unused_parameters, ready_order)
+    slots = bucket_slots(layout, params)
+    for name, binding in bindings.params.items():
+        binding.bucket, binding.offset = slots[name].bucket, slots[name].offset
+    bindings.buckets = [
+        BucketPlan(i, names, sum(slots[n].numel for n in names), {}, {})
+        for i, names in enumerate(layout)
+    ]
+    bindings.bucket_cap_mb = bucket_cap_mb
+    bindings.find_unused_parameters = find_unused_parameters
+    bindings.bucket_order = "traced" if ready_order else "reverse-registration"
+
+
+def fill_buckets(bindings: Bindings, substrate: Any) -> None:
+    """Fill each bucket's modelled bytes and capacity verdict with its reason, per phase."""
+    sub = _as_substrate(substrate)
+    for bucket in bindings.buckets:
+        for phase in bindings.phases:
+            low, ref = bindings.bucket_bytes(bucket.index, phase.name)
+            bucket.wire_bytes[phase.name], bucket.fp32_bytes = low, ref
+            if sub is None:
+                verdict, reason = "admit", NO_SUBSTRATE_REASON
+            else:
+                from nfabric_cli.substrate.cost import bucket_verdict  # binding -> substrate
+
+                numels = bindings.route_numels(bucket.index, phase.name)
+                verdict, reason, _, _ = bucket_verdict(sub, numels, bindings.world_size)
+            bucket.verdicts[phase.name], bucket.reasons[phase.name] = verdict, reason
+
+
+def _as_substrate(substrate: Any) -> Any:
+    from nfabric_cli.substrate.model import as_substrate  # binding -> substrate
+
+    return as_substrate(substrate, source="profile substrate")
+
+
+def compile_profile(
+    profile: OperatingProfile,
+    model: nn.Module,
+    world_size: int | None = None,
+    bucket_cap_mb: float | None = 25.0,
+    total_steps: int | None = None,
+    substrate: Any = None,
+    find_unused_parameters: bool = False,
+    ready_order: list[str] | None = None,
+) -> Bindings:
+    """Bind `profile` to `model` (see module doc).
+
+    - `world_size`: ranks to model bytes and verdicts for (default: the profile's, else 2).
+    - `bucket_cap_mb`: what the runtime passes to DDP (None: DDP's default; see `bucket_caps`).
+    - `substrate`: a `Substrate` or its dict (default: the profile's); None admits every bucket.
+    - `find_unused_parameters` / `ready_order`: pick DDP's layout (see `binding.buckets`).
+    """
+    profile.validate()
+    ws = world_size if world_size is not None else (profile.meta.get("world_size") or 2)
+    if not isinstance(ws, int) or ws < 1:
+        raise InputError(f"world size must be a positive integer, got {ws!r}")
+    if total_steps is not None and total_steps < 1:
+        raise InputError(f"total steps must be >= 1, got {total_steps}")
+    params = trainable_parameters(model)
+    if not params:
+        raise InputError("the model has no trainable parameters")
+    fingerprint = check_fingerprint(profile, params)
+    resolved = resolve_routes(profile, params)
+    bindings = Bindings(
+        phases=profile.phases(),
+        params={
+            p.name: ParamBinding(
+                name=p.name,
+                shape=p.shape,
+                numel=p.numel,
+                dtype=p.dtype,
+                bucket=-1,  # set by plan_layout
+                offset=-1,
+                routes={ph: spec for ph, (spec, _) in resolved[p.name].items()},
+                regions={ph: region for ph, (_, region) in resolved[p.name].items()},
+                aliases=p.aliases,
+            )
+            for p in params
+        },
+        buckets=[],
+        world_size=ws,
+        bucket_cap_mb=bucket_cap_mb,
+        total_steps=total_steps,
+        fingerprint=fingerprint,
+        meta=dict(profile.meta),
+    )
+    plan_layout(bindings, params, bucket_cap_mb, find_unused_parameters, ready_order)
+    fill_buckets(bindings, substrate if substrate is not None else profile.meta.get("substrate"))
+    return bindings

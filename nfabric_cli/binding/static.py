@@ -1,0 +1,89 @@
+"""Hand-written (static) profiles: `nfabric profile init`.
+
+Rules ``SELECTOR=ROUTE`` apply in order, the first match wins, and a default rule ``*``
+takes the remaining parameters; the same rules hold in every phase. The profile is compiled
+against the model before it is returned, so a selector that matches nothing fails here and
+not at launch time. Without substrate information the runtime admits it as written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.binding.fingerprint import model_fingerprint
+from nfabric_cli.binding.selectors import check_selector
+from nfabric_cli.errors import InputError
+from nfabric_cli.profile.operating import OperatingProfile, ProfileRow
+from nfabric_cli.profile.phases import Phase
+from nfabric_cli.profile.provenance import base_provenance
+from nfabric_cli.routes.spec import REDUCERS, RouteSpec
+
+DEFAULT_SELECTOR = "*"
+
+
+def parse_rule(text: str) -> tuple[str, str]:
+    """``'head.*=fp32'`` -> ("head.*", "fp32"); the route is checked."""
+    selector, sep, route = text.rpartition("=")
+    if not sep or not selector.strip() or not route.strip():
+        raise InputError(f"--set {text!r}: expected SELECTOR=ROUTE, e.g. 'head.*=fp32'")
+    RouteSpec(route.strip())
+    return check_selector(selector), route.strip()
+
+
+def static_profile(
+    model: nn.Module,
+    default_route: str,
+    rules: list[tuple[str, str]] | None = None,
+    phases: list[Phase] | None = None,
+    workload: str | None = None,
+    tau: float | None = None,
+    error_feedback: bool = False,
+    reducer: str = "sharded",
+    world_size: int | None = None,
+    provenance: dict[str, Any] | None = None,
+) -> OperatingProfile:
+    """A profile that routes `rules` (in order) then `*` -> `default_route`, in every phase.
+
+    `tau` applies to ternary rows; `error_feedback` and `reducer` to every non-fp32 row.
+    `provenance` adds to the recorded provenance (e.g. the workload's data fingerprint).
+    """
+    rules = list(rules or [])
+    phases = phases or [Phase("all", 0.0, 1.0)]
+    if reducer not in REDUCERS:
+        raise InputError(f"unknown reducer {reducer!r} (choose from {', '.join(REDUCERS)})")
+    if any(sel == DEFAULT_SELECTOR for sel, _ in rules):
+        raise InputError("--set '*=ROUTE' duplicates the default rule; use --route ROUTE")
+    ordered = [*rules, (DEFAULT_SELECTOR, default_route)]
+    rows = []
+    for phase in phases:
+        for priority, (selector, route) in enumerate(ordered):
+            lowbit = route != "fp32"
+            rows.append(
+                ProfileRow(
+                    region=selector,
+                    phase=phase.name,
+                    phase_start=phase.start,
+                    phase_end=phase.end,
+                    priority=priority,
+                    route=route,
+                    tau=tau if route == "ternary" else None,
+                    error_feedback=error_feedback and lowbit,
+                    reducer=reducer if lowbit else "sharded",
+                )
+            )
+    meta: dict[str, Any] = {
+        "workload": workload,
+        "model_fingerprint": model_fingerprint(model),
+        "world_size": world_size,
+        "provenance": base_provenance(
+            source="profile init",
+            rules=[f"{s}={r}" for s, r in ordered],
+            **(provenance or {}),
+        ),
+    }
+    profile = OperatingProfile(rows, meta).validate()
+    compile_profile(profile, model, world_size=world_size)  # fails now on a dead selector
+    return profile

@@ -1,0 +1,65 @@
+"""`nfabric bench ...`: benchmarks that print ratios measured side by side in one run."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from nfabric_cli.cli.common import console, handle_errors, print_json
+from nfabric_cli.errors import InputError
+
+bench_app = typer.Typer(help="Benchmarks (ratios against a reference measured in the same run).", no_args_is_help=True)
+
+
+@bench_app.command("routes")
+@handle_errors
+def routes_cmd(
+    size: int = typer.Option(1 << 24, "--size", help="Elements in the fp32 buffer."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed repeats; the best is kept."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Encode/decode throughput per route vs a plain read pass over the same buffer."""
+    if size < 1 or repeats < 1:
+        raise InputError("--size and --repeats must be >= 1")
+    from nfabric_cli.benchmarks.routes import bench_routes
+
+    result = bench_routes(size=size, repeats=repeats)
+    if json_out:
+        print_json(result)
+        return
+    table = Table(title=f"routes on {size:,} fp32 elements, 1 thread (read pass {result['read_gbps']:.2f} GB/s)")
+    for col in ("route", "encode GB/s", "vs read", "decode GB/s", "vs read", "payload bytes"):
+        table.add_column(col, justify="right" if col != "route" else "left")
+    for name, r in result["routes"].items():
+        table.add_row(
+            name, f"{r['encode_gbps']:.2f}", f"{r['encode_vs_read']:.0%}",
+            f"{r['decode_gbps']:.2f}", f"{r['decode_vs_read']:.0%}", f"{r['payload_bytes']:,}",
+        )
+    console.print(table)
+
+
+@bench_app.command("runtime")
+@handle_errors
+def runtime_cmd(
+    world_size: int = typer.Option(2, "--world-size"),
+    steps: int = typer.Option(60, "--steps"),
+    json_out: bool = typer.Option(False, "--json"),
+) -> None:
+    """All-fp32 profile step time vs plain DDP step time (same model, same run)."""
+    if world_size < 1 or steps < 2:
+        raise InputError("--world-size must be >= 1 and --steps >= 2")
+    from nfabric_cli.benchmarks.runtime import bench_runtime
+
+    result = bench_runtime(world_size=world_size, steps=steps)
+    if json_out:
+        print_json(result)
+        return
+    console.print(
+        f"plain DDP {result['plain_step_s'] * 1e3:.2f} ms/step, all-fp32 fabric "
+        f"{result['fabric_step_s'] * 1e3:.2f} ms/step: ratio {result['ratio']:.3f} "
+        f"(goal <= 1.05), {world_size} ranks, {steps} steps, median of rounds"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")

@@ -1,0 +1,49 @@
+"""Provenance every profile records: package versions and the git revision it was made at.
+
+Provenance says where a profile came from, never what it decides; `diff-profile
+--ignore-provenance` leaves it out. No wall-clock time is recorded, so rewriting the same
+profile gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from importlib import metadata
+from typing import Any
+
+_PACKAGES = ("nfabric_cli", "torch", "optuna", "pyarrow")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def git_revision(cwd: str | None = None) -> str | None:
+    """HEAD of the git checkout at `cwd` (suffix '+dirty' with local changes), else None."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def base_provenance(**extra: Any) -> dict[str, Any]:
+    """{"packages": {...}, "git_revision": ..., **extra}: the part every producer shares."""
+    return {"packages": package_versions(), "git_revision": git_revision(), **extra}

@@ -1,0 +1,390 @@
+"""Health monitor: decides, from agreed per-step statistics, which scopes must fall back to FP32.
+
+The monitor is pure, deterministic logic. The DDP comm hook and the single-process simulator
+both feed it `StepStats` that the caller has already all-reduced, so every rank holds identical
+inputs and takes identical decisions at the same step; nothing here talks to a process group.
+
+Each scope (a profile region) and the special scope ``"all"`` run one small state machine:
+
+    ok --trip--> cooldown --`cooldown` steps--> probation --`healthy_to_readmit` healthy--> ok
+                    ^  (a trip signal during cooldown restarts it)   |
+                    +------ a real trip during probation (counted) --+
+    any state --`max_trips` trips in the phase--> pinned --next phase--> ok
+
+Trips: non-finite gradients or loss and loss spikes trip ``"all"`` (every scope on FP32);
+gradient-norm blow-up or collapse and sign-agreement collapse trip the one scope. Judgements
+compare against windowed medians of earlier steps; re-admission uses the stricter readmit
+thresholds, so a value between the readmit and the trip threshold keeps a scope on FP32
+without counting a trip (hysteresis). Events are logged only on transitions.
+
+Example::
+
+    monitor = HealthMonitor(["backbone", "head"])
+    monitor.set_routes({"backbone": "sign", "head": "fp32"})
+    events = monitor.check(StepStats(step=0, loss=2.3, nonfinite=False,
+                                     grad_norms={"backbone": 1.1, "head": 0.4},
+                                     sign_agreement={"backbone": 0.3}))
+    route = monitor.effective_route("backbone")   # "fp32" while held, else "sign"
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from nfabric_cli.errors import InputError
+from nfabric_cli.routes.spec import ROUTE_NAMES
+
+#: The scope name that stands for every scope at once.
+ALL = "all"
+
+_INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips")
+
+
+@dataclass(frozen=True)
+class HealthThresholds:
+    """Trip and re-admission thresholds (stored in a profile's ``health`` metadata)."""
+
+    window: int = 20  # steps in the rolling windows (loss median, grad-norm median)
+    min_history: int = 5  # no spike/blow-up judgement before this many observations
+    loss_spike: float = 3.0  # trip when loss > loss_spike * windowed median
+    loss_readmit: float = 1.5  # healthy only when loss <= loss_readmit * median (stricter)
+    grad_blowup: float = 10.0  # trip when a scope's grad norm > grad_blowup * its median
+    grad_collapse: float = 1e-3  # trip when a scope's grad norm < grad_collapse * its median
+    grad_readmit: float = 3.0  # healthy when median/3 <= norm <= 3*median (stricter)
+    sign_agreement_min: float = 0.02  # trip when sign agreement < this
+    cooldown: int = 10  # steps a tripped scope is held on FP32 before re-admission checks
+    healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
+    max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _INT_FIELDS:
+                ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            else:
+                ok, kind = _is_finite_number(value), "a finite number"
+            if not ok:
+                raise InputError(f"health threshold {f.name} must be {kind}, got {value!r}")
+        readmit_max = min(self.grad_blowup, 1 / self.grad_collapse) if self.grad_collapse else 0
+        rules = [
+            ("window", self.window >= 1, ">= 1"),
+            ("min_history", 1 <= self.min_history <= self.window, f"in [1, window={self.window}]"),
+            ("loss_spike", self.loss_spike > 1, "> 1"),
+            ("loss_readmit", 1 <= self.loss_readmit <= self.loss_spike,
+             f"in [1, loss_spike={self.loss_spike:g}]"),
+            ("grad_blowup", self.grad_blowup > 1, "> 1"),
+            ("grad_collapse", 0 < self.grad_collapse < 1, "in (0, 1)"),
+            ("grad_readmit", 1 <= self.grad_readmit <= readmit_max,
+             "in [1, min(grad_blowup, 1/grad_collapse)]"),
+            ("sign_agreement_min", 0 <= self.sign_agreement_min <= 1, "in [0, 1]"),
+            ("cooldown", self.cooldown >= 0, ">= 0"),
+            ("healthy_to_readmit", self.healthy_to_readmit >= 1, ">= 1"),
+            ("max_trips", self.max_trips >= 1, ">= 1"),
+        ]
+        for name, ok, requirement in rules:
+            if not ok:
+                value = getattr(self, name)
+                raise InputError(f"health threshold {name} must be {requirement}, got {value}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> HealthThresholds:
+        """Build from a (possibly partial) mapping; unknown keys raise `InputError` naming them."""
+        d = dict(d or {})
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InputError(f"unknown health threshold(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step's statistics, already all-reduced / agreed across ranks by the caller.
+
+    ``sign_agreement[scope]`` is the mean over elements of |2*count/W - 1| (1 = unanimous,
+    ~0 = coin flips), present only for scopes on the sign route.
+    """
+
+    step: int
+    loss: float | None
+    nonfinite: bool
+    grad_norms: dict[str, float] = field(default_factory=dict)
+    sign_agreement: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HealthEvent:
+    """One switch of a scope's route, with the step and the reason."""
+
+    step: int
+    scope: str
+    from_route: str
+    to_route: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "scope": self.scope,
+            "from": self.from_route,
+            "to": self.to_route,
+            "reason": self.reason,
+        }
+
+
+# Verdicts of one check for one scope, from worst to best. NONE: no data for the scope.
+_TRIP, _UNHEALTHY, _HEALTHY, _NONE = "trip", "unhealthy", "healthy", "none"
+
+
+@dataclass
+class _Hold:
+    """The mutable state machine of one scope (or of ``"all"``)."""
+
+    status: str = "ok"  # ok | cooldown | probation | pinned
+    trips: int = 0  # trips counted in the current phase
+    hold_until: int = -1  # last step of the cooldown
+    healthy_run: int = 0  # consecutive healthy checks in probation
+
+    @property
+    def forced(self) -> bool:
+        return self.status != "ok"
+
+
+class HealthMonitor:
+    """Per-scope FP32 fallback with cooldown, hysteresis and pinning; see the module docstring.
+
+    Call `set_routes` with the profile's routes before the first `check` and at each phase
+    change (before `on_phase_change`), then `check` once per step in step order.
+    """
+
+    def __init__(self, scopes: list[str], thresholds: HealthThresholds | None = None) -> None:
+        if ALL in scopes:
+            raise InputError(f"scope name {ALL!r} is reserved for the whole model")
+        if len(set(scopes)) != len(scopes):
+            raise InputError("health monitor scopes must be unique")
+        self.thresholds = thresholds or HealthThresholds()
+        self._scopes = list(scopes)
+        self._routes: dict[str, str] = {s: "fp32" for s in scopes}
+        self._holds: dict[str, _Hold] = {s: _Hold() for s in [ALL, *scopes]}
+        w = self.thresholds.window
+        self._loss_window: deque[float] = deque(maxlen=w)
+        self._norm_windows: dict[str, deque[float]] = {s: deque(maxlen=w) for s in scopes}
+        self._events: list[HealthEvent] = []
+        self._phase: str | None = None
+        self._last_step: int | None = None
+
+    # ----- routes and phases -------------------------------------------------------------
+
+    def set_routes(self, routes: Mapping[str, str]) -> None:
+        """Set the profile route per scope for the current phase (scopes not named keep theirs).
+
+        A scope whose route becomes fp32 drops any hold silently: there is nothing to fall back
+        from, and its effective route does not change. The same holds for ``"all"`` when no
+        scope is left on a non-fp32 route.
+        """
+        unknown = sorted(set(routes) - set(self._scopes))
+        if unknown:
+            raise InputError(f"unknown health scope(s): {', '.join(unknown)}")
+        for scope, route in routes.items():
+            if route not in ROUTE_NAMES:
+                raise InputError(f"unknown route {route!r} for scope {scope!r}")
+            self._routes[scope] = route
+            if route == "fp32":
+                self._holds[scope] = _Hold(trips=self._holds[scope].trips)
+        if self._route_of(ALL) == "fp32":
+            self._holds[ALL] = _Hold(trips=self._holds[ALL].trips)
+
+    def on_phase_change(self, phase: str, step: int) -> list[HealthEvent]:
+        """Enter `phase`: reset trip counts and release pinned scopes (one event each)."""
+        if phase == self._phase:
+            return []
+        self._phase = phase
+        events = []
+        for scope, hold in self._holds.items():
+            hold.trips = 0
+            if hold.status == "pinned":
+                self._holds[scope] = _Hold()
+                route = self._route_of(scope)
+                reason = f"pin released: phase {phase}"
+                events.append(HealthEvent(step, scope, "fp32", route, reason))
+        self._events.extend(events)
+        return events
+
+    # ----- the per-step check ------------------------------------------------------------
+
+    def check(self, stats: StepStats) -> list[HealthEvent]:
+        """Judge one step's agreed statistics; return the events it caused (in scope order)."""
+        if self._last_step is not None and stats.step <= self._last_step:
+            last = self._last_step
+            raise ValueError(f"check() steps must increase: got {stats.step} after {last}")
+        unknown = sorted((set(stats.grad_norms) | set(stats.sign_agreement)) - set(self._scopes))
+        if unknown:
+            raise ValueError(f"statistics for unknown scope(s): {', '.join(unknown)}")
+        self._last_step = stats.step
+
+        nonfinite_reason = _nonfinite_reason(stats)
+        events: list[HealthEvent] = []
+        verdict, reason = (_TRIP, nonfinite_reason) if nonfinite_reason else self._judge_all(stats)
+        events += self._advance(ALL, verdict, reason, stats.step)
+        for scope in self._scopes:
+            if nonfinite_reason:  # not a healthy check for anyone; "all" carries the trip
+                verdict, reason = _UNHEALTHY, ""
+            else:
+                verdict, reason = self._judge_scope(scope, stats)
+            events += self._advance(scope, verdict, reason, stats.step)
+
+        if not nonfinite_reason:  # a non-finite step's values never enter the windows
+            if stats.loss is not None:
+                self._loss_window.append(float(stats.loss))
+            for scope, norm in stats.grad_norms.items():
+                self._norm_windows[scope].append(float(norm))
+        self._events.extend(events)
+        return events
+
+    def _judge_all(self, stats: StepStats) -> tuple[str, str]:
+        """Loss against its windowed median (a finite step without a loss is healthy)."""
+        ratio = self._ratio(stats.loss, self._loss_window)
+        if ratio is None:
+            return _HEALTHY, ""
+        t = self.thresholds
+        if ratio > t.loss_spike:
+            return _TRIP, f"loss spike {ratio:.1f}x median"
+        return (_UNHEALTHY, "") if ratio > t.loss_readmit else (_HEALTHY, "")
+
+    def _judge_scope(self, scope: str, stats: StepStats) -> tuple[str, str]:
+        """Grad norm against its windowed median, then sign agreement; worst verdict wins."""
+        t = self.thresholds
+        verdicts: list[tuple[str, str]] = []
+        if scope in stats.grad_norms:
+            ratio = self._ratio(stats.grad_norms[scope], self._norm_windows[scope])
+            if ratio is None:
+                verdicts.append((_HEALTHY, ""))
+            elif ratio > t.grad_blowup:
+                verdicts.append((_TRIP, f"grad-norm blow-up {ratio:.1f}x median"))
+            elif ratio < t.grad_collapse:
+                verdicts.append((_TRIP, f"grad-norm collapse {ratio:.2g}x median"))
+            elif ratio > t.grad_readmit or ratio * t.grad_readmit < 1:
+                verdicts.append((_UNHEALTHY, ""))
+            else:
+                verdicts.append((_HEALTHY, ""))
+        if scope in stats.sign_agreement:
+            agreement = stats.sign_agreement[scope]
+            if agreement < t.sign_agreement_min:
+                why = f"sign agreement {agreement:.3f} < {t.sign_agreement_min:g}"
+                verdicts.append((_TRIP, why))
+            else:
+                verdicts.append((_HEALTHY, ""))
+        order = (_TRIP, _UNHEALTHY, _HEALTHY)
+        return min(verdicts, key=lambda v: order.index(v[0]), default=(_NONE, ""))
+
+    def _ratio(self, value: float | None, window: deque[float]) -> float | None:
+        """value / median(window), or None when there is too little history or no scale."""
+        if value is None or len(window) < self.thresholds.min_history:
+            return None
+        median = statistics.median(window)
+        return value / median if median > 0 else None
+
+    def _advance(self, scope: str, verdict: str, reason: str, step: int) -> list[HealthEvent]:
+        """Apply one check's verdict to a scope's state machine; return its transition events."""
+        route = self._route_of(scope)
+        hold = self._holds[scope]
+        t = self.thresholds
+        if route == "fp32" or hold.status == "pinned":
+            return []  # nothing to fall back from, or held until the next phase
+        if hold.status == "cooldown" and step > hold.hold_until:
+            hold.status = "probation"
+        if verdict == _TRIP:
+            if hold.status == "cooldown":
+                hold.hold_until = step + t.cooldown  # still bad: restart the hold, not a new trip
+                return []
+            was_ok = hold.status == "ok"
+            hold.trips += 1
+            hold.healthy_run = 0
+            if hold.trips >= t.max_trips:
+                hold.status = "pinned"
+                n, phase = hold.trips, self._phase or "(unset)"
+                pin = f"pinned: {n} trip{'s' * (n != 1)} in phase {phase} ({reason})"
+                return [HealthEvent(step, scope, route if was_ok else "fp32", "fp32", pin)]
+            hold.status, hold.hold_until = "cooldown", step + t.cooldown
+            return [HealthEvent(step, scope, route, "fp32", reason)] if was_ok else []
+        if hold.status != "probation":
+            return []
+        if verdict == _UNHEALTHY:
+            hold.healthy_run = 0
+        elif verdict == _HEALTHY:
+            hold.healthy_run += 1
+            if hold.healthy_run >= t.healthy_to_readmit:
+                run = hold.healthy_run
+                self._holds[scope] = _Hold(trips=hold.trips)
+                why = f"re-admitted after {run} healthy checks"
+                return [HealthEvent(step, scope, "fp32", route, why)]
+        return []
+
+    # ----- queries -----------------------------------------------------------------------
+
+    def _route_of(self, scope: str) -> str:
+        """A scope's profile route; for ``"all"``, its distinct non-fp32 routes joined by '+'."""
+        if scope != ALL:
+            if scope not in self._routes:
+                raise InputError(f"unknown health scope {scope!r}")
+            return self._routes[scope]
+        used = set(self._routes.values()) - {"fp32"}
+        return "+".join(r for r in ROUTE_NAMES if r in used) or "fp32"
+
+    def forced_fp32(self, scope: str) -> bool:
+        """True while the scope (or ``"all"``) is held, cooling, on probation or pinned."""
+        if self._route_of(scope) == "fp32":
+            return False
+        return self._holds[scope].forced or self._holds[ALL].forced
+
+    def effective_route(self, scope: str) -> str:
+        """The route the hook should use for the scope now: "fp32" if forced, else the profile's."""
+        return "fp32" if self.forced_fp32(scope) else self._route_of(scope)
+
+    @property
+    def events(self) -> list[HealthEvent]:
+        """Every event so far, in order."""
+        return list(self._events)
+
+    def state(self) -> dict[str, Any]:
+        """A JSON-able snapshot for reports."""
+
+        def one(scope: str) -> dict[str, Any]:
+            hold = self._holds[scope]
+            return {
+                "route": self._route_of(scope),
+                "effective_route": self.effective_route(scope),
+                "status": hold.status,
+                "trips": hold.trips,
+                "healthy_run": hold.healthy_run,
+                "hold_until": hold.hold_until if hold.status == "cooldown" else None,
+            }
+
+        return {
+            "phase": self._phase,
+            "step": self._last_step,
+            "thresholds": self.thresholds.to_dict(),
+            "scopes": {s: one(s) for s in [ALL, *self._scopes]},
+            "events": [e.to_dict() for e in self._events],
+        }
+
+
+def _nonfinite_reason(stats: StepStats) -> str:
+    """Why the step is non-finite ("" if it is finite); a NaN sign is not a vote."""
+    if stats.loss is not None and not math.isfinite(stats.loss):
+        return "nonfinite loss"
+    values = [*stats.grad_norms.values(), *stats.sign_agreement.values()]
+    if stats.nonfinite or not all(math.isfinite(v) for v in values):
+        return "nonfinite gradient"
+    return ""

@@ -1,0 +1,254 @@
+"""`nfabric profile init|show`, `compile-profile`, `diff-profile`: outputs, exit codes, and
+every bad input as exit 2 with one line and no traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nfabric_cli.app import app
+from nfabric_cli.binding import model_fingerprint, read_bindings
+from nfabric_cli.profile import read_profile, write_profile
+from nfabric_cli.profile.parquet import write_table
+from nfabric_cli.profile.store import profile_table
+from tests.binding import models
+
+MLP = "tests.binding.models:mlp"
+RULES = ("--set", "3.*=fp32", "--set", "type:LayerNorm=bf16", "--phases", "0.1,0.8")
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def init(out, *extra, model=MLP, route="sign"):
+    """`profile init --model MODEL --route ROUTE *extra --out OUT`."""
+    return run("profile", "init", "--model", model, "--route", route, *extra, "--out", out)
+
+
+def bad_input(result, *fragments: str) -> None:
+    """Exit 2, exactly one line on stderr containing every fragment, no traceback."""
+    assert result.exit_code == 2, (result.stdout, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr + result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture()
+def prof(tmp_path):
+    out = tmp_path / "mlp.v1.parquet"
+    r = init(out, *RULES, "--error-feedback")
+    assert r.exit_code == 0, r.stderr
+    return out
+
+
+def test_init_writes_rules_in_order(prof):
+    p = read_profile(prof)
+    assert [(r.region, r.route, r.error_feedback) for r in p.rules("main")] == [
+        ("3.*", "fp32", False),
+        ("type:LayerNorm", "bf16", True),
+        ("*", "sign", True),
+    ]
+    assert [ph.name for ph in p.phases()] == ["warmup", "main", "final"]
+    assert p.meta["workload"] == MLP
+    assert p.meta["model_fingerprint"] == model_fingerprint(models.mlp())
+
+
+def test_show_json_and_table(prof, tmp_path):
+    r = run("profile", "show", tmp_path, "--json")  # a directory: its newest version
+    assert r.exit_code == 0
+    data = json.loads(r.stdout)
+    assert data["path"] == str(prof) and len(data["rows"]) == 9
+    assert data["rows"][0] == {
+        **{"region": "3.*", "phase": "warmup", "phase_start": 0.0, "phase_end": 0.1},
+        **{"priority": 0, "route": "fp32", "tau": None, "chunk": None, "error_feedback": False},
+        **{"reducer": "sharded", "traffic_fraction": None, "metric_delta": None, "trials": None},
+        **{"rounding": None, "mode": None},
+    }
+    human = run("profile", "show", prof)
+    assert human.exit_code == 0 and "type:LayerNorm" in human.stdout and MLP in human.stdout
+
+
+def test_compile_json_and_bindings_file(prof, tmp_path):
+    out = tmp_path / "bind.parquet"
+    r = run(
+        "compile-profile", prof, "--model", MLP, "--world-size", "4", "--total-steps", "100",
+        "--out", out, "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["params"] == 6 and data["numel"] == 1730 and data["buckets"] == 1
+    main = data["phases"][1]
+    assert main["phase"] == "main"
+    assert main["routes"] == {
+        "bf16+ef": {"params": 2, "numel": 80},
+        "fp32": {"params": 2, "numel": 410},
+        "sign/sharded+ef": {"params": 2, "numel": 1240},
+    }
+    b = read_bindings(out)
+    assert main["bytes_per_step"] == b.bytes_per_step("main")[0]
+    assert main["traffic_fraction"] == pytest.approx(b.traffic_fraction("main"))
+    assert 0 < main["traffic_fraction"] < 1
+    verdicts = data["bucket_plan"][0]["verdicts"]
+    assert verdicts == {"warmup": "admit", "main": "admit", "final": "admit"}
+    assert b.total_steps == 100 and b.phase_at(85).name == "final"
+    human = run("compile-profile", prof, "--model", MLP)
+    assert human.exit_code == 0
+    assert "6 parameters (1,730 elements) in 1 DDP bucket(s)" in human.stdout
+
+
+def test_compile_with_builtin_workload_traces_ready_order(tmp_path):
+    out = tmp_path / "v.parquet"
+    assert (
+        run("profile", "init", "--workload", "vision", "--route", "sign", "--out", out).exit_code
+        == 0
+    )
+    r = run("compile-profile", out, "--workload", "vision", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["bucket_order"] == "traced"
+
+
+def test_plugin_from_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "cwd_plugin_net.py").write_text(
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    r = init("p.parquet", "--set", "1.*=fp32", "--json", model="cwd_plugin_net:build")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["rows"] == 2
+
+
+def test_diff_exit_codes_and_formats(prof, tmp_path):
+    other = tmp_path / "other.parquet"
+    rules = ("--set", "3.*=fp32", "--set", "type:LayerNorm=fp32", "--phases", "0.1,0.8")
+    assert init(other, *rules, "--error-feedback").exit_code == 0
+    same = run("diff-profile", prof, prof)
+    assert same.exit_code == 0 and "profiles are equal" in same.stdout
+    r = run("diff-profile", prof, other, "--json")
+    assert r.exit_code == 1
+    data = json.loads(r.stdout)
+    assert data["equal"] is False
+    route_changes = [c for c in data["changes"] if c["field"] == "route"]
+    assert [(c["phase"], c["a"], c["b"]) for c in route_changes] == [
+        ("warmup", "bf16", "fp32"),
+        ("main", "bf16", "fp32"),
+        ("final", "bf16", "fp32"),
+    ]
+    assert [m["key"] for m in data["provenance"]] == ["provenance.rules"]
+    assert r.stderr.strip() == (
+        "failed: profiles differ: 6 row change(s), 0 metadata change(s), 1 provenance change(s)"
+    )
+    md = run("diff-profile", prof, other, "--md", "--ignore-provenance")
+    assert md.exit_code == 1 and "| `type:LayerNorm` | main | route | bf16 | fp32 |" in md.stdout
+    human = run("diff-profile", prof, other)
+    assert human.exit_code == 1 and "type:LayerNorm" in human.stdout
+
+
+def test_diff_ignores_provenance_only_when_asked(prof, tmp_path):
+    p = read_profile(prof)
+    p.meta["provenance"] = {**p.meta["provenance"], "git_revision": "elsewhere"}
+    write_profile(p, tmp_path / "moved.parquet")
+    assert run("diff-profile", prof, tmp_path / "moved.parquet").exit_code == 1
+    r = run("diff-profile", prof, tmp_path / "moved.parquet", "--ignore-provenance")
+    assert r.exit_code == 0 and "provenance differs, ignored" in r.stdout
+
+
+# -- bad input: exit 2, one line --------------------------------------------------------------
+def test_missing_truncated_and_non_parquet(prof, tmp_path):
+    bad_input(run("profile", "show", tmp_path / "nope.parquet"), "nope.parquet: no such file")
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(prof.read_bytes()[:300])
+    bad_input(run("profile", "show", cut), "cut.parquet: not a readable Parquet file")
+    text = tmp_path / "text.parquet"
+    text.write_text("hello")
+    bad_input(run("diff-profile", prof, text), "text.parquet: not a readable Parquet file")
+    bad_input(run("compile-profile", tmp_path / "nope.parquet", "--model", MLP), "no such file")
+    (tmp_path / "empty").mkdir()
+    bad_input(run("profile", "show", tmp_path / "empty"), "no <workload>.v<N>.parquet profile")
+
+
+def test_newer_schema_major(prof, tmp_path):
+    p = read_profile(prof)
+    meta = {**p.meta, "schema_version": "2.1.0"}
+    write_table(tmp_path / "new.parquet", profile_table(p), "profile", meta)
+    newer = "schema version 2.1.0 is newer"
+    bad_input(run("profile", "show", tmp_path / "new.parquet"), newer, "(1.0.0)")
+    bad_input(run("diff-profile", prof, tmp_path / "new.parquet"), newer)
+
+
+def test_unknown_route(tmp_path):
+    out = tmp_path / "p.parquet"
+    bad_input(init(out, route="fp8"), "unknown route 'fp8'")
+    bad_input(init(out, "--set", "3.*=int2"), "unknown route 'int2'")
+    bad_input(init(out, "--set", "3.*"), "expected SELECTOR=ROUTE")
+    assert not out.exists()
+
+
+def test_profile_for_another_model(prof):
+    bad_input(
+        run("compile-profile", prof, "--model", "tests.binding.models:nested"),
+        "profile was made for another model",
+        model_fingerprint(models.nested()),
+    )
+
+
+def test_selector_matching_nothing(tmp_path):
+    out = tmp_path / "p.parquet"
+    bad_input(
+        init(out, "--set", "head.*=fp32"), "selector 'head.*' (all) matches no trainable parameter"
+    )
+    assert not out.exists()
+
+
+def test_unknown_workload_and_bad_plugins(tmp_path):
+    out = tmp_path / "p.parquet"
+    plugin = "tests.binding.models:"
+    unknown = run("profile", "init", "--workload", "nope", "--route", "sign", "--out", out)
+    bad_input(unknown, "unknown workload 'nope'")
+    bad_input(init(out, model="no_such_module_xyz:f"), "cannot import module 'no_such_module_xyz'")
+    bad_input(init(out, model=plugin + "not_a_module"), "expected a torch.nn.Module")
+    bad_input(init(out, model=plugin + "missing"), "has no attribute 'missing'")
+    neither = run("profile", "init", "--route", "sign", "--out", out)
+    bad_input(neither, "exactly one of --workload")
+    both = run("compile-profile", out, "--workload", "vision", "--model", MLP)
+    bad_input(both, "exactly one of --workload")
+
+
+def test_other_bad_options(prof, tmp_path):
+    out = tmp_path / "p.parquet"
+    bad_input(init(out, "--phases", "0.9,0.2"), "--phases '0.9,0.2'")
+    bad_input(init(out, "--reducer", "ring"), "unknown reducer 'ring'")
+    bad_input(init(out, "--tau", "1.5", route="ternary"), "tau must be in [0, 1)")
+    compile_ = ("compile-profile", prof, "--model", MLP)
+    bad_input(run(*compile_, "--world-size", "0"), "world size must be")
+    bad_input(run(*compile_, "--bucket-cap-mb", "0"), "bucket cap must be > 0")
+    bad_input(run("diff-profile", prof, prof, "--json", "--md"), "choose one of --json or --md")
+
+
+def test_compile_with_substrate_file(tmp_path):
+    out = tmp_path / "p.parquet"
+    assert init(out, route="sign").exit_code == 0
+    (tmp_path / "slow.toml").write_text(
+        "link_gbps = 0.01\nlatency_us = 1.0\ninclude_codec = false\n"
+    )
+    (tmp_path / "fast.toml").write_text("link_gbps = 400.0\nlatency_us = 50.0\n")
+    verdicts = []
+    for name in ("slow", "fast"):
+        r = run("compile-profile", out, "--model", MLP, "--world-size", "8",
+                "--substrate", tmp_path / f"{name}.toml", "--json")  # fmt: skip
+        assert r.exit_code == 0, r.stderr
+        (bucket,) = json.loads(r.stdout)["bucket_plan"]
+        verdicts.append(bucket["verdicts"]["all"])
+    assert verdicts == ["admit", "fallback"]  # 1,730 elements: only a slow link pays
+    bad_input(
+        run("compile-profile", out, "--model", MLP, "--substrate", tmp_path / "none.toml"),
+        "substrate file not found",
+    )

@@ -1,0 +1,100 @@
+"""diff_profiles: added, removed and changed rows; metadata and provenance apart."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from nfabric_cli.profile import OperatingProfile, ProfileRow, diff_profiles
+
+
+def base() -> OperatingProfile:
+    rows = [
+        ProfileRow("head.*", "all", 0.0, 1.0, 0, "fp32"),
+        ProfileRow("*", "all", 0.0, 1.0, 1, "ternary", tau=0.5, traffic_fraction=0.07, trials=10),
+    ]
+    meta = {
+        "workload": "vision",
+        "target": {
+            "metric": "accuracy",
+            "reference": 0.6,
+            "tolerance": 0.01,
+            "higher_is_better": True,
+        },
+        "provenance": {"seed": 1},
+    }
+    return OperatingProfile(rows, meta)
+
+
+def test_equal():
+    d = diff_profiles(base(), base())
+    assert d.equal and d.to_dict() == {
+        "equal": True,
+        "changes": [],
+        "metadata": [],
+        "provenance": [],
+        "provenance_ignored": False,
+    }
+    assert "no changes" in d.to_markdown()
+
+
+def test_changed_fields_with_old_and_new_values():
+    b = base()
+    b.rows[1] = replace(b.rows[1], route="sign", tau=None)
+    d = diff_profiles(base(), b)
+    assert not d.equal
+    assert d.to_dict()["changes"] == [
+        {
+            "region": "*",
+            "phase": "all",
+            "field": "route",
+            "a": "ternary",
+            "b": "sign",
+            "kind": "changed",
+        },
+        {"region": "*", "phase": "all", "field": "tau", "a": 0.5, "b": None, "kind": "changed"},
+    ]
+
+
+def test_added_and_removed_rows():
+    b = base()
+    b.rows[0] = replace(b.rows[0], region="classifier.*")
+    d = diff_profiles(base(), b)
+    kinds = [(c.region, c.kind, c.field) for c in d.changes]
+    assert sorted(kinds) == [("classifier.*", "added", "row"), ("head.*", "removed", "row")]
+    added = next(c for c in d.changes if c.kind == "added")
+    assert added.a is None and added.b["route"] == "fp32" and added.b["priority"] == 0
+    md = d.to_markdown()
+    assert (
+        "| `classifier.*` | all | added | - | phase_start=0, phase_end=1, priority=0, route=fp32"
+        in md
+    )
+
+
+def test_metadata_and_provenance():
+    b = base()
+    b.meta["target"] = {**b.meta["target"], "tolerance": 0.02}
+    b.meta["provenance"] = {"seed": 2}
+    b.meta["profile_version"] = 2
+    d = diff_profiles(base(), b)
+    assert [(m.key, m.a, m.b) for m in d.metadata] == [("target.tolerance", 0.01, 0.02)]
+    assert [(m.key, m.a, m.b) for m in d.provenance] == [
+        ("profile_version", 1, 2),
+        ("provenance.seed", 1, 2),
+    ]
+    only_prov = base()
+    only_prov.meta["provenance"] = {"seed": 2}
+    assert not diff_profiles(base(), only_prov).equal
+    ignored = diff_profiles(base(), only_prov, ignore_provenance=True)
+    assert ignored.equal and ignored.to_dict()["provenance"] == [
+        {"key": "provenance.seed", "a": 1, "b": 2}
+    ]
+    assert "provenance" not in ignored.to_markdown().split("no changes")[0]
+
+
+def test_evidence_can_be_ignored():
+    b = base()
+    b.rows[1] = replace(b.rows[1], traffic_fraction=0.08, trials=12)
+    assert [c.field for c in diff_profiles(base(), b).changes] == ["traffic_fraction", "trials"]
+    assert diff_profiles(base(), b, ignore_evidence=True).equal
+    b.rows[1] = replace(b.rows[1], tau=0.4)
+    assert [c.field for c in diff_profiles(base(), b, ignore_evidence=True).changes] == ["tau"]

@@ -1,0 +1,277 @@
+"""Health monitor: trips, cooldown, hysteresis, pinning, the "all" scope, windows, determinism."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from nfabric_cli.errors import InputError
+from nfabric_cli.runtime.health import (
+    HealthEvent,
+    HealthMonitor,
+    HealthThresholds,
+    StepStats,
+)
+
+# Small windows so every sequence below is short enough to follow by hand.
+T = HealthThresholds(window=5, min_history=3, cooldown=2, healthy_to_readmit=2, max_trips=3)
+
+
+def make_monitor(routes: dict[str, str] | None = None, **overrides) -> HealthMonitor:
+    thresholds = HealthThresholds.from_dict({**T.to_dict(), **overrides})
+    monitor = HealthMonitor(["a", "b"], thresholds)
+    monitor.set_routes(routes or {"a": "sign", "b": "int8"})
+    monitor.on_phase_change("p0", 0)
+    return monitor
+
+
+def feed(monitor: HealthMonitor, a_norms: list[float], start: int = 0) -> list[HealthEvent]:
+    """Feed steps start.. with scope a's norms as given, b steady at 1.0, loss steady at 1.0."""
+    events = []
+    for i, a in enumerate(a_norms):
+        stats = StepStats(start + i, 1.0, False, {"a": a, "b": 1.0})
+        events += monitor.check(stats)
+    return events
+
+
+def as_tuples(events: list[HealthEvent]) -> list[tuple]:
+    return [(e.step, e.scope, e.from_route, e.to_route, e.reason) for e in events]
+
+
+def test_blowup_trips_scope_cooldown_then_readmit_at_exact_steps():
+    m = make_monitor()
+    forced = []
+    for step, a in enumerate([1, 1, 1, 20, 1, 1, 1, 1, 1]):
+        m.check(StepStats(step, 1.0, False, {"a": a, "b": 1.0}))
+        forced.append(m.forced_fp32("a"))
+    # trip at 3; cooldown steps 4-5; healthy checks 6, 7 -> re-admitted at 7
+    assert as_tuples(m.events) == [
+        (3, "a", "sign", "fp32", "grad-norm blow-up 20.0x median"),
+        (7, "a", "fp32", "sign", "re-admitted after 2 healthy checks"),
+    ]
+    assert forced == [False, False, False, True, True, True, True, False, False]
+    assert not m.forced_fp32("b") and m.effective_route("b") == "int8"
+    assert m.effective_route("a") == "sign"
+    assert m.state()["scopes"]["a"]["trips"] == 1
+
+
+def test_collapse_and_sign_agreement_trip_their_scope_only():
+    m = make_monitor()
+    feed(m, [1, 1, 1])
+    events = m.check(StepStats(3, 1.0, False, {"a": 1.0, "b": 5e-4}))
+    assert as_tuples(events) == [(3, "b", "int8", "fp32", "grad-norm collapse 0.0005x median")]
+    events = m.check(StepStats(4, 1.0, False, {"a": 1.0, "b": 1.0}, {"a": 0.01}))
+    assert as_tuples(events) == [(4, "a", "sign", "fp32", "sign agreement 0.010 < 0.02")]
+    assert m.effective_route("a") == m.effective_route("b") == "fp32"
+    assert not m.forced_fp32("all")
+
+
+def test_borderline_value_keeps_fp32_without_counting_a_trip():
+    m = make_monitor()
+    # trip at 3; cooldown 4-5; 6 healthy (run 1); 7 at 5x median: between readmit (3x) and
+    # blow-up (10x) -> run reset, no trip; 8, 9 healthy -> re-admitted at 9, not 7
+    events = feed(m, [1, 1, 1, 20, 1, 1, 1, 5, 1, 1])
+    assert [(e.step, e.to_route) for e in events] == [(3, "fp32"), (9, "sign")]
+    assert m.state()["scopes"]["a"]["trips"] == 1
+
+
+def test_borderline_collapse_side_and_loss_hysteresis_for_all():
+    m = make_monitor()
+    # 0.2x median is above collapse (1e-3) but below 1/readmit (1/3): not healthy
+    events = feed(m, [1, 1, 1, 20, 1, 1, 0.2, 1, 1])
+    assert [(e.step, e.to_route) for e in events] == [(3, "fp32"), (8, "sign")]
+
+    m = make_monitor()
+    losses = [1, 1, 1, 4, 1, 1, 2, 2, 1, 1]  # spike at 3; 2x (> 1.5 readmit) at 6, 7
+    for step, loss in enumerate(losses):
+        m.check(StepStats(step, loss, False, {"a": 1.0, "b": 1.0}))
+    assert as_tuples(m.events) == [
+        (3, "all", "int8+sign", "fp32", "loss spike 4.0x median"),
+        (9, "all", "fp32", "int8+sign", "re-admitted after 2 healthy checks"),
+    ]
+
+
+def test_trip_signal_during_cooldown_extends_hold_without_counting():
+    m = make_monitor()
+    # trip at 3, blow-up again at 4 (cooldown): hold restarts to end at 6; 7, 8 healthy
+    events = feed(m, [1, 1, 1, 20, 20, 1, 1, 1, 1])
+    assert [(e.step, e.to_route) for e in events] == [(3, "fp32"), (8, "sign")]
+    assert m.state()["scopes"]["a"]["trips"] == 1
+
+
+def test_pinned_after_max_trips_and_released_at_next_phase():
+    m = make_monitor()
+    # trips at 3 (event), 6 (probation re-trip: counted, no route change), 9 (third: pinned)
+    events = feed(m, [1, 1, 1, 20, 1, 1, 20, 1, 1, 20] + [1] * 10)
+    assert as_tuples(events) == [
+        (3, "a", "sign", "fp32", "grad-norm blow-up 20.0x median"),
+        (9, "a", "fp32", "fp32", "pinned: 3 trips in phase p0 (grad-norm blow-up 20.0x median)"),
+    ]
+    assert m.forced_fp32("a") and m.state()["scopes"]["a"]["status"] == "pinned"
+    assert m.on_phase_change("p0", 20) == []  # same phase: nothing released
+    released = m.on_phase_change("p1", 20)
+    assert as_tuples(released) == [(20, "a", "fp32", "sign", "pin released: phase p1")]
+    assert m.effective_route("a") == "sign" and m.state()["scopes"]["a"]["trips"] == 0
+    assert m.events[-1] == released[0]
+
+
+def test_phase_change_resets_trip_counts_but_keeps_a_running_hold():
+    m = make_monitor()
+    feed(m, [1, 1, 1, 20, 1, 1, 20])  # trips at 3 and 6 (probation re-trip)
+    assert m.state()["scopes"]["a"]["trips"] == 2
+    assert m.on_phase_change("p1", 7) == []
+    assert m.state()["scopes"]["a"] == {
+        "route": "sign", "effective_route": "fp32", "status": "cooldown",
+        "trips": 0, "healthy_run": 0, "hold_until": 8,
+    }
+
+
+def test_nonfinite_step_resets_a_scopes_healthy_run():
+    m = make_monitor()
+    feed(m, [1, 1, 1, 20, 1, 1, 1])  # trip at 3; cooldown 4-5; step 6 healthy (run 1)
+    m.check(StepStats(7, 1.0, True, {"a": 1.0, "b": 1.0}))
+    feed(m, [1] * 5, start=8)
+    assert [(e.step, e.scope, e.to_route) for e in m.events] == [
+        (3, "a", "fp32"), (7, "all", "fp32"), (9, "a", "sign"), (11, "all", "int8+sign"),
+    ]
+
+
+def test_pin_from_ok_is_one_event_with_the_pin_reason():
+    m = make_monitor(max_trips=1)
+    events = feed(m, [1, 1, 1, 20])
+    assert as_tuples(events) == [
+        (3, "a", "sign", "fp32", "pinned: 1 trip in phase p0 (grad-norm blow-up 20.0x median)")
+    ]
+
+
+def test_nan_trips_all_with_one_event_and_loss_spike_too():
+    m = make_monitor()
+    events = m.check(StepStats(0, 1.0, True, {"a": 1.0, "b": 1.0}))
+    assert as_tuples(events) == [(0, "all", "int8+sign", "fp32", "nonfinite gradient")]
+    assert m.effective_route("a") == m.effective_route("b") == "fp32"
+    assert m.forced_fp32("all") and m.state()["scopes"]["a"]["status"] == "ok"
+
+    m = make_monitor()
+    assert as_tuples(m.check(StepStats(0, math.nan, False, {"a": 1.0}))) == [
+        (0, "all", "int8+sign", "fp32", "nonfinite loss")
+    ]
+    m = make_monitor()  # an inf norm is non-finite even if the caller's flag says otherwise
+    assert m.check(StepStats(0, 1.0, False, {"a": math.inf}))[0].reason == "nonfinite gradient"
+
+    m = make_monitor({"a": "sign", "b": "fp32"})
+    for step in range(5):
+        m.check(StepStats(step, 1.0, False, {"a": 1.0, "b": 1.0}))
+    events = m.check(StepStats(5, 4.2, False, {"a": 1.0, "b": 1.0}))
+    assert as_tuples(events) == [(5, "all", "sign", "fp32", "loss spike 4.2x median")]
+    assert not m.forced_fp32("b") and m.effective_route("b") == "fp32"
+
+
+def test_fp32_scopes_are_never_forced():
+    m = make_monitor({"a": "fp32", "b": "int8"})
+    events = feed(m, [1, 1, 1, 20, 1e-6])
+    assert events == [] and not m.forced_fp32("a")
+    m = make_monitor({"a": "fp32", "b": "fp32"})
+    assert m.check(StepStats(0, 1.0, True, {"a": 1.0, "b": 1.0})) == []
+    assert m.effective_route("all") == "fp32"
+
+
+def test_held_scope_switched_to_fp32_route_drops_its_hold():
+    m = make_monitor()
+    feed(m, [1, 1, 1, 20])
+    assert m.forced_fp32("a")
+    m.set_routes({"a": "fp32"})
+    m.set_routes({"a": "sign"})
+    assert not m.forced_fp32("a") and m.state()["scopes"]["a"]["trips"] == 1
+
+
+def test_nonfinite_step_values_never_enter_the_windows():
+    m = make_monitor()
+    for step in range(3):
+        m.check(StepStats(step, 1.0, False, {"a": 1.0, "b": 1.0}))
+    for step in range(3, 6):  # flagged steps with wild values; if they entered the windows,
+        m.check(StepStats(step, 1e-6, True, {"a": 1e6, "b": 1.0}))  # medians would move
+    for step in range(6, 12):
+        m.check(StepStats(step, 1.0, False, {"a": 1.0, "b": 1.0}))
+    # "all": tripped at 3, re-signalled at 4 and 5 (hold to 7), healthy 8 and 9 -> re-admitted 9.
+    # With the flagged values in the windows, loss 1.0 would be a 1e6x spike and a=1.0 a
+    # 1e-6x collapse.
+    assert as_tuples(m.events) == [
+        (3, "all", "int8+sign", "fp32", "nonfinite gradient"),
+        (9, "all", "fp32", "int8+sign", "re-admitted after 2 healthy checks"),
+    ]
+    assert m.state()["scopes"]["all"]["trips"] == 1
+
+
+def random_run(seed: int, reverse_dicts: bool) -> HealthMonitor:
+    rng = random.Random(seed)
+    m = make_monitor()
+    for step in range(200):
+        norms = {"a": rng.lognormvariate(0, 0.3), "b": rng.lognormvariate(0, 0.3)}
+        if rng.random() < 0.05:
+            norms["a"] *= 50
+        loss = 1.0 + 0.1 * rng.random() + (5.0 if rng.random() < 0.03 else 0.0)
+        nonfinite = rng.random() < 0.02
+        sign = {"a": rng.random() * 0.2}
+        if step == 120:
+            m.set_routes({"a": "ternary"})
+            m.on_phase_change("p1", step)
+        if reverse_dicts:
+            norms = dict(reversed(norms.items()))
+        m.check(StepStats(step, loss, nonfinite, norms, sign))
+    return m
+
+
+def test_deterministic_for_the_same_sequence_on_any_rank():
+    one, two = random_run(7, False), random_run(7, True)
+    assert one.events == two.events and one.state() == two.state()
+    reasons = {e.reason.split(" ")[0] for e in one.events}
+    assert {"nonfinite", "loss", "grad-norm", "re-admitted"} <= reasons
+    json.dumps(one.state())  # JSON-able
+
+
+def test_check_rejects_out_of_order_steps_and_unknown_scopes():
+    m = make_monitor()
+    m.check(StepStats(4, 1.0, False, {}))
+    with pytest.raises(ValueError, match="steps must increase"):
+        m.check(StepStats(4, 1.0, False, {}))
+    with pytest.raises(ValueError, match="unknown scope"):
+        m.check(StepStats(5, 1.0, False, {"zz": 1.0}))
+    with pytest.raises(InputError, match="unknown health scope"):
+        m.set_routes({"zz": "sign"})
+    with pytest.raises(InputError, match="unknown route 'int3'"):
+        m.set_routes({"a": "int3"})
+    with pytest.raises(InputError, match="reserved"):
+        HealthMonitor(["all", "a"])
+
+
+def test_thresholds_round_trip_and_validation():
+    assert HealthThresholds.from_dict(None) == HealthThresholds()
+    assert HealthThresholds.from_dict(T.to_dict()) == T
+    assert HealthThresholds.from_dict({"cooldown": 0}).cooldown == 0
+    with pytest.raises(InputError, match=r"unknown health threshold\(s\): bogus, windw"):
+        HealthThresholds.from_dict({"windw": 3, "bogus": 1})
+    bad = [
+        ({"window": 0}, "window must be >= 1"),
+        ({"window": 2.5}, "window must be an integer"),
+        ({"max_trips": True}, "max_trips must be an integer"),
+        ({"min_history": 30}, r"min_history must be in \[1, window=20\]"),
+        ({"loss_spike": 0.0}, "loss_spike must be > 1"),
+        ({"loss_readmit": 4.0}, "loss_readmit must be in"),
+        ({"grad_collapse": -1.0}, r"grad_collapse must be in \(0, 1\)"),
+        ({"grad_readmit": 20.0}, "grad_readmit must be in"),
+        ({"sign_agreement_min": "x"}, "sign_agreement_min must be a finite number"),
+        ({"grad_blowup": math.nan}, "grad_blowup must be a finite number"),
+        ({"cooldown": -1}, "cooldown must be >= 0"),
+        ({"healthy_to_readmit": 0}, "healthy_to_readmit must be >= 1"),
+    ]
+    for values, message in bad:
+        with pytest.raises(InputError, match=message):
+            HealthThresholds.from_dict(values)
+
+
+def test_event_to_dict_keys():
+    e = HealthEvent(3, "a", "sign", "fp32", "why")
+    assert e.to_dict() == {"step": 3, "scope": "a", "from": "sign", "to": "fp32", "reason": "why"}

@@ -1,0 +1,251 @@
+"""α-β cost model on hand-computed cases, verdict boundaries and crossovers."""
+
+from __future__ import annotations
+
+import pytest
+
+from nfabric_cli.routes.plan import CommOp
+from nfabric_cli.routes.spec import FP32, RouteSpec
+from nfabric_cli.substrate.cost import (
+    Cost,
+    bucket_verdict,
+    central_saturation_world_size,
+    codec_seconds,
+    crossover_bucket_numel,
+    endpoint_ingress_bound_world_size,
+    first_true,
+    op_cost,
+    plan_cost,
+    predict_fp32,
+    predict_route,
+    route_plan,
+)
+from nfabric_cli.substrate.model import Substrate
+
+SIGN = RouteSpec("sign")
+SIGN_CENTRAL = RouteSpec("sign", reducer="central")
+
+# Codec GB/s pinned here so verdicts do not move when the measured defaults change.
+CODEC = dict(encode_gbps={"sign": 1.0}, reduce_gbps={"sign": 0.5}, decode_gbps={"sign": 0.25})
+# 8 Gbit/s = 1e9 bytes/s, 10 us per hop: round numbers for hand arithmetic.
+S = Substrate(link_gbps=8.0, latency_us=10.0, **CODEC)
+A, B = 1e-5, 1e9
+
+
+def test_allreduce_ring():
+    # 2(W-1)a + 2(W-1)/W n/B with W=4, n=4e6: 6e-5 + 1.5 * 4e-3 = 0.00606
+    c = op_cost(CommOp("allreduce", 4_000_000), 4, S)
+    assert c.latency_s == pytest.approx(6e-5)
+    assert c.wire_s == pytest.approx(6e-3)
+    assert c.total_s == pytest.approx(0.00606)
+    assert c.collectives == 1
+
+
+def test_all_to_all_and_all_gather():
+    # all_to_all: 3a + 3/4 * 4e6/1e9 = 3e-5 + 3e-3
+    assert op_cost(CommOp("all_to_all", 4_000_000), 4, S).total_s == pytest.approx(0.00303)
+    # all_gather of a 1e6-byte contribution: 3a + 3 * 1e6/1e9 = 3e-5 + 3e-3
+    assert op_cost(CommOp("all_gather", 1_000_000), 4, S).total_s == pytest.approx(0.00303)
+
+
+def test_gather_saturates_endpoint():
+    # W=8, n=1e6, E = B: a + max(1e-3, 7 * 1e-3); the 6e-3 excess is the endpoint's
+    c = op_cost(CommOp("gather", 1_000_000), 8, S)
+    assert c.latency_s == pytest.approx(1e-5)
+    assert c.wire_s == pytest.approx(1e-3)
+    assert c.endpoint_s == pytest.approx(6e-3)
+    assert c.total_s == pytest.approx(0.00701)
+    assert c.fanin_bytes == 1_000_000
+    # An 80 Gbit/s endpoint (1e10 B/s) keeps up: max(1e-3, 7e-4) = 1e-3, no excess
+    fast = Substrate(link_gbps=8.0, latency_us=10.0, endpoint_gbps=80.0)
+    c = op_cost(CommOp("gather", 1_000_000), 8, fast)
+    assert c.endpoint_s == 0.0
+    assert c.total_s == pytest.approx(0.00101)
+    # broadcast from the endpoint: the same W-1 copies through E
+    assert op_cost(CommOp("broadcast", 1_000_000), 8, S).total_s == pytest.approx(0.00701)
+    assert op_cost(CommOp("broadcast", 1_000_000), 8, S).fanin_bytes == 0
+
+
+def test_shared_link_counts_every_rank_bytes():
+    shared = Substrate(link_gbps=8.0, latency_us=10.0, shared_link=True)
+    # ring all-reduce, every rank sends 2(W-1)/W n: total 2(W-1) n = 24e6 bytes over 1e9 B/s
+    assert op_cost(CommOp("allreduce", 4_000_000), 4, shared).total_s == pytest.approx(
+        6e-5 + 0.024
+    )
+    # all_gather: W(W-1) n = 12e6 bytes; gather: (W-1) n = 3e6 bytes, no endpoint excess
+    assert op_cost(CommOp("all_gather", 1_000_000), 4, shared).total_s == pytest.approx(
+        3e-5 + 0.012
+    )
+    c = op_cost(CommOp("gather", 1_000_000), 4, shared)
+    assert (c.wire_s, c.endpoint_s) == (pytest.approx(0.003), 0.0)
+
+
+def test_degenerate_ops():
+    assert op_cost(CommOp("allreduce", 100), 1, S) == Cost()
+    assert op_cost(CommOp("allreduce", 0), 4, S) == Cost()
+    with pytest.raises(ValueError, match="unknown collective"):
+        op_cost(CommOp("reduce_scatter", 8), 4, S)
+    ops = [CommOp("all_to_all", 4_000_000), CommOp("all_gather", 1_000_000)]
+    assert plan_cost(ops, 4, S).total_s == pytest.approx(0.00606)
+    assert plan_cost(ops, 4, S).collectives == 2
+
+
+def test_fitted_alpha_beta_replace_link_and_latency():
+    fitted = Substrate(link_gbps=1.0, latency_us=999.0, alpha_s=1e-5, beta_s_per_byte=1e-9)
+    assert op_cost(CommOp("allreduce", 4_000_000), 4, fitted).total_s == pytest.approx(0.00606)
+
+
+def test_codec_seconds():
+    s = Substrate(
+        link_gbps=8.0,
+        encode_gbps={"sign": 1.0, "bf16": 4.0},
+        reduce_gbps={"sign": 0.5},
+        decode_gbps={"sign": 0.25, "bf16": 2.0},
+    )
+    # sharded: 4e6/1e9 + 4e6/5e8 + 4e6/2.5e8 = 0.004 + 0.008 + 0.016
+    assert codec_seconds(SIGN, 1_000_000, 4, s) == pytest.approx(0.028)
+    # central: the endpoint combines W * 4e6 bytes: 0.004 + 0.032 + 0.016
+    assert codec_seconds(SIGN_CENTRAL, 1_000_000, 4, s) == pytest.approx(0.052)
+    # bf16: cast and cast back, the sum happens inside the all-reduce: 1e-3 + 2e-3
+    assert codec_seconds(RouteSpec("bf16"), 1_000_000, 4, s) == pytest.approx(0.003)
+    assert codec_seconds(FP32, 1_000_000, 4, s) == 0.0
+    off = Substrate(link_gbps=8.0, include_codec=False)
+    assert codec_seconds(SIGN, 1_000_000, 4, off) == 0.0
+    # a substrate topology overrides the spec's reducer
+    assert codec_seconds(SIGN, 1_000_000, 4, Substrate(**{**s.to_dict(), "topology": "central"})
+                         ) == pytest.approx(0.052)
+
+
+def test_predict_fp32_is_one_ring_allreduce():
+    # 1e6 elements = 4e6 bytes at W=4: 0.00606 (see test_allreduce_ring)
+    assert predict_fp32(1_000_000, 4, S) == pytest.approx(0.00606)
+    assert predict_fp32(1_000_000, 1, S) == 0.0
+
+
+def test_predict_sign_sharded_from_the_real_plan():
+    # 2^20 elements, chunk 4096 -> 256 scales (1024 bytes, all-gathered for the mean);
+    # payload 2^20 / 8 = 131072 bytes; even W majority result travels in 2 bits: 262144
+    # bytes, all-gathered in shards of 65536.
+    n, w = 1 << 20, 4
+    assert route_plan(SIGN, n, w) == [
+        CommOp("all_gather", 1024),
+        CommOp("all_to_all", 131072),
+        CommOp("all_gather", 65536),
+    ]
+    s = Substrate(link_gbps=8.0, latency_us=10.0, include_codec=False)
+    expected = (3 * A + 3 * 1024 / B) + (3 * A + 0.75 * 131072 / B) + (3 * A + 3 * 65536 / B)
+    assert predict_route(SIGN, n, w, s) == pytest.approx(expected)
+    # with codec, the codec term adds exactly codec_seconds: 4n/1e9 + 4n/5e8 + 4n/2.5e8
+    assert codec_seconds(SIGN, n, w, S) == pytest.approx(4 * n * (1e-9 + 2e-9 + 4e-9))
+    assert predict_route(SIGN, n, w, S) == pytest.approx(
+        expected + codec_seconds(SIGN, n, w, S)
+    )
+
+
+def test_verdict_slow_link_admits_sign():
+    slow = Substrate(link_gbps=0.1, latency_us=50.0, **CODEC)
+    v = bucket_verdict(slow, {SIGN: 1_000_000}, 4)
+    verdict, reason, fp32, low = v  # unpacks as a 4-tuple
+    assert verdict == "admit"
+    # fp32: 6 * 5e-5 + 1.5 * 4e6 / 1.25e7 = 0.4803 s
+    assert fp32 == pytest.approx(0.4803)
+    assert low < 0.9 * fp32
+    assert reason == f"admit: {fp32 / low:.1f}x faster"
+
+
+def test_verdict_fast_link_codec_falls_back_naming_the_slow_stage():
+    # 100 Gbit/s, W=4, 1e6 elements: fp32 = 6e-5 + 1.5 * 4e6 / 1.25e10 = 5.4e-4 s
+    fast = dict(link_gbps=100.0, latency_us=10.0)
+    slow_encode = Substrate(**fast, encode_gbps={"sign": 0.5}, reduce_gbps={"sign": 50.0},
+                            decode_gbps={"sign": 50.0})
+    v = bucket_verdict(slow_encode, {SIGN: 1_000_000}, 4)
+    assert v.verdict == "fallback"
+    assert v.fp32_time_s == pytest.approx(5.4e-4)
+    # codec: 4e6/5e8 + 4e6/5e10 + 4e6/5e10 = 8 ms + 0.08 ms + 0.08 ms
+    assert v.reason.startswith("encode slower than link: codec 8.16 ms (encode 8 ms) vs fp32 0.54 ms")
+    slow_decode = Substrate(**fast, encode_gbps={"sign": 50.0}, reduce_gbps={"sign": 50.0},
+                            decode_gbps={"sign": 0.5})
+    assert bucket_verdict(slow_decode, {SIGN: 1_000_000}, 4).reason.startswith(
+        "decode slower than link: codec 8.16 ms (decode 8 ms)")
+
+
+def test_verdict_tiny_bucket_is_latency_bound():
+    # 256 elements: fp32 = 6a; sign = 3 collectives of 3 hops each = 9a
+    s = Substrate(link_gbps=10.0, latency_us=50.0, include_codec=False)
+    v = bucket_verdict(s, {SIGN: 256}, 4)
+    assert v.verdict == "fallback"
+    assert v.reason.startswith("latency-bound: 3 collectives vs 1")
+    assert v.lowbit_time_s == pytest.approx(9 * 5e-5, rel=1e-3)
+
+
+def test_verdict_saturated_central_endpoint_falls_back_where_sharded_admits():
+    # W=64, 1 Gbit/s links and endpoint, 4M elements: gather 63 x 524288 B into
+    # 1.25e8 B/s = 0.264 s; broadcast 63 x 1 MiB (2-bit result) = 0.528 s;
+    # fp32 ring 2*63/64 * 16.8e6 / 1.25e8 = 0.264 s.
+    s = Substrate(link_gbps=1.0, latency_us=10.0, endpoint_gbps=1.0, include_codec=False)
+    n = 1 << 22
+    v = bucket_verdict(s, {SIGN_CENTRAL: n}, 64)
+    assert v.verdict == "fallback"
+    assert v.reason.startswith("endpoint saturated: 63x524 KB into 0.125 GB/s")
+    assert v.fp32_time_s == pytest.approx(2 * 63 / 64 * 4 * n / 1.25e8 + 126 * 1e-5)
+    assert bucket_verdict(s, {SIGN: n}, 64).verdict == "admit"
+
+
+def test_verdict_margin_and_special_buckets():
+    strict = Substrate(link_gbps=0.1, latency_us=50.0, margin=0.9, **CODEC)
+    v = bucket_verdict(strict, {SIGN: 1_000_000}, 4)
+    speedup = v.fp32_time_s / v.lowbit_time_s
+    assert 1 < speedup < 10
+    assert v == ("fallback", f"below margin: {speedup:.2f}x faster, 10.00x needed",
+                 v.fp32_time_s, v.lowbit_time_s)
+    assert bucket_verdict(S, {FP32: 1000}, 4)[:2] == ("admit", "fp32 only: nothing to gate")
+    assert bucket_verdict(S, {SIGN: 1000}, 1)[:2] == (
+        "fallback", "single rank: no communication to save")
+
+
+def test_mixed_bucket_sums_its_routes():
+    slow = Substrate(link_gbps=0.1, latency_us=50.0, **CODEC)
+    v = bucket_verdict(slow, {FP32: 1000, SIGN: 1_000_000}, 4)
+    assert v.fp32_time_s == pytest.approx(predict_fp32(1_001_000, 4, slow))
+    assert v.lowbit_time_s == pytest.approx(
+        predict_fp32(1000, 4, slow) + predict_route(SIGN, 1_000_000, 4, slow)
+    )
+
+
+def test_crossover_bucket_numel_is_the_boundary_and_monotone():
+    def at(latency_us: float, link: float = 1.0) -> int | None:
+        return crossover_bucket_numel(SIGN, 4, Substrate(link_gbps=link, latency_us=latency_us, **CODEC))
+
+    s = Substrate(link_gbps=1.0, latency_us=50.0, **CODEC)
+    n = at(50.0)
+    assert n is not None and n > 1
+    assert bucket_verdict(s, {SIGN: n}, 4).verdict == "admit"
+    assert bucket_verdict(s, {SIGN: n - 1}, 4).verdict == "fallback"
+    # more latency per hop: low-bit's extra collectives cost more, the crossover grows
+    assert at(10.0) < at(50.0) < at(200.0)
+    # a link faster than the codec (0.25 GB/s decode = 2 Gbit/s) never admits sign
+    assert at(50.0, link=100.0) is None
+
+
+def test_central_saturation_world_size():
+    s = Substrate(link_gbps=1.0, latency_us=10.0, include_codec=False)
+    n = 1 << 22
+    w = central_saturation_world_size(SIGN, n, s)
+    central = Substrate(**{**s.to_dict(), "topology": "central"})
+    assert w is not None and w > 2
+    assert bucket_verdict(central, {SIGN: n}, w).verdict == "fallback"
+    assert bucket_verdict(central, {SIGN: n}, w - 1).verdict == "admit"
+    # a faster endpoint keeps up with more ranks
+    big = Substrate(link_gbps=1.0, latency_us=10.0, endpoint_gbps=4.0, include_codec=False)
+    w_big = central_saturation_world_size(SIGN, n, big)
+    assert w_big is None or w_big > w
+
+
+def test_endpoint_ingress_bound_and_first_true():
+    assert endpoint_ingress_bound_world_size(S) == 3  # E = B: 2 senders outlast one link
+    assert endpoint_ingress_bound_world_size(
+        Substrate(link_gbps=8.0, endpoint_gbps=64.0)) == 10
+    assert first_true(lambda n: n >= 37, 1, 1000) == 37
+    assert first_true(lambda n: n >= 1, 1, 1000) == 1
+    assert first_true(lambda n: n >= 1000, 1, 1000) == 1000
+    assert first_true(lambda n: False, 1, 1000) is None
