@@ -15,7 +15,7 @@ from torch import nn
 
 @runtime_checkable
 class Workload(Protocol):
-    """Protocol for workloads; built-ins subclass `BaseWorkload` below.
+    """Protocol for workloads; built-ins subclass `BaseWorkload` (`workloads/common.py`).
 
     Determinism: the same seed gives the same initial weights and the same batches.
     Sharding: rank r of W sees only its own shard of the training set (disjoint, covering).

@@ -1,0 +1,194 @@
+"""Plugin loading (`MODULE:FN` from the current directory) and its one-line errors."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from nfabric_cli.errors import InputError
+from nfabric_cli.workloads.registry import describe, get_workload, list_workloads, load_model
+from tests.workloads.helpers import train
+
+_ids = itertools.count()
+
+GOOD = """
+import torch
+from torch import nn
+from nfabric_cli.workloads.registry import get_workload
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+def workload(data_dir=None):
+    w = get_workload("vision")
+    w.name = "from-plugin:" + str(data_dir)
+    return w
+
+def model():
+    return Tiny()
+
+def not_a_workload():
+    return 42
+
+def half_workload():
+    class Half:
+        name = "half"
+        metric_name = "accuracy"
+        def loss(self, model, batch):
+            return 0.0
+    return Half()
+
+def bad_types():
+    w = get_workload("transformer")
+    w.batch_size = "32"
+    return w
+
+def boom():
+    raise RuntimeError("disk on fire")
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.fixture
+def plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Write a module into tmp_path, chdir there (sys.path restored after); return its name."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+
+    def write(source: str = GOOD) -> str:
+        name = f"nfabric_test_plugin_{next(_ids)}"
+        (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+        return name
+
+    return write
+
+
+def test_builtin_and_unknown_names() -> None:
+    assert get_workload("lm").name == "lm"
+    with pytest.raises(InputError) as err:
+        get_workload("resnet")
+    assert str(err.value) == (
+        "unknown workload 'resnet' (built-ins: vision, transformer, lm; or MODULE:FN for a plugin)"
+    )
+    with pytest.raises(InputError, match="reads no --data-dir"):
+        get_workload("transformer", "/tmp")
+
+
+def test_plugin_workload_from_current_directory(plugin) -> None:
+    mod = plugin()
+    w = get_workload(f"{mod}:workload")  # found only because the cwd is put on sys.path
+    assert w.name == "from-plugin:None"
+    assert get_workload(f"{mod}:workload", data_dir="/data").name == "from-plugin:/data"
+    row = describe(w)
+    assert row["name"] == "from-plugin:None" and row["params"] == 77290
+
+
+def test_plugin_model(plugin) -> None:
+    mod = plugin()
+    model = load_model(f"{mod}:model")
+    assert [n for n, _ in model.named_parameters()] == [
+        "body.weight",
+        "body.bias",
+        "head.weight",
+        "head.bias",
+    ]
+    via_workload = load_model(f"{mod}:workload")  # a workload works too: its build_model(0)
+    assert torch.equal(via_workload.head.weight, get_workload("vision").build_model(0).head.weight)
+    assert sum(p.numel() for p in load_model("lm").parameters()) == 167360
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        ("nosuch", "module '{mod}' has no attribute 'nosuch'"),
+        ("NOT_CALLABLE", "{mod}:NOT_CALLABLE is a int, not a callable"),
+        ("not_a_workload", "{mod}:not_a_workload() returned int, not a workload: missing name,"),
+        (
+            "half_workload",
+            "{mod}:half_workload() returned Half, not a workload: missing higher_is_better, "
+            "default_steps, batch_size, head_selector, build_model, make_optimizer, train_batch, "
+            "shard_indices, evaluate, data_fingerprint",
+        ),
+        ("bad_types", "workload {mod}:bad_types: batch_size must be int, got str"),
+        ("boom", "{mod}:boom() raised RuntimeError: disk on fire"),
+    ],
+)
+def test_plugin_errors(plugin, fn: str, message: str) -> None:
+    mod = plugin()
+    with pytest.raises(InputError) as err:
+        get_workload(f"{mod}:{fn}")
+    assert str(err.value).startswith(message.format(mod=mod))
+    assert "\n" not in str(err.value)
+
+
+def test_import_errors(plugin) -> None:
+    with pytest.raises(InputError, match=r"cannot import module 'no_such_mod_xyz' \(not found"):
+        get_workload("no_such_mod_xyz:workload")
+    broken = plugin("def workload(:\n    pass\n")
+    with pytest.raises(InputError, match=f"module '{broken}' failed to import: SyntaxError"):
+        get_workload(f"{broken}:workload")
+    needs = plugin("import no_such_dependency_xyz\n")
+    with pytest.raises(
+        InputError,
+        match=f"module '{needs}' failed to import: ModuleNotFoundError: No module named "
+        "'no_such_dependency_xyz'",
+    ):
+        get_workload(f"{needs}:workload")
+    for spec in ("mod:", ":fn"):
+        with pytest.raises(InputError, match="expected MODULE:FN"):
+            get_workload(spec)
+
+
+def test_model_errors_and_data_dir_refused(plugin) -> None:
+    mod = plugin()
+    with pytest.raises(
+        InputError, match=f"{mod}:not_a_workload\\(\\) returned int, expected a torch.nn.Module"
+    ):
+        load_model(f"{mod}:not_a_workload")
+    no_dir = plugin("def workload():\n    return None\n")
+    with pytest.raises(
+        InputError, match=f"--data-dir given but {no_dir}:workload\\(\\) takes no data_dir"
+    ):
+        get_workload(f"{no_dir}:workload", data_dir="/data")
+    with pytest.raises(InputError, match="unknown workload 'nope'"):
+        load_model("nope")
+
+
+def test_list_workloads_rows() -> None:
+    rows = list_workloads()
+    assert [r["name"] for r in rows] == ["vision", "transformer", "lm"]
+    assert [(r["metric"], r["higher_is_better"]) for r in rows] == [
+        ("accuracy", True),
+        ("accuracy", True),
+        ("val_loss", False),
+    ]
+    assert [(r["default_steps"], r["batch_size"], r["params"]) for r in rows] == [
+        (200, 32, 77290),
+        (300, 32, 101962),
+        (400, 16, 167360),
+    ]
+    assert all(r["head_selector"] == "head.*" and r["description"] for r in rows)
+
+
+def test_example_plugin_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented example file is a valid workload that trains to a good accuracy."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the repository root
+    w = get_workload("examples.plugin_workload:workload")
+    assert (
+        w.evaluate(train(w, w.default_steps, 2, 0)) > 0.93
+    )  # measured 0.965 (114 held-out samples)
+    assert [n for n, _ in load_model("examples.plugin_workload:model").named_parameters()][-2:] == [
+        "head.weight",
+        "head.bias",
+    ]
