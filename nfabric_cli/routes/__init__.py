@@ -11,8 +11,8 @@ import functools
 
 from nfabric_cli.routes.base import Payload, Route, check_input
 from nfabric_cli.routes.comm import Comm
-from nfabric_cli.routes.half import Bf16Route, Fp16Route
 from nfabric_cli.routes.fp32 import Fp32Route
+from nfabric_cli.routes.half import Bf16Route, Fp16Route
 from nfabric_cli.routes.intq import Int4Route, Int8Route
 from nfabric_cli.routes.memory import ErrorFeedback
 from nfabric_cli.routes.plan import CommOp, WireBytes

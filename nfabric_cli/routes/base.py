@@ -291,7 +291,7 @@ class CodeRoute(Route):
         padded, _ = self._sizes(n, w)
         codes = [
             self._pad(self.encode_codes(x, layout, s, g), padded)
-            for x, s, g in zip(xs, code_scales, gens)
+            for x, s, g in zip(xs, code_scales, gens, strict=True)
         ]
         values, agree = self.combine(codes, w)
         self._record_agreement(agree, n, stats)

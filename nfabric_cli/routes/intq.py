@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from nfabric_cli.routes.base import CodeRoute, Payload
-from nfabric_cli.routes.chunks import ChunkLayout
+from nfabric_cli.routes import kernels
+from nfabric_cli.routes.base import CodeRoute, Payload, check_input
+from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_uint, unpack_uint
 
 
@@ -24,9 +25,15 @@ class IntRoute(CodeRoute):
     max_world_size = 1 << 16
 
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        k = kernels.native()
+        if k is not None:
+            return k.abs_max(x, layout)
+
         def absmax(v: torch.Tensor) -> torch.Tensor:
             lo, hi = torch.aminmax(v, dim=1)
-            return torch.maximum(hi, lo.neg())
+            # abs(): an all-zero chunk gets +0 (max(0, -0) keeps either zero, depending on
+            # torch's vector lanes), so both paths agree on every bit of the scales.
+            return torch.maximum(hi, lo.neg()).abs_()
 
         return layout.reduce(x, absmax)
 
@@ -34,6 +41,11 @@ class IntRoute(CodeRoute):
         self, x: torch.Tensor, layout: ChunkLayout, absmax: torch.Tensor, gen: torch.Generator | None
     ) -> torch.Tensor:
         inv = torch.where(absmax > 0, self.qmax / absmax, torch.zeros_like(absmax))
+        k = kernels.native()
+        if k is not None:
+            stochastic = self.spec.rounding == "stochastic"
+            noise = torch.rand(x.shape, generator=gen) if stochastic else None  # same draws
+            return k.quantize(x, layout, inv, self.qmax, noise)
         q = layout.scale_into(x, inv, torch.empty_like(x))
         if self.spec.rounding == "stochastic":
             q.add_(torch.rand(q.shape, generator=gen)).floor_()
@@ -41,7 +53,31 @@ class IntRoute(CodeRoute):
             q.round_()
         return q.clamp_(-self.qmax, self.qmax).to(torch.int8)
 
+    def _pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """int8 codes -> the uint8 payload."""
+        raise NotImplementedError
+
+    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
+        return self._pack_codes(self._codes(x, layout, scales, gen))
+
+    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+        """Nearest rounding: absmax and codes in one visit per chunk (same bytes as
+        `CodeRoute.encode`). Stochastic rounding draws its noise first, so it takes that path."""
+        k = kernels.native()
+        if k is None or self.spec.rounding == "stochastic":
+            return super().encode(x, segments)
+        x = check_input(x).float()
+        segs = check_segments(x.numel(), segments)
+        layout = chunk_layout(segs, self.spec.effective_chunk)
+        absmax, codes = k.int_encode(x, layout, self.qmax, nibbles=self.elems_per_byte == 2)
+        return Payload(codes, absmax, x.numel(), segs)
+
     def combine(self, shards: Sequence[torch.Tensor], world_size: int) -> tuple[torch.Tensor, None]:
+        k = kernels.native()
+        if k is not None:
+            if self.elems_per_byte == 1:
+                return k.sum_codes(shards, "int8"), None
+            return k.sum_codes(shards, "nibble", offset=-8 * len(shards)), None
         total = self._unpack_codes(shards[0]).to(torch.int64)
         for s in shards[1:]:
             total += self._unpack_codes(s)
@@ -54,10 +90,17 @@ class IntRoute(CodeRoute):
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
         # values / (qmax * W) first: a constant input decodes exactly (±1 * absmax).
+        k = kernels.native()
+        if k is not None:
+            return k.decode_values(values, layout, scales, 1, float(self.qmax * world_size))
         v = values.float().div_(self.qmax * world_size)
         return layout.scale_into(v, scales, v)
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
+        k = kernels.native()
+        if k is not None:
+            bits = 8 // self.elems_per_byte
+            return k.int_decode(payload.codes, bits, self.qmax, layout, payload.scales)
         codes = self._unpack_codes(payload.codes)[: payload.numel].float().div_(self.qmax)
         return layout.scale_into(codes, payload.scales, codes)
 
@@ -67,8 +110,8 @@ class Int8Route(IntRoute):
     qmax = 127
     elems_per_byte = 1
 
-    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
-        return self._codes(x, layout, scales, gen).view(torch.uint8)
+    def _pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes.view(torch.uint8)
 
     def _unpack_codes(self, packed: torch.Tensor) -> torch.Tensor:
         return packed.view(torch.int8)
@@ -80,8 +123,11 @@ class Int4Route(IntRoute):
     elems_per_byte = 2
     pad_byte = 0x88  # two zero codes (stored with offset 8)
 
-    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
-        return pack_uint((self._codes(x, layout, scales, gen) + 8).view(torch.uint8), 4)
+    def _pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        k = kernels.native()
+        if k is not None:
+            return k.pack_nibbles(codes)
+        return pack_uint((codes + 8).view(torch.uint8), 4)
 
     def _unpack_codes(self, packed: torch.Tensor) -> torch.Tensor:
         codes = unpack_uint(packed, packed.numel() * 2, 4)

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from nfabric_cli.routes.base import CodeRoute, Payload
-from nfabric_cli.routes.chunks import ChunkLayout
+from nfabric_cli.routes import kernels
+from nfabric_cli.routes.base import CodeRoute, Payload, check_input
+from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_bool, unpack_bool
 
 
@@ -26,16 +27,34 @@ class SignRoute(CodeRoute):
     max_world_size = 255  # counts are combined in uint8 range
 
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+        k = kernels.native()
+        if k is not None:
+            return k.sign_encode(x, layout, bits=False)[0]
+        # vector_norm(ord=1) sums left to right in float32; the native kernel does the same.
         return layout.reduce(
             x, lambda v: torch.linalg.vector_norm(v, ord=1, dim=1) / v.shape[1]
         )
 
     def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
-        return pack_bool(x > 0)
+        k = kernels.native()
+        return k.sign_bits(x) if k is not None else pack_bool(x > 0)
+
+    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+        """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`)."""
+        k = kernels.native()
+        if k is None:
+            return super().encode(x, segments)
+        x = check_input(x).float()
+        segs = check_segments(x.numel(), segments)
+        scales, bits = k.sign_encode(x, chunk_layout(segs, self.spec.effective_chunk))
+        return Payload(bits, scales, x.numel(), segs)
 
     def combine(
         self, shards: Sequence[torch.Tensor], world_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        k = kernels.native()
+        if k is not None:
+            return k.sign_combine(shards, keep_count=self.spec.mode == "count")
         n = shards[0].numel() * 8
         count = unpack_bool(shards[0], n).to(torch.int64)
         for s in shards[1:]:
@@ -68,11 +87,19 @@ class SignRoute(CodeRoute):
     def decode_values(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
+        k = kernels.native()
+        if k is not None:
+            if self.spec.mode == "count":
+                return k.decode_values(values, layout, scales, 2, float(world_size))
+            return k.decode_values(values, layout, scales, 0)
         v = values.float()
         if self.spec.mode == "count":
             v = (2 * v - world_size) / world_size
         return layout.scale_into(v, scales, torch.empty(values.numel()))
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
+        k = kernels.native()
+        if k is not None:
+            return k.sign_decode(payload.codes, layout, payload.scales)
         bits = unpack_bool(payload.codes, payload.numel).float()
         return layout.scale_into(bits * 2 - 1, payload.scales, torch.empty_like(bits))

@@ -25,7 +25,7 @@ from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.state import FabricState
 from nfabric_cli.runtime.trace import TraceRecorder
 
-_LIVE: "weakref.WeakSet[FabricState]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[FabricState] = weakref.WeakSet()
 
 
 def attach(

@@ -135,14 +135,14 @@ class FabricState:
         offsets = [0]
         for n in numels[:-1]:
             offsets.append(offsets[-1] + n)
-        slices = [buffer[o : o + n] for o, n in zip(offsets, numels)]
+        slices = [buffer[o : o + n] for o, n in zip(offsets, numels, strict=True)]
         if self.injections:
             apply_injection(self.injections, step, self.rank, slices)
         self._measure(names, slices)
         specs = [self._effective(n) for n in names]
         if any(s.lowbit for s in specs):
             numel_by_spec: dict[RouteSpec, int] = {}
-            for s, n in zip(specs, numels):
+            for s, n in zip(specs, numels, strict=True):
                 numel_by_spec[s] = numel_by_spec.get(s, 0) + n
             verdict = self.gate.verdict((tuple(names), phase), numel_by_spec)
             if not verdict.admit:
@@ -169,7 +169,7 @@ class FabricState:
 
     def _measure(self, names: list[str], slices: list[torch.Tensor]) -> None:
         acc = self._step_acc
-        for name, g in zip(names, slices):
+        for name, g in zip(names, slices, strict=True):
             norm = float(torch.linalg.vector_norm(g))
             if not math.isfinite(norm):
                 self._nonfinite = True
@@ -187,7 +187,7 @@ class FabricState:
         bucket: int = 0,
     ) -> None:
         groups: dict[tuple[str, RouteSpec], list[int]] = {}
-        for i, (name, spec) in enumerate(zip(names, specs)):
+        for i, (name, spec) in enumerate(zip(names, specs, strict=True)):
             region = self.bindings.params[name].regions[phase] if spec.lowbit else ""
             groups.setdefault((region, spec), []).append(i)
         for (region, spec), idx in groups.items():
@@ -216,7 +216,7 @@ class FabricState:
                 self.trace.record(step, phase, bucket, sum(s.numel() for s in slices), len(names),
                                   spec, segs, seconds, wb.sent, wb.received, local)
             if spec.error_feedback and spec.lowbit:
-                for i, comp in zip(idx, parts):
+                for i, comp in zip(idx, parts, strict=True):
                     self.ef.update(names[i], comp, route.roundtrip(comp))
             off = 0
             for i in idx:
@@ -247,7 +247,7 @@ class FabricState:
         v = vec.tolist()
         nonfinite = v[0] > 0
         loss_mean = v[2] / v[1] if v[1] > 0 else None
-        vals = dict(zip(keys, v[3 : 3 + len(keys)]))
+        vals = dict(zip(keys, v[3 : 3 + len(keys)], strict=True))
         norms = {s: math.sqrt(vals[f"norm2:{s}"]) for s in self._scopes}
         agree = {
             s: vals[f"agree_sum:{s}"] / vals[f"agree_n:{s}"]
@@ -258,7 +258,7 @@ class FabricState:
             stats = StepStats(step, loss_mean, nonfinite, norms, agree)
             for ev in self.monitor.check(stats):
                 self._log(ev.to_dict())
-        for key, total in zip(bucket_keys, v[3 + len(keys) :]):
+        for key, total in zip(bucket_keys, v[3 + len(keys) :], strict=True):
             reason = self.gate.observe(key, total / self.world_size)
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})

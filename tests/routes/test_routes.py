@@ -149,7 +149,7 @@ def test_aggregation_is_separable_per_parameter(name: str) -> None:
     a = [torch.randn(5000, generator=gen) for _ in range(3)]
     b = [torch.randn(77, generator=gen) * 10 for _ in range(3)]
     route = make_route(name)
-    joint = route.simulate([torch.cat([x, y]) for x, y in zip(a, b)], segments=(5000, 77))
+    joint = route.simulate([torch.cat([x, y]) for x, y in zip(a, b, strict=False)], segments=(5000, 77))
     assert torch.equal(joint, torch.cat([route.simulate(a), route.simulate(b)]))
 
 

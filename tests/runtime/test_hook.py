@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,7 +45,7 @@ def _parity_one(rank: int, world: int, views: bool) -> bool:
     _train(plain, 5, rank=rank)
     _train(fabric, 5, state, rank=rank)
     state.close()
-    return all(torch.equal(a, b) for a, b in zip(plain.parameters(), fabric.parameters()))
+    return all(torch.equal(a, b) for a, b in zip(plain.parameters(), fabric.parameters(), strict=True))
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -89,7 +87,7 @@ def _mixed_worker(rank: int, world: int) -> dict:
         dist.all_gather(parts, g.contiguous())
         gathered.append(parts)
     state.close()
-    return {"got": got, "local": dict(zip([n for n, _ in model.named_parameters()], gathered)),
+    return {"got": got, "local": dict(zip([n for n, _ in model.named_parameters()], gathered, strict=True)),
             "bytes": state.bytes_per_route(), "fraction": state.meter.fraction()}
 
 
@@ -132,7 +130,7 @@ def _nan_worker(rank: int, world: int) -> dict:
             grads_zero = all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
         opt.step()
         if step == 2:
-            unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     state.close()
     finite = all(torch.isfinite(p).all() for p in model.parameters())
     return {"events": state.events, "skipped": state.skipped_steps, "finite": finite,

@@ -1,0 +1,239 @@
+"""Native codec kernels: every build gives the same bits as the torch path, and the build cache.
+
+The routes pick the native kernels when they load (`kernels.native()`); NFABRIC_NO_NATIVE=1
+forces the torch path. Each comparison below runs a route both ways on the same input and
+requires identical payload bytes, identical scales and identical decoded / aggregated floats
+(bit for bit; NaN positions must match, NaN payload bits are not compared).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from nfabric_cli.routes import RouteSpec, kernels, make_route
+from nfabric_cli.routes.chunks import chunk_layout
+
+HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
+pytestmark = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: only the torch path exists")
+
+ISAS = ["baseline", "avx2", "portable"]  # portable: the plain-C path of other CPUs
+SPECS = [
+    RouteSpec("int8"),
+    RouteSpec("int8", chunk=7),
+    RouteSpec("int8", rounding="stochastic", chunk=100),
+    RouteSpec("int4"),
+    RouteSpec("int4", chunk=33, rounding="stochastic"),
+    RouteSpec("ternary"),
+    RouteSpec("ternary", tau=0.0, chunk=9),
+    RouteSpec("ternary", tau=0.3, chunk=1),
+    RouteSpec("sign"),
+    RouteSpec("sign", chunk=12),
+    RouteSpec("sign", mode="count", chunk=128),
+    RouteSpec("sign", chunk=1),
+]
+SEGMENTS = [(20_011,), (7, 1000, 1, 2993, 16_384, 5)]
+
+
+def _variant(isa: str) -> kernels.Kernels:
+    k = kernels.variant(isa)
+    if k is None and isa == "avx2":
+        base = kernels.variant("baseline")
+        if base is not None and not base.lib.nf_cpu_has_avx2():
+            pytest.skip("this CPU has no AVX2")
+    assert k is not None, kernels.status()
+    return k
+
+
+def _both(isa: str, fn: Callable[[], object], monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """fn() on the torch path, then on the native build `isa`; the global RNG (stochastic
+    rounding without a generator) is reseeded before each."""
+    _variant(isa)
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    torch.manual_seed(1234)
+    ref = fn()
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    monkeypatch.setenv(kernels.ISA_ENV, isa)
+    assert kernels.status() == f"native ({_variant(isa).isa})"
+    torch.manual_seed(1234)
+    return ref, fn()
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    if not a.is_floating_point():
+        assert torch.equal(a, b), what
+        return
+    nan = torch.isnan(a)
+    assert torch.equal(nan, torch.isnan(b)), what
+    bits_a, bits_b = a.view(torch.int32)[~nan], b.view(torch.int32)[~nan]
+    bad = (bits_a != bits_b).nonzero()
+    assert bad.numel() == 0, (what, bad[:5].flatten().tolist(), a[~nan][bad[:5]], b[~nan][bad[:5]])
+
+
+def _grads(n: int, world: int, seed: int, special: bool = False) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(world):
+        g = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3 * (r + 1)
+        g[r::97] = 0.0  # exact zeros vote negative (sign) and are never kept (ternary)
+        g[1::89] = -0.0
+        g[: min(n, 40)] = 0.0  # an all-zero chunk: zero scale
+        if special and n > 5000:
+            g[4100] = float("inf")  # inf and NaN chunks: both paths must treat them alike
+            g[4500] = -float("inf")
+            g[5000] = float("nan")
+        out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.name}-{s.chunk}-{s.rounding}-{s.mode}-{s.tau}")
+def test_native_matches_torch_bit_for_bit(
+    isa: str, spec: RouteSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    route = make_route(spec)
+    for segs in SEGMENTS:
+        n = sum(segs)
+        x = _grads(n, 1, seed=n)[0]
+        p_ref, p_nat = _both(isa, lambda x=x, segs=segs: route.encode(x, segs), monkeypatch)
+        assert_same(p_ref.codes, p_nat.codes, "codes")
+        assert_same(p_ref.scales, p_nat.scales, "scales")
+        d_ref, d_nat = _both(isa, lambda p=p_ref: route.decode(p), monkeypatch)
+        assert_same(d_ref, d_nat, "decode")
+        for world in (1, 2, 3, 5):
+            grads = _grads(n, world, seed=world)
+
+            def sim(grads=grads, world=world, segs=segs) -> tuple[torch.Tensor, dict]:
+                stats: dict[str, float] = {}
+                gens = [torch.Generator().manual_seed(50 + r) for r in range(world)]
+                return route.simulate(grads, segs, stats, gens), stats
+
+            (s_ref, st_ref), (s_nat, st_nat) = _both(isa, sim, monkeypatch)
+            assert_same(s_ref, s_nat, f"simulate W={world}")
+            assert st_ref == st_nat
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["int8", "int4", "ternary", "sign"])
+def test_inf_and_nan_handled_alike(isa: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    segs = (6000, 3)
+    grads = _grads(6003, 2, seed=11, special=True)
+    route = make_route(RouteSpec(name, chunk=256))
+    p_ref, p_nat = _both(isa, lambda: route.encode(grads[0], segs), monkeypatch)
+    assert_same(p_ref.codes, p_nat.codes, "codes")
+    assert_same(p_ref.scales, p_nat.scales, "scales")
+    assert_same(*_both(isa, lambda: route.decode(p_ref), monkeypatch), "decode")
+    assert_same(*_both(isa, lambda: route.simulate(grads, segs), monkeypatch), "simulate")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int_codes_at_every_rounding_edge(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Values at k + 1/2 steps (ties to even), at +-absmax and just inside it, in one chunk.
+    steps = torch.arange(-127, 128, dtype=torch.float32)
+    x = (torch.cat([steps, steps + 0.5, steps - 0.5, steps * 0.999]) / 127).clamp(-1.0, 1.0)
+    for name in ("int8", "int4"):
+        route = make_route(RouteSpec(name, chunk=1 << 20))
+        p_ref, p_nat = _both(isa, lambda r=route: r.encode(x), monkeypatch)
+        assert_same(p_ref.codes, p_nat.codes, name)
+    # absmax 1 -> inv = (1 / 1) * 127 exactly: codes are x * 127 rounded half to even
+    codes = make_route(RouteSpec("int8", chunk=1 << 20)).encode(x).codes.view(torch.int8)
+    scaled = x * 127
+    ties = scaled == scaled.floor() + 0.5
+    assert ties.sum() > 50  # the data really holds ties
+    assert torch.equal(codes.long(), scaled.round().clamp(-127, 127).long())
+    assert torch.equal(codes[:255].long(), torch.arange(-127, 128))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_ternary_tiles_and_threads_match_torch(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A block larger than one tile of kept |x| (kernels.TILE_ELEMS), on 1 and on 2 threads.
+    n = kernels.TILE_ELEMS + 3 * 4096 + 77
+    x = _grads(n, 1, seed=5)[0]
+    route = make_route("ternary")
+    prev = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            p_ref, p_nat = _both(isa, lambda: route.encode(x), monkeypatch)
+            assert_same(p_ref.scales, p_nat.scales, f"scales, {threads} threads")
+            assert_same(p_ref.codes, p_nat.codes, f"codes, {threads} threads")
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_sum_codes_exact(isa: str) -> None:
+    k = _variant(isa)
+    gen = torch.Generator().manual_seed(1)
+    for world in (1, 2, 7, 127):
+        shards = [torch.randint(0, 243, (1031,), generator=gen, dtype=torch.uint8) for _ in range(world)]
+        pow3 = 3 ** torch.arange(5)
+        digits = torch.stack([((s.long().unsqueeze(1) // pow3) % 3).reshape(-1) for s in shards])
+        assert torch.equal(k.sum_codes(shards, "trit", offset=-world), digits.sum(0) - world)
+        bits = torch.stack([(s.long().unsqueeze(1) >> torch.arange(8)) & 1 for s in shards]).reshape(world, -1)
+        assert torch.equal(k.sum_codes(shards, "bit"), bits.sum(0))
+        assert torch.equal(k.sum_codes(shards, "int8"), torch.stack([s.view(torch.int8).long() for s in shards]).sum(0))
+        nib = torch.stack([torch.stack([s.long() & 15, s.long() >> 4], 1).reshape(-1) for s in shards])
+        assert torch.equal(k.sum_codes(shards, "nibble", offset=-8 * world), nib.sum(0) - 8 * world)
+
+
+def test_disable_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    assert kernels.native() is None
+    assert kernels.status() == "torch fallback: NFABRIC_NO_NATIVE=1"
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    assert kernels.native() is not None
+
+
+def test_torch_behaviours_the_kernels_mirror_hold() -> None:
+    # vector_norm(ord=1) sums left to right in float32; NaN casts to int8 0; `127 / t` is
+    # reciprocal-then-multiply.
+    assert kernels._check_torch_agrees(_variant("baseline")) is None
+
+
+def test_build_is_cached_by_hash_and_atomic(tmp_path) -> None:
+    first = kernels.build("baseline", directory=tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build("baseline", directory=tmp_path) == first  # same hash: not rebuilt
+    assert first.name.startswith("routes_kernels-baseline-") and first.suffix == ".so"
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left behind
+    # A fresh process pointed at the cache loads that library instead of compiling again.
+    env = dict(os.environ, NFABRIC_CACHE_DIR=str(tmp_path), NFABRIC_NATIVE_ISA="baseline")
+    env.pop(kernels.DISABLE_ENV, None)
+    code = "from nfabric_cli.routes import kernels; print(kernels.status())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("native (")
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    assert first.stat().st_mtime_ns == stamp
+
+
+def test_no_compiler_falls_back_to_torch(tmp_path) -> None:
+    env = dict(os.environ, NFABRIC_CACHE_DIR=str(tmp_path), CC="/nonexistent/cc")
+    env.pop(kernels.DISABLE_ENV, None)
+    code = (
+        "import torch; from nfabric_cli.routes import kernels, make_route;"
+        "print(kernels.status()); print(make_route('sign').encode(torch.ones(9)).codes.tolist())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    status, codes = out.stdout.strip().splitlines()
+    assert status.startswith("torch fallback: native baseline build failed")
+    assert codes == "[255, 1]"
+
+
+def test_layout_mismatch_is_refused() -> None:
+    k = _variant("baseline")
+    with pytest.raises(ValueError, match="elements for a layout"):
+        k.abs_max(torch.ones(10), chunk_layout((11,), 4))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        k.sign_bits(torch.ones(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="sign payload"):
+        k.sign_decode(torch.zeros(1, dtype=torch.uint8), chunk_layout((9,), 4), torch.ones(3))
