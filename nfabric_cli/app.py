@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "profile",
     "validate",
     "capacity",
+    "replay",
     "workloads",
     "bench",
 )

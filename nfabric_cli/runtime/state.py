@@ -190,7 +190,7 @@ class FabricState:
         for i, (name, spec) in enumerate(zip(names, specs, strict=True)):
             region = self.bindings.params[name].regions[phase] if spec.lowbit else ""
             groups.setdefault((region, spec), []).append(i)
-        for (region, spec), idx in groups.items():
+        for gi, ((region, spec), idx) in enumerate(groups.items()):
             route = make_route(spec)
             parts = []
             for i in idx:
@@ -214,7 +214,7 @@ class FabricState:
             self.meter.add(step, phase, spec.label(), wb)
             if self.trace is not None:
                 self.trace.record(step, phase, bucket, sum(s.numel() for s in slices), len(names),
-                                  spec, segs, seconds, wb.sent, wb.received, local)
+                                  spec, segs, seconds, wb.sent, wb.received, local, group=gi)
             if spec.error_feedback and spec.lowbit:
                 for i, comp in zip(idx, parts, strict=True):
                     self.ef.update(names[i], comp, route.roundtrip(comp))

@@ -80,11 +80,13 @@ class TraceRecorder:
         sent: int,
         received: int,
         local: torch.Tensor | None,
+        group: int = 0,
     ) -> None:
         """One route group of one bucket; `local` is this rank's input (sampled if in budget)."""
         payload = ""
         if local is not None and step < self.payload_steps and local.numel() * 4 <= self.payload_budget:
-            name = f"payloads/rank{self.rank}-step{step}-bucket{bucket}-{spec.name}.npy"
+            # group: the route group's index within the bucket (two regions may share a route)
+            name = f"payloads/rank{self.rank}-step{step}-bucket{bucket}-g{group}-{spec.name}.npy"
             with atomic_path(self.dir / name) as tmp:
                 with open(tmp, "wb") as fh:
                     np.save(fh, local.detach().float().numpy())
