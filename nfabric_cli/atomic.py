@@ -9,6 +9,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask would, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success rename it over `path`, else delete it."""
@@ -16,6 +27,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
+    # mkstemp creates 0600; artefacts (profiles, reports) get the usual umask-based mode.
+    os.chmod(tmp, 0o666 & ~_umask())
     tmp_path = Path(tmp)
     try:
         yield tmp_path

@@ -1,0 +1,41 @@
+"""`make bench`: the quick benchmarks, each printing ratios measured side by side in one run.
+
+    python -m bench            # quick set (a few minutes on 2 cores)
+    python -m bench all        # also the long figure benchmarks (tens of minutes, root for links)
+
+Every benchmark can also run alone: `python -m bench.<name> --help`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+QUICK = [
+    ("routes: codec GB/s vs a read pass of the same buffer", [sys.executable, "-m", "nfabric_cli", "bench", "routes"]),
+    ("runtime: all-fp32 profile step time / plain DDP (goal <= 1.05)", [sys.executable, "-m", "nfabric_cli", "bench", "runtime"]),
+    ("calibration: simulated 4 workers vs real 4-rank DDP (goal <= 0.5x)", [sys.executable, "-m", "bench.calibrate_sim_vs_ddp"]),
+]
+LONG = [
+    ("teardown: 30 runs of a multi-collective hook, abnormal exits (goal 0)", [sys.executable, "-m", "bench.teardown", "30"]),
+    ("calibration: Hyperband vs no pruning, steps to the same best (goal <= 40 %)", [sys.executable, "-m", "bench.calibrate_pruning"]),
+    ("validation: static vs profile vs fp32 on lm and vision, 4 ranks", [sys.executable, "-m", "bench.validate_figures"]),
+    ("validation: step time behind shaped links vs PyTorch hooks (root)", [sys.executable, "-m", "bench.validate_link"]),
+    ("capacity: cost-model error on shaped links, fit by replay (root)", [sys.executable, "-m", "bench.capacity_model_error"]),
+    ("workloads: fp32 vs all-sign vs head-fp32 at 4 workers", [sys.executable, "-m", "bench.workload_sensitivity"]),
+]
+
+
+def main(argv: list[str]) -> int:
+    todo = QUICK + (LONG if argv[:1] == ["all"] else [])
+    failed = 0
+    for title, cmd in todo:
+        print(f"\n== {title}\n$ {' '.join(cmd[1:])}", flush=True)
+        failed += subprocess.run(cmd).returncode != 0
+    if argv[:1] != ["all"]:
+        print("\n(long benchmarks: python -m bench all)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

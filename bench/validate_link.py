@@ -1,0 +1,99 @@
+"""Step time behind a shaped link: profile vs fp32 vs PyTorch's fp16 and PowerSGD hooks.
+
+For each rate, one `nfabric validate` run (2 ranks of `vision` by default) puts every arm behind
+the same `tc tbf`-shaped loopback in a fresh network namespace, so the arms' step times are
+measured side by side in one run. Printed per rate: each arm's median step time and its ratio
+to fp32, the traffic fraction, and the bytes the arm claims to have sent (all ranks) against
+the namespace's loopback tx counter. Needs root (ip netns, tc).
+
+    OMP_NUM_THREADS=1 python -m bench.validate_link [--rates 20,100,1000] [--steps 60]
+        [--workload vision] [--profile PATH] [--world-size 2]
+
+Without --profile a hand-written one is used: the workload's head on fp32, the rest on sign.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from nfabric_cli.validation.config import ValidateConfig
+from nfabric_cli.validation.run import run_validation
+
+ARM_ORDER = ("fp32", "profile", "fp16", "powersgd", "static")
+
+
+def head_fp32_profile(workload: str, out: Path) -> Path:
+    from nfabric_cli.binding import static_profile
+    from nfabric_cli.profile import write_profile
+    from nfabric_cli.workloads.registry import get_workload
+
+    wl = get_workload(workload)
+    model = wl.build_model(0)
+    prof = static_profile(model, "sign", [(wl.head_selector, "fp32")], workload=wl.name)
+    return write_profile(prof, out)
+
+
+def run_rate(args: argparse.Namespace, profile: Path, mbit: float | None, root: Path) -> dict:
+    cfg = ValidateConfig(
+        source=str(profile), workload=args.workload, world_size=args.world_size,
+        steps=args.steps, arms=["fp32", "profile"], baselines=["fp16", "powersgd"],
+        link_mbit=mbit, tolerance=1.0, timeout_s=120.0,
+        report_dir=str(root / f"link-{mbit or 'none'}"),
+    )  # fmt: skip
+    return run_validation(cfg).summary or {}
+
+
+def print_rate(mbit: float | None, s: dict) -> None:
+    arms = s["arms"]
+    base = arms["fp32"]["step_time_s"]
+    title = f"{mbit:g} Mbit/s" if mbit else "no shaping"
+    print(f"\n== {s['workload']}, {s['world_size']} ranks, {s['steps']} steps, {title}")
+    print(f"{'arm':<9} {'step ms':>9} {'x fp32':>7} {'traffic':>8} {'claimed B':>12} "
+          f"{'lo tx B':>12} {'tx/claimed':>10} {'B/packet over':>13}")  # fmt: skip
+    for name in ARM_ORDER:
+        if name not in arms:
+            continue
+        a = arms[name]
+        link = a.get("link_bytes") or {}
+        ratio, packets = link.get("ratio"), link.get("packets")
+        extra = (link["measured_tx"] - link["claimed"]) / packets if packets else None
+        print(
+            f"{name:<9} {1000 * a['step_time_s']:>9.1f} {a['step_time_s'] / base:>7.3f} "
+            f"{100 * a['traffic_fraction']:>7.2f}% {link.get('claimed', 0):>12,} "
+            f"{link.get('measured_tx', 0):>12,} {'' if ratio is None else f'{ratio:.4f}':>10} "
+            f"{'' if extra is None else f'{extra:.1f}':>13}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="20,100,1000", help="Mbit/s, comma separated; 0: none")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--workload", default="vision")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="Keep reports here.")
+    args = parser.parse_args()
+    root = args.out or Path(tempfile.mkdtemp(prefix="nfabric-bench-link-"))
+    profile = args.profile or head_fp32_profile(args.workload, root / "head-fp32.parquet")
+    results = {}
+    for text in args.rates.split(","):
+        mbit = float(text) or None
+        s = run_rate(args, profile, mbit, root)
+        results[text] = s
+        print_rate(mbit, s)
+    print("\nratios (step time / fp32 step time):")
+    for text, s in results.items():
+        ratios = {
+            n: round(s["arms"][n]["step_time_s"] / s["arms"]["fp32"]["step_time_s"], 3)
+            for n in ARM_ORDER if n in s["arms"]
+        }  # fmt: skip
+        print(json.dumps({"mbit": float(text), **ratios}))
+    print(f"reports: {root}")
+
+
+if __name__ == "__main__":
+    main()

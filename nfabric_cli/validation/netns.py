@@ -1,0 +1,104 @@
+"""A bandwidth-shaped link for a validation run: a network namespace with only loopback.
+
+`ShapedLink(mbit)` creates namespace ``nfabric-<pid>``, sets ``lo`` up with MTU 9000 and a
+`tc tbf` root qdisc at the given rate, and `wrap(cmd)` runs a command inside it
+(``ip netns exec``). Every rank's traffic then crosses the one shaped loopback: with W ranks
+the link is shared, as on a node behind one NIC. The namespace is deleted on exit, also on
+Ctrl-C or an error. Inside the namespace, `read_lo_counters()` reads the loopback's byte
+counters, so a run can compare the bytes it claims with the bytes that crossed the link
+(loopback counts each packet once in tx and once in rx; headers included).
+
+Queueing: the tbf queue holds `latency` worth of data (1 s) so TCP is slowed, not dropped:
+a drop would be retransmitted and counted twice on the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from nfabric_cli.errors import InputError
+
+MTU = 9000
+LATENCY = "1s"
+_LO = Path("/sys/class/net/lo/statistics")
+
+
+def burst_bytes(mbit: float) -> int:
+    """tbf bucket: 10 ms at the rate, at least 64 KiB (one GSO segment of loopback)."""
+    return max(64 * 1024, int(mbit * 1e6 / 8 * 0.010))
+
+
+def link_available() -> str | None:
+    """None when a shaped link can be made here, else why not (one line)."""
+    if os.geteuid() != 0:
+        return "--link-mbit needs root (it creates a network namespace and a tc qdisc)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"--link-mbit needs the iproute2 tools; not found: {', '.join(missing)}"
+    return None
+
+
+class ShapedLink:
+    """Context manager: the namespace exists between enter and exit."""
+
+    def __init__(self, mbit: float, name: str | None = None) -> None:
+        self.mbit = float(mbit)
+        self.name = name or f"nfabric-{os.getpid()}"
+        self._made = False
+
+    def __enter__(self) -> ShapedLink:
+        reason = link_available()
+        if reason:
+            raise InputError(reason)
+        # A namespace of this name is left over from a launcher that died (pids are reused).
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+        _run(["ip", "netns", "add", self.name], "create network namespace")
+        self._made = True
+        try:
+            _run(["ip", "-n", self.name, "link", "set", "lo", "up", "mtu", str(MTU)], "set up lo")
+            _run(
+                ["tc", "-n", self.name, "qdisc", "add", "dev", "lo", "root", "tbf",
+                 "rate", f"{self.mbit:g}mbit", "burst", str(burst_bytes(self.mbit)),
+                 "latency", LATENCY],
+                "shape lo",
+            )  # fmt: skip
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """`cmd` run inside the namespace."""
+        return ["ip", "netns", "exec", self.name, *cmd]
+
+    def qdisc_stats(self) -> str:
+        """`tc -s qdisc show dev lo` inside the namespace (sent bytes, drops, overlimits)."""
+        out = subprocess.run(
+            ["tc", "-n", self.name, "-s", "qdisc", "show", "dev", "lo"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        return out.stdout.strip()
+
+    def close(self) -> None:
+        if self._made:
+            subprocess.run(["ip", "netns", "del", self.name], capture_output=True, check=False)
+            self._made = False
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_lo_counters() -> dict[str, int]:
+    """This network namespace's loopback counters (read inside it): tx / rx bytes, packets."""
+    read = lambda name: int((_LO / name).read_text())  # noqa: E731
+    return {"tx": read("tx_bytes"), "rx": read("rx_bytes"), "packets": read("tx_packets")}
+
+
+def _run(cmd: list[str], what: str) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        detail = (out.stderr or out.stdout).strip().splitlines()
+        raise InputError(f"--link-mbit: cannot {what}: {detail[-1] if detail else 'failed'}")

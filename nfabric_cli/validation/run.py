@@ -1,0 +1,203 @@
+"""`run_validation(cfg)`: check the input, launch the ranks, build the report.
+
+The parent checks everything it can before any rank starts (a bad arm, a profile compiled
+for another model, a world size the data cannot shard: exit 2 in a second, not a crash in
+N processes), writes the config into the run directory, launches (spawn or torchrun,
+optionally inside a shaped-link namespace), and turns rank 0's results into the report.
+
+Under ``torchrun ... -m nfabric_cli validate ...`` the CLI process *is* a rank
+(`torchrun_worker()`): it runs its arms in-process and rank 0 writes the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nfabric_cli.atomic import atomic_write_text
+from nfabric_cli.errors import CheckFailed, InputError
+from nfabric_cli.validation.config import ValidateConfig, resolve_tolerance
+from nfabric_cli.validation.launch import ProgressCallback, spawn_ranks, start_torchrun, supervise
+from nfabric_cli.validation.report import step_frame, summarize, write_report
+from nfabric_cli.validation.worker import RESULTS_FILE, run_rank
+
+RUNS_DIR = Path(".nfabric") / "runs"
+RECORDS_FILE = "records.json"
+
+
+@dataclass
+class RunPlan:
+    """A checked config plus the workload facts the report needs."""
+
+    cfg: ValidateConfig
+    workload: str
+    higher_is_better: bool
+
+
+@dataclass
+class ValidationResult:
+    """What the CLI renders. `summary` is None on a node or rank that does not report."""
+
+    summary: dict[str, Any] | None
+    report_dir: Path
+    paths: dict[str, Path] = field(default_factory=dict)
+    verdict: bool | None = None  # a non-reporting torchrun rank: rank 0's verdict
+
+    @property
+    def passed(self) -> bool:
+        if self.summary is not None:
+            return bool(self.summary["passed"])
+        return self.verdict is None or self.verdict
+
+
+def torchrun_worker() -> tuple[int, int] | None:
+    """(rank, world size) when this process was started by torchrun, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def default_report_dir(workload: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", workload).strip("_") or "run"
+    return RUNS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}"
+
+
+def plan(cfg: ValidateConfig) -> RunPlan:
+    """Check `cfg` against the workload and the profile; fill steps, bucket cap, tolerance."""
+    from nfabric_cli.binding import read_bindings
+    from nfabric_cli.profile.parquet import read_metadata
+    from nfabric_cli.profile.store import resolve_profile
+    from nfabric_cli.validation.arms import profile_bindings
+    from nfabric_cli.workloads.registry import get_workload
+
+    cfg.check()
+    if cfg.link_mbit is not None:
+        from nfabric_cli.validation.netns import link_available
+
+        reason = link_available()
+        if reason:
+            raise InputError(reason)
+    workload = get_workload(cfg.workload, cfg.data_dir)
+    cfg.steps = cfg.steps or workload.default_steps
+    steps_per_epoch = getattr(workload, "steps_per_epoch", None)
+    if steps_per_epoch is not None:
+        steps_per_epoch(cfg.world_size)  # InputError when a rank's shard is below one batch
+    source = resolve_profile(cfg.source)
+    kind, _ = read_metadata(source)
+    cfg.source = str(source.resolve())
+    cfg.bucket_cap_mb = read_bindings(source).bucket_cap_mb if kind == "bindings" else None
+    model = workload.build_model(cfg.seed)
+    bindings = profile_bindings(cfg.source, model, cfg.world_size, cfg.steps, cfg.bucket_cap_mb)
+    higher = bool(workload.higher_is_better)
+    cfg.tolerance = resolve_tolerance(cfg.tolerance, bindings.meta.get("target"), higher)
+    if not cfg.report_dir:
+        cfg.report_dir = str(default_report_dir(workload.name))
+    return RunPlan(cfg, workload.name, higher)
+
+
+def run_validation(
+    cfg: ValidateConfig, on_progress: ProgressCallback | None = None
+) -> ValidationResult:
+    """Run every arm on real ranks and return the report (see module doc)."""
+    in_torchrun = torchrun_worker()
+    if in_torchrun is not None:
+        return _run_as_rank(cfg, *in_torchrun)
+    run = plan(cfg)
+    report_dir = Path(cfg.report_dir)
+    run_dir = report_dir / f".run-node{cfg.node_rank}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    cfg.run_dir = str(run_dir.resolve())
+    store_dir = tempfile.mkdtemp(prefix="nfabric-store-") if cfg.launcher == "spawn" else None
+    try:
+        cfg.store_path = None if store_dir is None else os.path.join(store_dir, "store")
+        config_path = cfg.save(run_dir / "config.json")
+        cfg.save(report_dir / "config.json")
+        with _sigterm_as_exit(), _link(cfg) as link:
+            wrap = link.wrap if link is not None else (lambda cmd: cmd)
+            start = spawn_ranks if cfg.launcher == "spawn" else start_torchrun
+            procs = start(cfg, config_path, report_dir / "logs", wrap)
+            supervise(procs, run_dir, cfg.timeout_s, on_progress)
+        results = run_dir / RESULTS_FILE
+        if not results.exists():
+            raise CheckFailed(f"every rank exited 0 but none wrote {results}")
+        gathered = json.loads(results.read_text())
+        result = _report(run, gathered, report_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return result
+    finally:
+        if store_dir is not None:
+            shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _report(run: RunPlan, gathered: list[Any], report_dir: Path) -> ValidationResult:
+    cfg = run.cfg
+    assert cfg.tolerance is not None
+    summary = summarize(
+        gathered, workload=run.workload, higher_is_better=run.higher_is_better,
+        tolerance=cfg.tolerance, link_mbit=cfg.link_mbit,
+    )  # fmt: skip
+    paths = write_report(report_dir, summary, step_frame(gathered))
+    paths["records"] = report_dir / RECORDS_FILE  # the raw per-rank records, kept
+    atomic_write_text(paths["records"], json.dumps(gathered))
+    return ValidationResult(summary, report_dir, paths)
+
+
+def _run_as_rank(cfg: ValidateConfig, rank: int, world_size: int) -> ValidationResult:
+    """This process is one rank under torchrun: run in-process; rank 0 reports."""
+    from nfabric_cli.validation.progress import ProgressWriter
+
+    if cfg.launcher != "spawn" or cfg.link_mbit is not None:
+        raise InputError("under torchrun, validate is already a rank: drop --launcher/--link-mbit")
+    cfg.world_size = world_size
+    run = plan(cfg)
+    holder: dict[str, ValidationResult] = {}
+
+    def finalize(gathered: list[Any]) -> bool:
+        holder["result"] = _report(run, gathered, Path(cfg.report_dir))
+        return bool(holder["result"].summary and holder["result"].summary["passed"])
+
+    passed = run_rank(cfg, rank, world_size, ProgressWriter(None, rank), finalize, rank == 0)
+    if rank == 0:
+        return holder["result"]
+    return ValidationResult(None, Path(cfg.report_dir), verdict=passed)
+
+
+@contextlib.contextmanager
+def _link(cfg: ValidateConfig) -> Iterator[Any]:
+    if cfg.link_mbit is None:
+        yield None
+        return
+    from nfabric_cli.validation.netns import ShapedLink
+
+    with ShapedLink(cfg.link_mbit) as link:
+        yield link
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C, so ranks are killed and the namespace deleted."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_exit)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
