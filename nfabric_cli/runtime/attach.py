@@ -40,6 +40,7 @@ def attach(
     seed: int = 0,
     dedicated_group: bool = True,
     trace_dir: str | os.PathLike[str] | None = None,
+    direct_fp32: bool = True,
 ) -> FabricState:
     """Register the fabric hook on `ddp_model` and return its state.
 
@@ -48,6 +49,7 @@ def attach(
     profile has more than one phase and the bindings do not carry it. `dedicated_group=False`
     reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
     `trace_dir` records per-bucket traces for `nfabric replay` (see `runtime/trace.py`).
+    `direct_fp32=False` sends all-fp32 phases through the worker path too (tests, tracing).
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
@@ -79,6 +81,7 @@ def attach(
     state = FabricState(
         bindings, module, steps, group,
         monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
+        direct_fp32=direct_fp32,
     )
     ddp_model.register_comm_hook(state, fabric_hook)
     _LIVE.add(state)

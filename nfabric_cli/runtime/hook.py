@@ -25,6 +25,4 @@ from nfabric_cli.runtime.state import FabricState
 
 def fabric_hook(state: FabricState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Reduce one DDP bucket through the fabric's routes (see module docstring)."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state.submit(bucket.buffer(), list(bucket.parameters()), bucket.is_last(), fut)
-    return fut
+    return state.submit(bucket.buffer(), list(bucket.parameters()), bucket.is_last())

@@ -48,6 +48,7 @@ class FabricState:
         injections: tuple[Injection, ...] = (),
         seed: int = 0,
         trace: TraceRecorder | None = None,
+        direct_fp32: bool = True,
     ) -> None:
         self.bindings = bindings
         self.trace = trace
@@ -68,6 +69,12 @@ class FabricState:
         self.monitor_enabled = monitor
         self.monitor = HealthMonitor(self._scopes, HealthThresholds.from_dict(bindings.meta.get("health") or {}))
         self.gate = CapacityGate(bindings.meta.get("substrate"), self.world_size, enabled=gate)
+        # Phases with every parameter on plain fp32 take allreduce_hook's direct path.
+        self._fp32_phases = {
+            p.name for p in bindings.phases
+            if direct_fp32 and trace is None
+            and all(b.routes[p.name].name == "fp32" for b in bindings.params.values())
+        }
         self._phase = bindings.phase_at(0, self.total_steps)
         self._enter_phase(self._phase, 0)
         self._loss: float | None = None
@@ -110,15 +117,42 @@ class FabricState:
 
     # -- hook entry --------------------------------------------------------------------------
     def submit(
-        self, buffer: torch.Tensor, params: list[torch.Tensor], is_last: bool, fut: torch.futures.Future
-    ) -> None:
+        self, buffer: torch.Tensor, params: list[torch.Tensor], is_last: bool
+    ) -> torch.futures.Future:
+        """Start reducing one bucket; the returned future completes with the reduced buffer."""
         if self._pool is None:
             raise RuntimeError("nfabric state is closed")
-        names = [self._names[id(p)] for p in params]
         if self._step_started is None:
             self._step_started = time.perf_counter()
+        if self._phase.name in self._fp32_phases:
+            return self._fp32_direct(buffer, is_last)
+        fut: torch.futures.Future = torch.futures.Future()
+        names = [self._names[id(p)] for p in params]
         job = self._pool.submit(self._reduce_bucket, buffer, names, [p.numel() for p in params], is_last, fut)
         job.add_done_callback(lambda j: self._fail_step(j, fut))
+        return fut
+
+    def _fp32_direct(self, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
+        """A phase with every parameter on fp32: allreduce_hook's path, on the calling thread.
+
+        Nothing can fall back (the monitor only acts on low-bit scopes) and fp32 carries a
+        NaN to every rank by itself, so there is no step decision to wait for: the bucket's
+        all-reduce overlaps backward exactly as in plain DDP. Phases change only between
+        steps, and the worker is idle in such a phase, so collective order stays identical.
+        """
+        step, phase = self.step, self._phase.name
+        if self.injections:
+            apply_injection(self.injections, step, self.rank, [buffer])
+        buffer.div_(self.world_size)
+        wb = _FP32_ROUTE.wire_bytes(buffer.numel(), self.world_size, self.rank)
+        self.meter.add(step, phase, "fp32", wb)
+        self.meter.add_fp32_reference(step, wb)
+        work = dist.all_reduce(buffer, group=self.comm.group, async_op=True)
+        if is_last:
+            with self._lock:
+                self._loss = None
+            self._advance(step)
+        return work.get_future().then(lambda f: f.value()[0])
 
     # -- per bucket (worker thread) ----------------------------------------------------------
     def _effective(self, name: str) -> RouteSpec:
@@ -270,6 +304,12 @@ class FabricState:
                        "reason": "nonfinite gradient or loss: update neutralised on every rank"})
         pending, self._pending = self._pending, []
         self._step_acc, self._nonfinite, self._bucket_times = {}, False, []
+        self._advance(step)
+        for fut, buf in pending:
+            fut.set_result(buf)
+
+    def _advance(self, step: int) -> None:
+        """Close step `step`: record its time, count it, enter the next phase if it changes."""
         if self._step_started is not None:
             self.step_times.append(time.perf_counter() - self._step_started)
             self._step_started = None
@@ -277,8 +317,6 @@ class FabricState:
         nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
         if nxt.name != self._phase.name:
             self._enter_phase(nxt, self.step)
-        for fut, buf in pending:
-            fut.set_result(buf)
 
     def _fail_step(self, job: Any, fut: torch.futures.Future) -> None:
         """Surface a worker exception in DDP's main thread instead of hanging the step."""

@@ -34,14 +34,20 @@ def _train(ddp, steps: int, state=None, rank: int = 0) -> None:
 
 
 def _parity_worker(rank: int, world: int) -> list[bool]:
-    return [_parity_one(rank, world, views) for views in (False, True)]
+    return [
+        _parity_one(rank, world, views, direct)
+        for views in (False, True)
+        for direct in (True, False)
+    ]
 
 
-def _parity_one(rank: int, world: int, views: bool) -> bool:
+def _parity_one(rank: int, world: int, views: bool, direct: bool) -> bool:
     plain = DDP(make_model(), bucket_cap_mb=0.001, gradient_as_bucket_view=views)
     fabric_model = make_model()
     fabric = DDP(fabric_model, bucket_cap_mb=0.001, gradient_as_bucket_view=views)
-    state = attach(fabric, _bindings(fabric_model, "fp32", world_size=world), total_steps=5)
+    bindings = _bindings(fabric_model, "fp32", world_size=world)
+    # direct: allreduce_hook's path for all-fp32 phases; else the worker path with statistics
+    state = attach(fabric, bindings, total_steps=5, direct_fp32=direct)
     _train(plain, 5, rank=rank)
     _train(fabric, 5, state, rank=rank)
     state.close()
@@ -51,8 +57,8 @@ def _parity_one(rank: int, world: int, views: bool) -> bool:
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_fp32_profile_is_bit_identical_to_plain_ddp(world: int) -> None:
     # Several buckets (tiny cap), several steps, across DDP's bucket rebuild after step one,
-    # with gradient_as_bucket_view off and on.
-    assert run_ranks(_parity_worker, world) == [[True, True]] * world
+    # with gradient_as_bucket_view off and on, through both fp32 paths of the hook.
+    assert run_ranks(_parity_worker, world) == [[True] * 4] * world
 
 
 def _scenarios(rank: int, world: int) -> dict:
