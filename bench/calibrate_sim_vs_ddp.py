@@ -1,0 +1,120 @@
+"""Simulated N-worker trial vs a real N-rank DDP run of the same steps, side by side.
+
+Both train the same workload from the same seed on the same batches with the same profile
+(head fp32, everything else sign with error feedback, health monitor on). The real run spawns
+N gloo ranks (FileStore rendezvous) with the fabric hook; the simulated run is what
+`nfabric calibrate` does per trial. Printed: wall time of each, the ratio sim / real (whole
+run including process start-up, which a real trial pays, and training loop only), and the
+largest parameter difference between the simulated model and rank 0.
+
+    OMP_NUM_THREADS=1 python -m bench.calibrate_sim_vs_ddp [--workload vision] [--world 4] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfabric_cli.binding import compile_profile
+from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.calibration.space import Config, config_profile
+from nfabric_cli.calibration.spec import parse_spec
+from nfabric_cli.workloads.registry import get_workload
+
+
+def bindings_for(workload_name: str, model: torch.nn.Module, world: int, steps: int,
+                 head_route: str = "fp32"):
+    wl = get_workload(workload_name)
+    spec = parse_spec({"world_size": world, "steps": steps, "regions": [
+        {"name": "head", "selector": wl.head_selector, "routes": [head_route]},
+        {"name": "rest", "selector": "*", "routes": ["sign"]},
+    ], "routes": {"error_feedback": True}}, wl.name)
+    config = Config(((head_route, "sign"),), (), 0.5, True)
+    profile = config_profile(spec, config, {"world_size": world})
+    return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=steps)
+
+
+def _rank(
+    rank: int, workload_name: str, world: int, steps: int, seed: int, head: str, tmp: str
+) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    from nfabric_cli import attach
+
+    store = dist.FileStore(os.path.join(tmp, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    wl = get_workload(workload_name)
+    model = wl.build_model(seed)
+    ddp = DDP(model)
+    state = attach(ddp, bindings_for(workload_name, model, world, steps, head), total_steps=steps)
+    opt, sched = wl.make_optimizer(ddp.parameters(), steps)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        loss = wl.loss(ddp, wl.train_batch(step, rank, world, seed))
+        state.observe(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    loop = time.perf_counter() - t0
+    state.close()
+    torch.save({"loop": loop, "params": {n: p.detach() for n, p in model.named_parameters()}},
+               os.path.join(tmp, f"r{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def real_run(
+    workload: str, world: int, steps: int, seed: int, head: str
+) -> tuple[float, float, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        mp.start_processes(_rank, args=(workload, world, steps, seed, head, tmp), nprocs=world,
+                           start_method="spawn")
+        wall = time.perf_counter() - t0
+        results = [torch.load(os.path.join(tmp, f"r{r}.pt")) for r in range(world)]
+    return wall, max(r["loop"] for r in results), results[0]["params"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="vision")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head-route", default="fp32",
+                        help="route of the head (the rest is sign+EF); with fp32 and N > 2, "
+                             "gloo's all-reduce may sum in another order than the simulator")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    wl = get_workload(args.workload)  # loaded once per study, like the real ranks each do
+    t0 = time.perf_counter()
+    model = wl.build_model(args.seed)
+    bindings = bindings_for(args.workload, model, args.world, args.steps, args.head_route)
+    sim = simulate_run(wl, bindings, args.world, args.steps, args.seed)
+    sim_wall = time.perf_counter() - t0
+
+    real_wall, real_loop, real_params = real_run(
+        args.workload, args.world, args.steps, args.seed, args.head_route
+    )
+    diff = max(float((p.detach() - real_params[n]).abs().max())
+               for n, p in sim.model.named_parameters())
+    print(f"workload {args.workload}, N = {args.world}, {args.steps} steps, head "
+          f"{args.head_route}, rest sign+EF, cores {os.cpu_count()}")
+    print(f"simulated trial (1 process)    {sim_wall:8.2f} s")
+    print(f"real DDP  (N processes, total) {real_wall:8.2f} s   ratio sim/real {sim_wall / real_wall:.2f}x")
+    print(f"real DDP  (training loop only) {real_loop:8.2f} s   ratio sim/real {sim_wall / real_loop:.2f}x")
+    print(f"max |param sim - param rank0|  {diff:.3g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""From a finished study to an operating profile: the winner, its evidence, the Pareto front.
+
+The winner is the completed trial with the lowest measured traffic fraction whose final metric
+is within tolerance of the FP32 reference (ties: smaller degradation, then earlier trial). If
+no trial qualifies, the all-FP32 profile wins: it is the reference itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param, suggest
+from nfabric_cli.calibration.spec import CalibrationSpec
+from nfabric_cli.calibration.storage import redact
+from nfabric_cli.calibration.study import StudyRun, pruner_label
+from nfabric_cli.profile import next_profile_path, write_profile
+from nfabric_cli.profile.operating import OperatingProfile
+from nfabric_cli.profile.provenance import base_provenance
+from nfabric_cli.runtime.health import HealthThresholds
+
+
+@dataclass
+class Outcome:
+    """What `nfabric calibrate` reports and writes."""
+
+    profile: OperatingProfile
+    path: Path
+    png: Path | None
+    trials: int  # finished (complete + pruned) trials in the study
+    pruned: int
+    best: dict[str, Any]
+    pareto: list[dict[str, Any]]
+    steps_spent: int  # simulated training steps over the study, reference included
+    new_trials: int
+
+
+def config_of(trial: FrozenTrial, spec: CalibrationSpec) -> Config:
+    """Rebuild a trial's config from its stored parameters."""
+    return suggest(optuna.trial.FixedTrial(trial.params), spec)
+
+
+def completed(study: optuna.Study) -> list[FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if "traffic_fraction" in t.user_attrs]
+
+
+def pick_winner(run: StudyRun) -> FrozenTrial | None:
+    tol = run.spec.tolerance
+    ok = [t for t in completed(run.study) if t.user_attrs["degradation"] <= tol]
+    if not ok:
+        return None
+    return min(ok, key=lambda t: (t.user_attrs["traffic_fraction"], t.user_attrs["degradation"],
+                                  t.number))
+
+
+def pareto_front(run: StudyRun) -> list[dict[str, Any]]:
+    """Completed trials no other trial beats on both traffic and degradation (by traffic)."""
+    points = [(t.user_attrs["traffic_fraction"], t.user_attrs["degradation"], t.number)
+              for t in completed(run.study)]
+    front = [p for p in points
+             if not any(q[0] <= p[0] and q[1] <= p[1] and q[:2] != p[:2] for q in points)]
+    seen, out = set(), []
+    for traffic, degr, number in sorted(front):
+        if (traffic, degr) not in seen:
+            seen.add((traffic, degr))
+            out.append({"trial": number, "traffic_fraction": traffic, "degradation": degr})
+    return out
+
+
+def steps_spent(run: StudyRun) -> int:
+    trials = run.study.get_trials(deepcopy=False)
+    return int(run.reference.get("steps_run", 0)) + sum(
+        int(t.user_attrs.get("steps_run", 0)) for t in trials
+    )
+
+
+def row_evidence(run: StudyRun, config: Config, winner: FrozenTrial | None) -> dict:
+    """(region, phase) -> traffic_fraction, metric_delta, trials for the chosen config."""
+    spec = run.spec
+    done = completed(run.study)
+    delta = 0.0 if winner is None else winner.user_attrs["metric"] - run.reference["metric"]
+    rows = {} if winner is None else winner.user_attrs.get("row_traffic", {})
+    out = {}
+    for p, phase in enumerate(spec.phases):
+        for r, region in enumerate(spec.regions):
+            route = config.routes[p][r]
+            name = route_param(region.name, phase)
+            tried = sum(1 for t in done if t.params.get(name) == route)
+            traffic = rows.get(f"{region.selector}@{phase}", 1.0 if route == "fp32" else None)
+            out[(region.name, phase)] = {"traffic_fraction": traffic, "metric_delta": delta,
+                                         "trials": tried}
+    return out
+
+
+def build_outcome(run: StudyRun, out_root: str | Path, storage_url: str | None,
+                  study_name: str, fingerprint: str) -> Outcome:
+    """Pick the winner, write its profile (and the search PNG) and summarise the study."""
+    spec, study = run.spec, run.study
+    winner = pick_winner(run)
+    config = fp32_config(spec) if winner is None else config_of(winner, spec)
+    finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    pruned = sum(1 for t in finished if t.state == TrialState.PRUNED)
+    pareto = pareto_front(run) if run.multi_objective else []
+    spent = steps_spent(run)
+    reference = run.reference["metric"]
+    best = {
+        "trial": None if winner is None else winner.number,
+        "traffic_fraction": 1.0 if winner is None else winner.user_attrs["traffic_fraction"],
+        "metric": reference if winner is None else winner.user_attrs["metric"],
+        "reference": reference,
+        "metric_delta": 0.0 if winner is None else winner.user_attrs["metric"] - reference,
+        "within_tolerance": True,
+        "routes": config.labels(spec),
+        "tau": config.tau if config.uses("ternary") else None,
+        "error_feedback": config.error_feedback,
+        "boundaries": list(config.boundaries),
+    }
+    if winner is None:
+        best["note"] = "no low-bit configuration stayed within tolerance: all fp32"
+    if run.multi_objective:
+        best["pareto_front"] = pareto
+    wl = run.workload
+    meta = {
+        "workload": wl.name,
+        "model_fingerprint": fingerprint,
+        "world_size": spec.world_size,
+        "health": HealthThresholds.from_dict(spec.health).to_dict(),
+        "target": {"metric": wl.metric_name, "reference": reference,
+                   "tolerance": spec.tolerance, "higher_is_better": wl.higher_is_better},
+        "provenance": base_provenance(
+            source="calibrate",
+            study=study_name,
+            storage=redact(storage_url or "sqlite:///.nfabric/studies.db"),
+            sampler=spec.sampler,
+            pruner=pruner_label(spec),
+            seed=spec.seed,
+            trials=len(finished),
+            pruned=pruned,
+            budget={"trials": spec.trials, "steps": spec.steps, "eval_every": spec.eval_every,
+                    "train_steps_spent": spent},
+            reference_metric=reference,
+            data_fingerprint=wl.data_fingerprint(),
+            winner_trial=best["trial"],
+            sensitivity=run.extra.get("sensitivity", {}),
+            pareto_front=pareto or None,
+            spec=spec.to_dict(),
+        ),
+    }
+    profile = config_profile(spec, config, meta, row_evidence(run, config, winner))
+    path = next_profile_path(out_root, wl.name)
+    write_profile(profile, path)
+    png = path.with_suffix(".png")
+    from nfabric_cli.calibration.plot import plot_search
+
+    plot_search(run, winner, png)
+    return Outcome(profile, path, png, len(finished), pruned, best, pareto, spent, run.new_trials)
+
+
+def trial_rows(run: StudyRun) -> list[dict[str, Any]]:
+    """Every finished trial, for tables and the plot."""
+    rows = []
+    for t in run.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        a = t.user_attrs
+        last = a.get("last") or {}
+        rows.append({
+            "trial": t.number,
+            "kind": a.get("kind", "search"),
+            "state": t.state.name,
+            "traffic_fraction": a.get("traffic_fraction", last.get("traffic_fraction")),
+            "degradation": a.get("degradation", last.get("degradation")),
+            "steps_run": a.get("steps_run", 0),
+        })
+    return rows

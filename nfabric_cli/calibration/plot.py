@@ -1,0 +1,56 @@
+"""The search at a glance: traffic fraction vs metric degradation per trial, the tolerance
+line, and the chosen point, saved as a PNG next to the profile."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from optuna.trial import FrozenTrial
+
+from nfabric_cli.atomic import atomic_path
+from nfabric_cli.calibration.outcome import trial_rows
+from nfabric_cli.calibration.study import StudyRun
+
+_COLOURS = {"sweep": "tab:orange", "derived": "tab:green", "search": "tab:blue"}
+
+
+def plot_search(run: StudyRun, winner: FrozenTrial | None, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in trial_rows(run)
+            if r["traffic_fraction"] is not None and r["degradation"] is not None
+            and math.isfinite(r["degradation"])]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
+    for kind, colour in _COLOURS.items():
+        for state, marker, alpha in (("COMPLETE", "o", 0.9), ("PRUNED", "x", 0.5)):
+            pts = [r for r in rows if r["kind"] == kind and r["state"] == state]
+            if pts:
+                label = f"{kind}" + (" (pruned, last checkpoint)" if state == "PRUNED" else "")
+                ax.scatter([r["traffic_fraction"] for r in pts], [r["degradation"] for r in pts],
+                           c=colour, marker=marker, alpha=alpha, label=label)
+    ax.scatter([1.0], [0.0], c="black", marker="s", label="fp32 reference")
+    if winner is not None:
+        a = winner.user_attrs
+        ax.scatter([a["traffic_fraction"]], [a["degradation"]], s=260, marker="*",
+                   facecolors="gold", edgecolors="black", zorder=5, label=f"chosen (trial {winner.number})")
+    untrained = sum(1 for t in run.study.trials if "traffic_bound" in t.user_attrs)
+    if untrained:
+        ax.text(0.99, 0.01, f"{untrained} trial(s) pruned before training (traffic bound)",
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="grey")
+    tol = run.spec.tolerance
+    ax.axhline(tol, color="red", linestyle="--", linewidth=1, label=f"tolerance {tol:g}")
+    ax.set_xlabel("traffic fraction of fp32 (measured)")
+    ax.set_ylabel(f"{run.workload.metric_name} degradation vs fp32 (positive = worse)")
+    ax.set_xscale("log")
+    ax.set_title(f"nfabric calibrate {run.workload.name}: {run.study.study_name}")
+    ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return path

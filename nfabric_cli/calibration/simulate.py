@@ -1,0 +1,268 @@
+"""Simulated data-parallel training: W workers in one process, exactly what W DDP ranks with
+the fabric hook would compute.
+
+Per step: each simulated rank computes its gradient on its own batch
+(`train_batch(step, rank, W, seed)`); the health statistics are gathered the way the hook
+agrees them (per-region gradient norm = sqrt of the summed squared local norms, sign agreement
+from the routes' `agree_sum / agree_n`, loss = mean of the ranks' losses, any non-finite value
+marks the step); every parameter is aggregated with the route in force for its region in this
+phase (the profile's, or fp32 while the health monitor holds the region), with per-rank error
+feedback; a non-finite step is zeroed; then one optimizer and scheduler step. Aggregation is
+separable per parameter (chunks never span parameters), so reducing each (region, route) group
+over the whole model equals the hook's per-bucket groups. Mirrors `runtime/state.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.binding.fingerprint import trainable_parameters
+from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, step_bytes
+from nfabric_cli.profile.phases import Phase
+from nfabric_cli.routes import FP32, ErrorFeedback, make_route
+from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
+from nfabric_cli.workloads.base import Workload
+
+#: Called after each checkpoint with (step, metric, traffic so far); False stops the run.
+CheckpointFn = Callable[[int, float, float], bool]
+
+
+@dataclass
+class SimResult:
+    """What one simulated run measured."""
+
+    curve: list[tuple[int, float]]  # (steps done, metric) at each checkpoint reached
+    steps_run: int
+    traffic_fraction: float
+    row_traffic: dict[tuple[str, str], float]
+    events: list[dict[str, Any]] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    stopped: bool = False  # the checkpoint callback asked to stop (a pruned trial)
+    model: torch.nn.Module | None = field(default=None, repr=False)  # the trained model
+
+    @property
+    def metric(self) -> float:
+        return self.curve[-1][1] if self.curve else float("nan")
+
+
+class SimulatedDDP:
+    """The model, optimizer, per-rank error feedback and health monitor of one simulated run."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        bindings: Bindings,
+        world_size: int,
+        total_steps: int,
+        seed: int,
+        monitor: bool = True,
+    ) -> None:
+        self.workload = workload
+        self.bindings = bindings
+        self.world_size = world_size
+        self.total_steps = max(1, int(total_steps))
+        self.seed = seed
+        self.model = workload.build_model(seed)
+        self.model.train()
+        self.params = [(tp.name, tp.param) for tp in trainable_parameters(self.model)]
+        self.optimizer, self.scheduler = workload.make_optimizer(
+            self.model.parameters(), self.total_steps
+        )
+        self.efs = [ErrorFeedback() for _ in range(world_size)]
+        self.monitor_enabled = monitor
+        scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
+        self.scopes = scopes
+        self.monitor = HealthMonitor(scopes, HealthThresholds.from_dict(bindings.meta.get("health") or {}))
+        self.events: list[dict[str, Any]] = []
+        self.skipped_steps: list[int] = []
+        self.tally = TrafficTally()
+        self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
+        self.step = 0
+        self.phase = bindings.phase_at(0, self.total_steps)
+        self._enter_phase(self.phase, 0)
+
+    # -- the hook's decisions ------------------------------------------------------------------
+    def effective(self, name: str) -> RouteSpec:
+        pb = self.bindings.params[name]
+        spec = pb.routes[self.phase.name]
+        if spec.lowbit and self.monitor_enabled and self.monitor.forced_fp32(pb.regions[self.phase.name]):
+            return FP32
+        return spec
+
+    def _enter_phase(self, phase: Phase, step: int) -> None:
+        self.phase = phase
+        routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
+        self.monitor.set_routes(routes)
+        self.events += [ev.to_dict() for ev in self.monitor.on_phase_change(phase.name, step)]
+
+    def _forced(self) -> frozenset[str]:
+        if not self.monitor_enabled:
+            return frozenset()
+        return frozenset(s for s in self.scopes if self.monitor.forced_fp32(s))
+
+    # -- one step --------------------------------------------------------------------------------
+    def local_gradients(self, step: int) -> tuple[list[list[torch.Tensor]], list[float]]:
+        """Per rank: flat gradients of every trainable parameter, and the local loss."""
+        tensors = [p for _, p in self.params]
+        grads, losses = [], []
+        for rank in range(self.world_size):
+            batch = self.workload.train_batch(step, rank, self.world_size, self.seed)
+            loss = self.workload.loss(self.model, batch)
+            losses.append(float(loss.detach()))
+            got = torch.autograd.grad(loss, tensors, allow_unused=True)
+            grads.append(
+                [torch.zeros(p.numel()) if g is None else g.detach().reshape(-1).float()
+                 for g, p in zip(got, tensors, strict=True)]
+            )
+        return grads, losses
+
+    def train_step(self) -> None:
+        step, phase = self.step, self.phase.name
+        grads, losses = self.local_gradients(step)
+        names = [n for n, _ in self.params]
+        regions = [self.bindings.params[n].regions[phase] for n in names]
+        # Health statistics, as the hook measures them before any encoding.
+        norm2: dict[str, float] = {}
+        nonfinite = False
+        for rank_grads in grads:
+            rank_bad = False
+            for region, g in zip(regions, rank_grads, strict=True):
+                norm = float(torch.linalg.vector_norm(g))
+                if not math.isfinite(norm):
+                    rank_bad = True
+                    continue
+                norm2[region] = norm2.get(region, 0.0) + norm * norm
+            if rank_bad:  # never encode NaN/Inf: the step is zeroed below anyway
+                for g in rank_grads:
+                    g.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            nonfinite |= rank_bad
+        nonfinite |= any(not math.isfinite(v) for v in losses)
+        finite_losses = [v for v in losses if math.isfinite(v)]
+        loss_mean = sum(finite_losses) / len(losses)
+
+        key = (phase, self._forced())
+        specs = [self.effective(n) for n in names]
+        if key not in self._bytes_cache:
+            by_name = dict(zip(names, specs, strict=True))
+            self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, by_name.__getitem__)
+        self.tally.add(self._bytes_cache[key])
+
+        agreed, agree = self._aggregate(names, regions, specs, grads)
+        agreement = {s: agree[s][0] / agree[s][1] for s in self.scopes if agree.get(s, (0, 0))[1] > 0}
+        if self.monitor_enabled:
+            norms = {s: math.sqrt(norm2.get(s, 0.0)) for s in self.scopes}
+            stats = StepStats(step, loss_mean, nonfinite, norms, agreement)
+            self.events += [ev.to_dict() for ev in self.monitor.check(stats)]
+        if nonfinite:
+            for g in agreed:
+                g.zero_()
+            self.skipped_steps.append(step)
+            self.events.append({"step": step, "scope": "all", "from": "update", "to": "skipped",
+                                "reason": "nonfinite gradient or loss: update neutralised on every rank"})
+        for (_, p), g in zip(self.params, agreed, strict=True):
+            p.grad = g.view_as(p).to(p.dtype)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step = step + 1
+        nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
+        if nxt.name != self.phase.name:
+            self._enter_phase(nxt, self.step)
+
+    def _aggregate(
+        self,
+        names: list[str],
+        regions: list[str],
+        specs: list[RouteSpec],
+        grads: list[list[torch.Tensor]],
+    ) -> tuple[list[torch.Tensor], dict[str, tuple[float, float]]]:
+        """What every rank receives per parameter, and (agree_sum, agree_n) per region."""
+        groups: dict[tuple[str, RouteSpec], list[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault((regions[i] if spec.lowbit else "", spec), []).append(i)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(names)
+        agree: dict[str, tuple[float, float]] = {}
+        for (region, spec), idx in groups.items():
+            route = make_route(spec)
+            label = spec.label()
+            per_rank = []
+            for rank, rank_grads in enumerate(grads):
+                if spec.error_feedback:
+                    parts = [self.efs[rank].compensate(names[i], label, rank_grads[i]) for i in idx]
+                else:
+                    parts = [rank_grads[i] for i in idx]
+                per_rank.append(parts)
+            flats = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in per_rank]
+            segs = tuple(grads[0][i].numel() for i in idx)
+            stats: dict[str, float] = {}
+            result = route.simulate(flats, segs, stats)
+            if spec.error_feedback and spec.lowbit:
+                # One roundtrip per rank and group: chunks never span parameters, so this is
+                # the hook's per-parameter roundtrip, concatenated.
+                for rank, (parts, flat) in enumerate(zip(per_rank, flats, strict=True)):
+                    sent = route.roundtrip(flat, segs)
+                    off = 0
+                    for i, comp in zip(idx, parts, strict=True):
+                        self.efs[rank].update(names[i], comp, sent[off : off + comp.numel()])
+                        off += comp.numel()
+            off = 0
+            for i, n in zip(idx, segs, strict=True):
+                out[i] = result[off : off + n]
+                off += n
+            if "agree_n" in stats:
+                s, n = agree.get(region, (0.0, 0.0))
+                agree[region] = (s + stats["agree_sum"], n + stats["agree_n"])
+        return out, agree
+
+    def evaluate(self) -> float:
+        return float(self.workload.evaluate(self.model))
+
+
+def simulate_run(
+    workload: Workload,
+    bindings: Bindings,
+    world_size: int,
+    steps: int,
+    seed: int,
+    checkpoints: tuple[int, ...] = (),
+    on_checkpoint: CheckpointFn | None = None,
+    on_step: Callable[[int], None] | None = None,
+    monitor: bool = True,
+) -> SimResult:
+    """Train `steps` simulated DDP steps; evaluate after each step in `checkpoints`.
+
+    The global RNG is forked and seeded, so a run depends only on its arguments.
+    """
+    marks = set(checkpoints)
+    curve: list[tuple[int, float]] = []
+    stopped = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor)
+        while sim.step < steps:
+            sim.train_step()
+            if on_step is not None:
+                on_step(sim.step)
+            if sim.step in marks:
+                metric = sim.evaluate()
+                curve.append((sim.step, metric))
+                if on_checkpoint is not None and not on_checkpoint(sim.step, metric, sim.tally.fraction()):
+                    stopped = sim.step < steps
+                    break
+    return SimResult(
+        curve=curve,
+        steps_run=sim.step,
+        traffic_fraction=sim.tally.fraction(),
+        row_traffic=sim.tally.row_fractions(),
+        events=sim.events,
+        skipped_steps=sim.skipped_steps,
+        stopped=stopped,
+        model=sim.model,
+    )

@@ -1,0 +1,372 @@
+"""The calibration study: FP32 reference, sensitivity sweep, then the Optuna search.
+
+Objective (one value, so pruners work): the trial's measured traffic fraction when its metric
+stays within tolerance of the FP32 reference, else ``1 + traffic + excess / tolerance``, so
+every out-of-tolerance trial ranks behind every admissible one (the all-fp32 profile scores
+1.0). Each checkpoint reports the same formula with the traffic so far, against the reference
+curve at that step, with the tolerance widened by what the reference still gains after it
+(early checkpoints are noisy); that is what Hyperband and the median pruner compare. Before a
+search trial trains, it is pruned if its traffic lower bound already loses to the best
+admissible trial. With ``--sampler nsga2`` the study has
+two objectives (traffic, metric degradation) for a Pareto front; Optuna cannot prune those.
+
+Order of trials: the reference runs outside the study (its curve is stored in the study's user
+attrs, so a resumed study reuses it); the sweep configurations (each region alone on its
+cheapest route) are enqueued first and never pruned; when they are done, the configurations
+they suggest are enqueued; then the sampler proposes. A configuration already completed in the
+study is not trained again: its stored result is reused.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.calibration.simulate import SimResult, simulate_run
+from nfabric_cli.calibration.space import (
+    Config,
+    config_profile,
+    derived_configs,
+    fp32_config,
+    suggest,
+    sweep_configs,
+)
+from nfabric_cli.calibration.spec import CalibrationSpec
+from nfabric_cli.calibration.storage import load_or_create, open_storage
+from nfabric_cli.calibration.traffic import traffic_lower_bound
+from nfabric_cli.workloads.base import Workload
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
+PENALTY_CAP = 1e3
+
+
+class ProgressSink:
+    """Receives progress; the CLI draws bars from it. Every method is optional."""
+
+    def trial_started(self, number: int | None, kind: str, steps: int) -> None: ...
+
+    def step(self, done: int) -> None: ...
+
+    def trial_finished(self, record: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class StudyRun:
+    """A finished `run_study`: the study and what this call did."""
+
+    study: optuna.Study
+    spec: CalibrationSpec
+    workload: Workload
+    reference: dict[str, Any]
+    resumed: bool
+    new_trials: int
+    multi_objective: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def degradation(metric: float, reference: float, higher_is_better: bool) -> float:
+    """How much worse than the reference (positive = worse), in metric units."""
+    if math.isnan(metric):
+        return math.inf
+    return reference - metric if higher_is_better else metric - reference
+
+
+def objective_value(traffic: float, degr: float, tolerance: float, slack: float = 0.0) -> float:
+    """`traffic` within `tolerance + slack`, else 1 + traffic + the excess in tolerances."""
+    if degr <= tolerance + slack:
+        return traffic
+    return 1.0 + traffic + min(PENALTY_CAP, (degr - tolerance - slack) / tolerance)
+
+
+def default_study_name(spec: CalibrationSpec, workload: str) -> str:
+    base = f"{workload}-w{spec.world_size}-s{spec.seed}"
+    return f"{base}-nsga2" if spec.sampler == "nsga2" else base
+
+
+def make_sampler(spec: CalibrationSpec, offset: int) -> optuna.samplers.BaseSampler:
+    """Seeded sampler; `offset` (trials already in the study) keeps a resumed run from
+    replaying the first session's random draws."""
+    seed = spec.seed * 100_003 + offset
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if spec.sampler == "tpe":
+            return optuna.samplers.TPESampler(
+                seed=seed, multivariate=True, constant_liar=True,
+                n_startup_trials=len(spec.regions) + 6,
+            )
+        if spec.sampler == "nsga2":
+            return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
+        return optuna.samplers.RandomSampler(seed=seed)
+
+
+def make_pruner(spec: CalibrationSpec) -> optuna.pruners.BasePruner:
+    if spec.sampler == "nsga2" or spec.pruner == "none":
+        return optuna.pruners.NopPruner()
+    if spec.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(
+            min_resource=1, max_resource=len(spec.checkpoints()), reduction_factor=3
+        )
+    return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
+
+
+def pruner_label(spec: CalibrationSpec) -> str:
+    return "none (multi-objective)" if spec.sampler == "nsga2" else spec.pruner
+
+
+class Calibrator:
+    """Runs the reference, the sweep and the search for one workload and spec."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        spec: CalibrationSpec,
+        sink: ProgressSink | None = None,
+        sweep: bool = True,
+        traffic_bound: bool = True,
+    ) -> None:
+        self.workload = workload
+        self.sweep = sweep
+        self.traffic_bound = traffic_bound
+        self.spec = spec
+        self.sink = sink or ProgressSink()
+        self.multi = spec.sampler == "nsga2"
+        self.model = workload.build_model(spec.seed)
+        self.health = dict(spec.health)
+        self.bindings_for(fp32_config(spec))  # dead or missing selectors fail here, exit 2
+        self.reference: dict[str, Any] = {}
+
+    # -- building blocks -------------------------------------------------------------------
+    def bindings_for(self, config: Config) -> Bindings:
+        profile = config_profile(
+            self.spec, config, {"world_size": self.spec.world_size, "health": self.health}
+        )
+        return compile_profile(
+            profile, self.model, world_size=self.spec.world_size, bucket_cap_mb=None,
+            total_steps=self.spec.steps,
+        )
+
+    def simulate(self, config: Config, on_checkpoint=None, bindings=None) -> SimResult:  # noqa: ANN001
+        return simulate_run(
+            self.workload, bindings or self.bindings_for(config), self.spec.world_size,
+            self.spec.steps, self.spec.seed, self.spec.checkpoints(), on_checkpoint, self.sink.step,
+        )
+
+    def _prune_by_bound(self, trial: optuna.Trial, bindings: Bindings) -> None:
+        """Prune before training when even the traffic lower bound loses to the best trial
+        within tolerance: fallbacks only move regions to fp32, so no run of this config can
+        measure less than the cheapest mix of its routes and fp32."""
+        ok = [t.user_attrs["traffic_fraction"]
+              for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+              if t.user_attrs.get("degradation", math.inf) <= self.spec.tolerance
+              and "traffic_fraction" in t.user_attrs]
+        if not ok:
+            return
+        bound = traffic_lower_bound(bindings, self.spec.world_size, self.spec.steps)
+        if bound <= min(ok) + 1e-12:
+            return
+        trial.set_user_attr("steps_run", 0)
+        trial.set_user_attr("traffic_bound", bound)
+        note = f"traffic bound {bound:.4f} > best admissible {min(ok):.4f}"
+        self.sink.trial_finished({"number": trial.number, "kind": trial.user_attrs.get("kind"),
+                                  "state": "PRUNED", "note": note})
+        raise optuna.TrialPruned(note)
+
+    def run_reference(self) -> dict[str, Any]:
+        self.sink.trial_started(None, "reference", self.spec.steps)
+        result = self.simulate(fp32_config(self.spec))
+        ref = {"curve": [list(c) for c in result.curve], "metric": result.metric,
+               "steps_run": result.steps_run}
+        self.sink.trial_finished({"number": None, "kind": "reference", "state": "COMPLETE",
+                                  "traffic_fraction": 1.0, "metric": result.metric,
+                                  "degradation": 0.0})
+        return ref
+
+    def degr(self, metric: float, step: int | None = None) -> float:
+        curve = dict((int(s), m) for s, m in self.reference["curve"])
+        ref = self.reference["metric"] if step is None else curve[step]
+        return degradation(metric, ref, self.workload.higher_is_better)
+
+    def slack(self, step: int) -> float:
+        """What the reference itself still gains after `step`: a trial that far behind at a
+        checkpoint may still finish within tolerance, so it is not penalised yet (early
+        checkpoints are noisy; the last one has no slack)."""
+        curve = dict((int(s), m) for s, m in self.reference["curve"])
+        return max(0.0, degradation(curve[step], self.reference["metric"],
+                                    self.workload.higher_is_better))
+
+    def values(self, traffic: float, degr: float) -> float | tuple[float, float]:
+        if self.multi:
+            return (traffic, min(degr, PENALTY_CAP))
+        return objective_value(traffic, degr, self.spec.tolerance)
+
+    # -- the objective ---------------------------------------------------------------------
+    def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
+        config = suggest(trial, self.spec)
+        kind = trial.user_attrs.get("kind", "search")
+        trial.set_user_attr("kind", kind)
+        trial.set_user_attr("key", config.key())
+        self.sink.trial_started(trial.number, kind, self.spec.steps)
+        reused = self._reuse(trial, config)
+        if reused is not None:
+            return reused
+        prunable = not self.multi and kind == "search" and self.spec.pruner != "none"
+        bindings = self.bindings_for(config)
+        if prunable and self.traffic_bound:
+            self._prune_by_bound(trial, bindings)
+        marks = self.spec.checkpoints()
+
+        def on_checkpoint(step: int, metric: float, traffic: float) -> bool:
+            d = self.degr(metric, step)
+            trial.set_user_attr("steps_run", step)
+            trial.set_user_attr("last", {"step": step, "metric": metric, "traffic_fraction": traffic,
+                                         "degradation": d})
+            if self.multi:
+                return True
+            value = objective_value(traffic, d, self.spec.tolerance, self.slack(step))
+            trial.report(value, marks.index(step) + 1)
+            return not (prunable and trial.should_prune())
+
+        result = self.simulate(config, on_checkpoint, bindings)
+        record = self._record(trial, result)
+        if result.stopped:
+            self.sink.trial_finished({**record, "state": "PRUNED"})
+            raise optuna.TrialPruned(f"pruned at step {result.steps_run}")
+        self.sink.trial_finished({**record, "state": "COMPLETE"})
+        return self.values(result.traffic_fraction, record["degradation"])
+
+    def _record(self, trial: optuna.Trial, result: SimResult) -> dict[str, Any]:
+        d = self.degr(result.metric, result.curve[-1][0]) if result.curve else math.inf
+        record = {
+            "number": trial.number,
+            "kind": trial.user_attrs.get("kind"),
+            "traffic_fraction": result.traffic_fraction,
+            "metric": result.metric,
+            "degradation": d,
+            "steps_run": result.steps_run,
+        }
+        for key, value in record.items():
+            if key != "number":
+                trial.set_user_attr(key, value)
+        trial.set_user_attr("curve", [list(c) for c in result.curve])
+        trial.set_user_attr("row_traffic", {f"{r}@{p}": v for (r, p), v in result.row_traffic.items()})
+        trial.set_user_attr("fallbacks", sum(1 for e in result.events if e.get("to") == "fp32"))
+        trial.set_user_attr("skipped_steps", len(result.skipped_steps))
+        return record
+
+    def _reuse(self, trial: optuna.Trial, config: Config) -> float | tuple[float, float] | None:
+        """The stored result of an identical completed configuration, if any (no training)."""
+        if config.all_fp32():
+            attrs = {"traffic_fraction": 1.0, "metric": self.reference["metric"],
+                     "degradation": 0.0, "curve": self.reference["curve"], "row_traffic": {},
+                     "fallbacks": 0, "skipped_steps": 0, "reused_from": "reference"}
+        else:
+            key = config.key()
+            same = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                    if t.user_attrs.get("key") == key and "traffic_fraction" in t.user_attrs]
+            if not same:
+                return None
+            src = same[0].user_attrs
+            attrs = {k: src[k] for k in ("traffic_fraction", "metric", "degradation", "curve",
+                                         "row_traffic", "fallbacks", "skipped_steps") if k in src}
+            attrs["reused_from"] = same[0].number
+        for k, v in attrs.items():
+            trial.set_user_attr(k, v)
+        trial.set_user_attr("steps_run", 0)
+        record = {"number": trial.number, "kind": trial.user_attrs.get("kind"), "state": "COMPLETE",
+                  "traffic_fraction": attrs["traffic_fraction"], "metric": attrs["metric"],
+                  "degradation": attrs["degradation"], "steps_run": 0,
+                  "reused_from": attrs["reused_from"]}
+        self.sink.trial_finished(record)
+        return self.values(attrs["traffic_fraction"], attrs["degradation"])
+
+    # -- seeding -----------------------------------------------------------------------------
+    def enqueue_sweep(self, study: optuna.Study) -> None:
+        """Enqueue each region's sweep trial unless the study has it (done, queued or running)."""
+        live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING, TrialState.RUNNING)
+        have = {t.user_attrs.get("region") for t in study.get_trials(deepcopy=False, states=live)
+                if t.user_attrs.get("kind") == "sweep"}
+        for region, config in sweep_configs(self.spec).items():
+            if region not in have:
+                study.enqueue_trial(config.params(self.spec), {"kind": "sweep", "region": region})
+
+    def sensitivity(self, study: optuna.Study) -> dict[str, float] | None:
+        """Region -> degradation alone on its cheapest route; None until the sweep is done."""
+        found: dict[str, float] = {}
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+            if t.user_attrs.get("kind") == "sweep" and "degradation" in t.user_attrs:
+                found.setdefault(t.user_attrs["region"], float(t.user_attrs["degradation"]))
+        wanted = set(sweep_configs(self.spec))
+        return found if wanted <= set(found) else None
+
+    def after_trial(self, study: optuna.Study, *_: Any) -> None:
+        """Keep the queue seeded: missing sweep trials, then (once the sweep is done) seeds."""
+        if not self.sweep:
+            return
+        self.enqueue_sweep(study)
+        self.maybe_enqueue_derived(study)
+
+    def maybe_enqueue_derived(self, study: optuna.Study) -> None:
+        """Once the sweep is done, enqueue the seeds it suggests (again, if one was lost)."""
+        sens = self.sensitivity(study)
+        if sens is None:
+            return
+        live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING, TrialState.RUNNING)
+        have = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False, states=live)
+                if t.user_attrs.get("kind") == "derived"}
+        for config in derived_configs(self.spec, sens):
+            if config.key() not in have:
+                study.enqueue_trial(config.params(self.spec), {"kind": "derived", "key": config.key()})
+
+
+def run_study(
+    workload: Workload,
+    spec: CalibrationSpec,
+    storage_url: str | None = None,
+    study_name: str | None = None,
+    sink: ProgressSink | None = None,
+    callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] = (),
+    sweep: bool = True,
+    traffic_bound: bool = True,
+) -> StudyRun:
+    """Reference, sweep and `spec.trials` more trials in the named study (created or resumed).
+
+    `sweep=False` leaves out the sweep and its seeds, `traffic_bound=False` the pruning of
+    trials whose traffic lower bound cannot win (both for benchmarks)."""
+    calibrator = Calibrator(workload, spec, sink, sweep, traffic_bound)
+    storage = open_storage(storage_url)
+    name = study_name or default_study_name(spec, workload.name)
+    spec_dict = {k: v for k, v in spec.to_dict().items() if k not in ("trials", "sampler", "pruner")}
+    attrs = {"workload": workload.name, "search_key": spec.search_key(), "spec": spec_dict}
+    n_obj = 2 if calibrator.multi else 1
+    study, resumed = load_or_create(
+        storage, name, n_obj, optuna.samplers.RandomSampler(), make_pruner(spec), attrs
+    )
+    study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
+    reference = study.user_attrs.get("reference")
+    if reference is None:
+        reference = calibrator.run_reference()
+        study.set_user_attr("reference", reference)
+    calibrator.reference = reference
+    if isinstance(storage, optuna.storages.RDBStorage):  # a killed run's trial: failed, re-queued
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(study)
+    calibrator.after_trial(study)
+    before = len(study.get_trials(deepcopy=False, states=FINISHED))
+    study.optimize(
+        calibrator.objective,
+        n_trials=spec.trials,
+        callbacks=[calibrator.after_trial, *callbacks],
+        gc_after_trial=False,
+    )
+    after = len(study.get_trials(deepcopy=False, states=FINISHED))
+    return StudyRun(study, spec, workload, reference, resumed, after - before, calibrator.multi,
+                    {"sensitivity": calibrator.sensitivity(study) or {}})

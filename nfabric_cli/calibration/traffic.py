@@ -1,0 +1,122 @@
+"""Bytes a simulated step puts on the wire, counted the way the DDP hook sends them.
+
+The hook reduces each bucket as one fp32 all-reduce when every parameter in it is on fp32,
+and otherwise as one collective per (region, route) group (region "" for the float routes).
+We replay that grouping over the bindings' bucket plan with the routes in force at each step
+(after health fallbacks), so a trial's traffic fraction counts fallbacks too. Bytes are one
+non-root rank's sent + received, against the same buckets all-reduced in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import combinations
+
+from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.routes import FP32, make_route
+from nfabric_cli.routes.spec import RouteSpec
+
+Row = tuple[str, str]  # (region selector, phase)
+
+
+@dataclass
+class StepBytes:
+    """One step's bytes in total and per profile row (row: bytes, row: fp32 share)."""
+
+    sent: int
+    fp32: int
+    rows: dict[Row, tuple[float, float]]
+
+
+@dataclass
+class TrafficTally:
+    """Running sums over the steps of a simulated run."""
+
+    sent: int = 0
+    fp32: int = 0
+    rows: dict[Row, list[float]] = field(default_factory=dict)
+
+    def add(self, step: StepBytes) -> None:
+        self.sent += step.sent
+        self.fp32 += step.fp32
+        for row, (b, ref) in step.rows.items():
+            cell = self.rows.setdefault(row, [0.0, 0.0])
+            cell[0] += b
+            cell[1] += ref
+
+    def fraction(self) -> float:
+        return self.sent / self.fp32 if self.fp32 else 1.0
+
+    def row_fractions(self) -> dict[Row, float]:
+        return {row: (b / ref if ref else 1.0) for row, (b, ref) in sorted(self.rows.items())}
+
+
+def step_bytes(
+    bindings: Bindings, world_size: int, phase: str, effective: Callable[[str], RouteSpec]
+) -> StepBytes:
+    """Bytes of one step in `phase`, each parameter on `effective(name)` (see module doc)."""
+    fp32 = make_route(FP32)
+    sent = total_ref = 0
+    rows: dict[Row, list[float]] = {}
+
+    def credit(row: Row, b: float, ref: float) -> None:
+        cell = rows.setdefault(row, [0.0, 0.0])
+        cell[0] += b
+        cell[1] += ref
+
+    for bucket in bindings.buckets:
+        names = bucket.params
+        numels = [bindings.params[n].numel for n in names]
+        regions = [bindings.params[n].regions[phase] for n in names]
+        specs = [effective(n) for n in names]
+        ref = fp32.wire_bytes(bucket.numel, world_size).total
+        total_ref += ref
+        share = [ref * n / bucket.numel if bucket.numel else 0.0 for n in numels]
+        if all(s.name == "fp32" and not s.lowbit for s in specs):
+            sent += ref
+            for region, s in zip(regions, share, strict=True):
+                credit((region, phase), s, s)
+            continue
+        groups: dict[tuple[str, RouteSpec], list[int]] = {}
+        for i, spec in enumerate(specs):
+            groups.setdefault((regions[i] if spec.lowbit else "", spec), []).append(i)
+        for (_, spec), idx in groups.items():
+            segs = tuple(numels[i] for i in idx)
+            b = make_route(spec).wire_bytes(sum(segs), world_size, segments=segs).total
+            sent += b
+            group_ref = sum(share[i] for i in idx)
+            for i in idx:  # a float group spans regions: split its bytes by elements
+                frac = share[i] / group_ref if group_ref else 0.0
+                credit((regions[i], phase), b * frac, share[i])
+    return StepBytes(sent, total_ref, {k: (v[0], v[1]) for k, v in rows.items()})
+
+
+def traffic_lower_bound(bindings: Bindings, world_size: int, steps: int) -> float:
+    """The least traffic fraction any run of these bindings can measure: per phase, the
+    cheapest of every way the health monitor could hold its low-bit regions on fp32."""
+    sent = ref = 0.0
+    for phase in bindings.phases:
+        n = sum(1 for s in range(steps) if bindings.phase_at(s, steps).name == phase.name)
+        if n == 0:
+            continue
+        lowbit = sorted({b.regions[phase.name] for b in bindings.params.values()
+                         if b.routes[phase.name].lowbit})
+        options = [
+            step_bytes(bindings, world_size, phase.name, held_on_fp32(bindings, phase.name, held))
+            for k in range(len(lowbit) + 1)
+            for held in combinations(lowbit, k)
+        ]
+        sent += n * min(o.sent for o in options)
+        ref += n * options[0].fp32
+    return sent / ref if ref else 1.0
+
+
+def held_on_fp32(bindings: Bindings, phase: str, held: tuple[str, ...]) -> Callable[[str], RouteSpec]:
+    """Parameter -> route in `phase` when the regions in `held` are forced to fp32."""
+
+    def effective(name: str) -> RouteSpec:
+        b = bindings.params[name]
+        return FP32 if b.regions[phase] in held and b.routes[phase].lowbit else b.routes[phase]
+
+    return effective

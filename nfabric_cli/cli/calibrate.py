@@ -1,0 +1,142 @@
+"""`nfabric calibrate WORKLOAD`: search precision per region and phase, write a profile."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from nfabric_cli.cli.common import console, err_console, handle_errors, print_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate")(calibrate_cmd)
+
+
+@handle_errors
+def calibrate_cmd(
+    workload: str = typer.Argument(..., help="Built-in workload (vision, transformer, lm) or MODULE:FN."),
+    spec: Path = typer.Option(None, "--spec", help="Calibration spec (default calibrate/<workload>.toml)."),
+    world_size: int = typer.Option(None, "--world-size", help="Simulated ranks (overrides the spec)."),
+    trials: int = typer.Option(None, "--trials", help="Trials to add to the study in this run."),
+    steps: int = typer.Option(None, "--steps", help="Training steps per trial."),
+    sampler: str = typer.Option(None, "--sampler", help="tpe, nsga2 or random."),
+    pruner: str = typer.Option(None, "--pruner", help="hyperband, median or none."),
+    storage: str = typer.Option(None, "--storage", help="Optuna storage URL or journal:PATH "
+                                "(default sqlite:///.nfabric/studies.db)."),
+    study: str = typer.Option(None, "--study", help="Study name (default <workload>-w<W>-s<seed>)."),
+    seed: int = typer.Option(None, "--seed", help="Seed for weights, data order and the sampler."),
+    tolerance: float = typer.Option(None, "--tolerance", help="Allowed metric drop vs FP32."),
+    out: Path = typer.Option(Path("profiles"), "--out", help="Profile root: OUT/<workload>/."),
+    data_dir: str = typer.Option(None, "--data-dir", help="Data directory for the workload."),
+    as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best}."),
+) -> None:
+    """Calibrate: FP32 reference, sensitivity sweep, Optuna search; write the cheapest profile
+    within tolerance to OUT/<workload>/<workload>.v<N>.parquet (and a PNG of the search)."""
+    import optuna
+
+    from nfabric_cli.calibration import calibrate, resolve_spec
+    from nfabric_cli.workloads.registry import get_workload
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    wl = get_workload(workload, data_dir)
+    base = resolve_spec(wl.name, wl.head_selector, wl.default_steps, spec)
+    if pruner is not None and (sampler or base.sampler) == "nsga2" and pruner != "none":
+        from nfabric_cli.errors import InputError
+
+        raise InputError("--sampler nsga2 runs a multi-objective study, which Optuna cannot "
+                         "prune: use --pruner none")
+    # --steps keeps the spec's number of checkpoints
+    every = None if steps is None else max(1, round(base.eval_every * steps / base.steps))
+    cal = base.with_overrides(world_size=world_size, trials=trials, steps=steps, sampler=sampler,
+                              pruner=pruner, seed=seed, tolerance=tolerance, eval_every=every)
+    if as_json:
+        _, outcome = calibrate(wl, cal, storage, study, out)
+        print_json({"profile": str(outcome.path), "trials": outcome.trials,
+                    "pruned": outcome.pruned, "best": outcome.best})
+        return
+    with _RichSink(cal.trials) as sink:
+        run, outcome = calibrate(wl, cal, storage, study, out, sink)
+    console.print(_summary(outcome, run.study.study_name))
+    console.print(_routes(outcome.best))
+    if outcome.pareto:
+        console.print(_pareto(outcome.pareto))
+    console.print(f"profile: {outcome.path}\nsearch plot: {outcome.png}")
+
+
+class _RichSink:
+    """Progress bars: trials of this run, and the steps of the trial in flight."""
+
+    def __init__(self, trials: int) -> None:
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=err_console, transient=False,
+        )
+        self.trials = self.progress.add_task("trials", total=trials)
+        self.steps = self.progress.add_task("trial", total=1, visible=False)
+
+    def __enter__(self) -> _RichSink:
+        return self  # the bars appear with the first trial, not before a bad-input error
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+
+    def trial_started(self, number: int | None, kind: str, steps: int) -> None:
+        label = kind if number is None else f"trial {number} ({kind})"
+        self.progress.start()
+        self.progress.reset(self.steps, total=steps, description=label, visible=True)
+
+    def step(self, done: int) -> None:
+        self.progress.update(self.steps, completed=done)
+
+    def trial_finished(self, record: dict[str, Any]) -> None:
+        if record.get("number") is not None:
+            self.progress.advance(self.trials)
+        d = record.get("degradation")
+        number = record.get("number")
+        label = record.get("kind", "") + ("" if number is None else f" {number}")
+        if "note" in record:
+            self.progress.console.print(f"  {label} {record['state'].lower()}: {record['note']}",
+                                        highlight=False, soft_wrap=True)
+            return
+        note = f" (reused trial {record['reused_from']})" if "reused_from" in record else ""
+        self.progress.console.print(
+            f"  {label} {record['state'].lower()}: traffic {record['traffic_fraction']:.4f}, "
+            f"metric {record['metric']:.4f}, degradation {d:+.4f}{note}",
+            highlight=False, soft_wrap=True,
+        )
+
+
+def _summary(outcome: Any, study: str) -> Table:
+    best = outcome.best
+    table = Table(title=f"calibration: study {study}")
+    for col in ("trials", "pruned", "new", "train steps", "best traffic", "best metric", "delta vs fp32"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        str(outcome.trials), str(outcome.pruned), str(outcome.new_trials), f"{outcome.steps_spent:,}",
+        f"{best['traffic_fraction']:.4f}", f"{best['metric']:.4f}", f"{best['metric_delta']:+.4f}",
+    )
+    return table
+
+
+def _routes(best: dict[str, Any]) -> Table:
+    table = Table(title=f"chosen routes (trial {best['trial']})")
+    table.add_column("region@phase")
+    table.add_column("route")
+    for key, route in best["routes"].items():
+        table.add_row(key, route)
+    return table
+
+
+def _pareto(front: list[dict[str, Any]]) -> Table:
+    table = Table(title="Pareto front: traffic vs metric degradation")
+    for col in ("trial", "traffic", "degradation"):
+        table.add_column(col, justify="right")
+    for p in front:
+        table.add_row(str(p["trial"]), f"{p['traffic_fraction']:.4f}", f"{p['degradation']:+.4f}")
+    return table

@@ -1,0 +1,143 @@
+"""The simulated workers equal real DDP with the fabric hook, and mirror its health logic."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfabric_cli import attach
+from nfabric_cli.binding import compile_profile
+from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.calibration.space import Config, config_profile
+from nfabric_cli.calibration.traffic import step_bytes
+from nfabric_cli.routes import FP32, make_route
+from nfabric_cli.workloads.registry import get_workload
+from tests.calibration.helpers import TINY, tiny_spec
+from tests.distutil import run_ranks
+
+STEPS, SEED = 4, 3
+
+
+def _bindings(model, world: int, health: dict | None = None, norms: str = "type:GroupNorm"):
+    """warmup (first step): int8 head, fp32 rest; then head fp32, norms ternary+EF, rest sign+EF."""
+    spec = tiny_spec(world_size=world, steps=STEPS, eval_every=2, health=health or {},
+                     regions=[
+                         {"name": "head", "selector": "head.*", "routes": ["fp32", "int8"]},
+                         {"name": "norms", "selector": norms,
+                          "routes": ["fp32", "ternary"]},
+                         {"name": "rest", "selector": "*", "routes": ["fp32", "sign"]},
+                     ])
+    config = Config((("int8", "fp32", "fp32"), ("fp32", "ternary", "sign")), (0.25,), 0.4, True)
+    profile = config_profile(spec, config, {"world_size": world, "health": spec.health})
+    return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
+
+
+def _real_worker(rank: int, world: int) -> dict:
+    wl = get_workload("vision")
+    model = wl.build_model(SEED)
+    ddp = DDP(model)
+    state = attach(ddp, _bindings(model, world), total_steps=STEPS)
+    opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
+    for step in range(STEPS):
+        loss = wl.loss(ddp, wl.train_batch(step, rank, world, SEED))
+        state.observe(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    state.close()
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "fraction": state.meter.fraction(include_control=False),
+        "events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events],
+        "metric": wl.evaluate(model),
+    }
+
+
+def test_simulated_workers_equal_real_ddp_with_the_hook() -> None:
+    world = 2
+    real = run_ranks(_real_worker, world)
+    wl = get_workload("vision")
+    model = wl.build_model(SEED)
+    bindings = _bindings(model, world)
+    sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,))
+    for rank in range(world):
+        for name, p in sim.model.named_parameters():
+            diff = float((p.detach() - real[rank]["params"][name]).abs().max())
+            assert diff <= 1e-6, (rank, name, diff)
+    exact = all(torch.equal(p.detach(), real[0]["params"][n]) for n, p in sim.model.named_parameters())
+    assert exact  # same batches, same codecs, same optimizer: bit for bit
+    assert sim.metric == real[0]["metric"]
+    assert sim.traffic_fraction == real[0]["fraction"]  # same buckets, same groups, same bytes
+    assert sim.events == real[0]["events"]
+    assert sim.steps_run == STEPS and sim.curve == [(STEPS, real[0]["metric"])]
+
+
+def test_health_fallback_counts_in_measured_traffic() -> None:
+    # sign_agreement_min = 1 trips the sign region at the first step that is not unanimous;
+    # it then stays on fp32 through the cooldown: the measured traffic must say so.
+    wl = get_workload(TINY)
+    model = wl.build_model(SEED)
+    world = 2
+    health = {"sign_agreement_min": 1.0, "cooldown": 10}
+    bindings = _bindings(model, world, health, "type:LayerNorm")
+    sim = simulate_run(wl, bindings, world, STEPS, SEED)
+    trips = [e for e in sim.events if e["to"] == "fp32"]
+    assert [(e["step"], e["scope"]) for e in trips] == [(1, "*")]
+    assert trips[0]["reason"].startswith("sign agreement")
+
+    def eff(step: int, forced: bool):
+        phase = bindings.phase_at(step, STEPS).name
+        def f(n: str):
+            spec = bindings.params[n].routes[phase]
+            return FP32 if forced and bindings.params[n].regions[phase] == "*" else spec
+        return step_bytes(bindings, world, phase, f)
+
+    parts = [eff(0, False), eff(1, False), eff(2, True), eff(3, True)]
+    expected = sum(p.sent for p in parts) / sum(p.fp32 for p in parts)
+    assert math.isclose(sim.traffic_fraction, expected, rel_tol=0, abs_tol=0)
+    assert sim.row_traffic[("*", "main")] > 0.5  # mostly fp32 after the trip
+
+
+def test_step_bytes_match_route_wire_bytes() -> None:
+    wl = get_workload(TINY)
+    model = wl.build_model(0)
+    bindings = _bindings(model, 4, norms="type:LayerNorm")
+    total = sum(b.numel for b in bindings.params.values())
+    sb = step_bytes(bindings, 4, "warmup", lambda n: FP32)
+    assert sb.sent == sb.fp32 == make_route(FP32).wire_bytes(total, 4).total
+    assert all(math.isclose(b, ref) for b, ref in sb.rows.values())
+
+
+def test_checkpoint_callback_stops_a_run_early() -> None:
+    wl = get_workload(TINY)
+    model = wl.build_model(0)
+    bindings = _bindings(model, 2, norms="type:LayerNorm")
+    seen = []
+
+    def stop(step: int, metric: float, traffic: float) -> bool:
+        seen.append((step, traffic))
+        return False
+
+    res = simulate_run(wl, bindings, 2, STEPS, 0, checkpoints=(2, STEPS), on_checkpoint=stop)
+    assert res.stopped and res.steps_run == 2 and [s for s, _ in seen] == [2]
+    assert 0 < seen[0][1] < 1
+
+
+def test_traffic_lower_bound_is_the_cheapest_fallback_mix() -> None:
+    from nfabric_cli.calibration.traffic import held_on_fp32, traffic_lower_bound
+
+    wl = get_workload(TINY)
+    bindings = _bindings(wl.build_model(0), 2, norms="type:LayerNorm")
+    # warmup = step 0 (int8 head, rest fp32), main = steps 1..3 (ternary norms, sign rest)
+    warm = [step_bytes(bindings, 2, "warmup", held_on_fp32(bindings, "warmup", h))
+            for h in ((), ("head.*",))]
+    main = [step_bytes(bindings, 2, "main", held_on_fp32(bindings, "main", h))
+            for h in ((), ("type:LayerNorm",), ("*",), ("type:LayerNorm", "*"))]
+    expected = (min(w.sent for w in warm) + 3 * min(m.sent for m in main)) / (
+        warm[0].fp32 + 3 * main[0].fp32)
+    assert traffic_lower_bound(bindings, 2, STEPS) == expected
+    sim = simulate_run(wl, bindings, 2, STEPS, 0)
+    assert sim.traffic_fraction >= expected

@@ -1,0 +1,261 @@
+"""Tiny studies end to end: profile written, resume, determinism, nsga2, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+from typer.testing import CliRunner
+
+from nfabric_cli.app import app
+from nfabric_cli.calibration import ProgressSink, calibrate, run_study
+from nfabric_cli.calibration.study import objective_value
+from nfabric_cli.errors import InputError
+from nfabric_cli.profile import read_profile
+from nfabric_cli.workloads.registry import get_workload
+from tests.calibration.helpers import TINY, tiny_spec, tiny_spec_dict, toml_text
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class _Count(ProgressSink):
+    def __init__(self) -> None:
+        self.started: list[tuple[int | None, str]] = []
+
+    def trial_started(self, number, kind, steps) -> None:  # noqa: ANN001
+        self.started.append((number, kind))
+
+
+def _finished(study: optuna.Study) -> list:
+    return study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def test_objective_ranks_every_miss_behind_every_admissible_trial() -> None:
+    assert objective_value(0.05, 0.01, 0.02) == 0.05
+    assert objective_value(1.0, 0.0, 0.02) == 1.0  # the fp32 reference
+    assert objective_value(0.05, 0.03, 0.02) == pytest.approx(1.0 + 0.05 + 0.5)
+    # at a checkpoint, what the reference still gains widens the tolerance
+    assert objective_value(0.05, 0.03, 0.02, slack=0.01) == 0.05
+    assert objective_value(0.05, 0.05, 0.02, slack=0.01) == pytest.approx(1.0 + 0.05 + 1.0)
+
+
+def test_tiny_study_end_to_end_writes_a_valid_profile(tmp_path: Path) -> None:
+    wl = get_workload(TINY)
+    spec = tiny_spec(trials=4)
+    url = f"sqlite:///{tmp_path}/s.db"
+    sink = _Count()
+    run, out = calibrate(wl, spec, url, "t", tmp_path / "profiles", sink)
+    assert out.path == tmp_path / "profiles" / "tiny" / "tiny.v1.parquet"
+    assert out.png is not None and out.png.read_bytes()[:4] == b"\x89PNG"
+    assert sink.started[0] == (None, "reference")
+    kinds = [t.user_attrs["kind"] for t in run.study.trials]
+    assert kinds[:2] == ["sweep", "sweep"] and len(kinds) == 4  # sweep first, 4 trials in all
+    assert out.trials == 4 and out.trials == len(_finished(run.study))
+    prof = read_profile(out.path)
+    meta = prof.meta
+    ref = run.study.user_attrs["reference"]["metric"]
+    assert meta["target"] == {"metric": "accuracy", "reference": ref, "tolerance": 0.05,
+                              "higher_is_better": True}
+    prov = meta["provenance"]
+    for key in ("sampler", "pruner", "seed", "trials", "pruned", "budget", "reference_metric",
+                "data_fingerprint", "packages"):
+        assert key in prov, key
+    assert (prov["sampler"], prov["pruner"], prov["seed"], prov["trials"]) == ("tpe", "hyperband", 0, 4)
+    assert prov["data_fingerprint"] == wl.data_fingerprint()
+    assert prov["budget"]["train_steps_spent"] == out.steps_spent > 0
+    assert meta["world_size"] == 2 and meta["workload"] == "tiny"
+    best = out.best
+    assert best["metric_delta"] >= -1 and best["reference"] == ref
+    assert ref - best["metric"] <= 0.05  # within tolerance, by construction
+    rows = prof.rows
+    assert len(rows) == 4 and all(r.trials is not None and r.metric_delta is not None for r in rows)
+    if best["trial"] is not None:
+        winner = run.study.trials[best["trial"]]
+        assert best["traffic_fraction"] == winner.user_attrs["traffic_fraction"]
+        assert all(r.metric_delta == pytest.approx(best["metric_delta"]) for r in rows)
+
+
+def test_interrupted_study_resumes_and_counts_add_up(tmp_path: Path) -> None:
+    wl = get_workload(TINY)
+    url = f"sqlite:///{tmp_path}/s.db"
+
+    def stop_after_two(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if len(_finished(study)) >= 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_study(wl, tiny_spec(trials=5), url, "r", callbacks=[stop_after_two])
+    first = optuna.load_study(study_name="r", storage=url)
+    assert len(_finished(first)) == 2 and "reference" in first.user_attrs
+
+    class Interrupt(ProgressSink):  # interrupt inside the third trial: it is lost, nothing else
+        def step(self, done: int) -> None:
+            if done == 3:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_study(wl, tiny_spec(trials=5), url, "r", Interrupt())
+    second = optuna.load_study(study_name="r", storage=url)
+    states = [t.state for t in second.trials]
+    assert states.count(TrialState.FAIL) == 1 and states[-1] == TrialState.FAIL
+    done = len(_finished(second))
+    assert done >= 2
+
+    sink = _Count()
+    run = run_study(wl, tiny_spec(trials=3), url, "r", sink)
+    assert run.resumed and run.new_trials == 3
+    assert len(_finished(run.study)) == done + 3
+    # a sweep or seed trial that failed is queued again: each one completes once
+    kinds = [t.user_attrs.get("kind") for t in run.study.trials if t.state == TrialState.COMPLETE]
+    assert kinds.count("sweep") == 2 and kinds.count("derived") == len(set(
+        t.user_attrs["key"] for t in run.study.trials if t.user_attrs.get("kind") == "derived"))
+    assert all(kind != "reference" for _, kind in sink.started)  # the reference is reused
+
+
+def test_fresh_studies_with_the_same_seed_and_name_agree(tmp_path: Path) -> None:
+    wl = get_workload(TINY)
+    spec = tiny_spec(trials=5, pruner="median")
+    runs = [run_study(wl, spec, f"sqlite:///{tmp_path}/{i}.db", "same") for i in range(2)]
+    a, b = ([(t.params, t.state, t.value) for t in r.study.trials] for r in runs)
+    assert a == b
+    assert runs[0].study.best_params == runs[1].study.best_params
+
+
+def test_nsga2_reports_a_pareto_front(tmp_path: Path) -> None:
+    wl = get_workload(TINY)
+    spec = tiny_spec(trials=4, sampler="nsga2")
+    run, out = calibrate(wl, spec, f"sqlite:///{tmp_path}/s.db", None, tmp_path / "p")
+    assert run.study.study_name == "tiny-w2-s0-nsga2" and len(run.study.directions) == 2
+    front = out.best["pareto_front"]
+    assert front and all(p["traffic_fraction"] <= 1 for p in front)
+    traffic = [p["traffic_fraction"] for p in front]
+    degr = [p["degradation"] for p in front]
+    assert traffic == sorted(traffic) and degr == sorted(degr, reverse=True)  # a real front
+    assert out.pruned == 0
+
+
+def test_study_of_another_workload_or_spec_is_refused(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/s.db"
+    run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
+    with pytest.raises(InputError, match="study 'x' was run with a different calibration spec "
+                                         r"\(changed: steps\)"):
+        run_study(get_workload(TINY), tiny_spec(trials=1, steps=4), url, "x")
+    study = optuna.load_study(study_name="x", storage=url)
+    study.set_user_attr("workload", "lm")
+    with pytest.raises(InputError, match="study 'x' belongs to workload 'lm', not 'tiny'"):
+        run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
+
+
+def _cli(tmp_path: Path, *args: str):
+    spec = tmp_path / "spec.toml"
+    if not spec.exists():
+        spec.write_text(toml_text(tiny_spec_dict(trials=2)))
+    return CliRunner().invoke(app, ["calibrate", TINY, "--spec", str(spec), *args])
+
+
+def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
+    res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o"),
+               "--trials", "2", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert list(doc) == ["profile", "trials", "pruned", "best"]
+    assert doc["profile"] == str(tmp_path / "o" / "tiny" / "tiny.v1.parquet")
+    assert doc["trials"] == 2 and doc["pruned"] == 0
+    assert set(doc["best"]) >= {"trial", "traffic_fraction", "metric", "metric_delta", "routes"}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tolerance", "0"], "tolerance must be in (0, 1]"),
+        (["--trials", "0"], "trials must be in [1, 10000]"),
+        (["--steps", "0"], "steps must be in [1"),
+        (["--storage", "nosuchdb://x"], "cannot open storage nosuchdb://x"),
+        (["--storage", "sqlite:////nonexistent/dir/s.db"], "cannot open storage"),
+        (["--sampler", "nsga2", "--pruner", "hyperband"], "cannot prune"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    res = _cli(tmp_path, *args)
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], res.output
+
+
+def test_cli_unknown_region_and_other_workload_study_exit_2(tmp_path: Path) -> None:
+    data = tiny_spec_dict(regions=[
+        {"name": "h", "selector": "classifier.*", "routes": ["fp32", "sign"]},
+        {"name": "r", "selector": "*", "routes": ["fp32", "sign"]}])
+    (tmp_path / "spec.toml").write_text(toml_text(data))
+    res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db")
+    assert res.exit_code == 2
+    assert "selector 'classifier.*'" in res.output and "matches no trainable parameter" in res.output
+    (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(trials=1)))
+    url = f"sqlite:///{tmp_path}/s.db"
+    optuna.create_study(study_name="taken", storage=url).set_user_attr("workload", "lm")
+    res = _cli(tmp_path, "--storage", url, "--study", "taken")
+    assert res.exit_code == 2 and "belongs to workload 'lm'" in res.output
+
+
+_KILLED_RUN = """
+import os, signal, sys
+from nfabric_cli.calibration import ProgressSink, run_study
+from nfabric_cli.workloads.registry import get_workload
+from tests.calibration.helpers import TINY, tiny_spec
+
+class Kill(ProgressSink):
+    number = None
+    def trial_started(self, number, kind, steps):
+        self.number = number
+    def step(self, done):
+        if self.number == 1 and done == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+run_study(get_workload(TINY), tiny_spec(trials=5), sys.argv[1], "k", Kill())
+"""
+
+
+def test_killed_process_loses_only_the_trial_in_flight(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+    import sys
+    import time
+
+    import nfabric_cli.calibration.storage as storage
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN, url], cwd=root, timeout=120)
+    assert proc.returncode == -9
+    states = [t.state for t in optuna.load_study(study_name="k", storage=url).trials]
+    assert states == [TrialState.COMPLETE, TrialState.RUNNING]  # the kill left a zombie
+    monkeypatch.setattr(storage, "GRACE_S", 1)
+    monkeypatch.setattr(storage, "HEARTBEAT_S", 1)
+    time.sleep(1.5)
+    run = run_study(get_workload(TINY), tiny_spec(trials=3), url, "k")
+    states = [t.state for t in run.study.trials]
+    assert states[1] == TrialState.FAIL and states.count(TrialState.FAIL) == 1
+    assert len(_finished(run.study)) == 1 + 3
+    sweeps = [t.user_attrs["region"] for t in run.study.trials
+              if t.user_attrs.get("kind") == "sweep" and t.state == TrialState.COMPLETE]
+    assert sorted(sweeps) == ["head", "rest"]  # the killed sweep trial ran again
+
+
+def test_a_config_whose_traffic_bound_cannot_win_is_pruned_untrained(tmp_path: Path) -> None:
+    from nfabric_cli.calibration.space import uniform_config
+
+    wl = get_workload(TINY)
+    url = f"sqlite:///{tmp_path}/s.db"
+    spec = tiny_spec(trials=3, tolerance=1.0)  # everything admissible: sweep 2 + 1 seed
+    first = run_study(wl, spec, url, "b")
+    assert [t.user_attrs["kind"] for t in first.study.trials] == ["sweep", "sweep", "derived"]
+    best = min(t.user_attrs["traffic_fraction"] for t in first.study.trials)
+    costly = uniform_config(spec, {"head": "int8"})  # the head alone on int8: ~99% of fp32
+    first.study.enqueue_trial(costly.params(spec), {"kind": "search"})
+    run = run_study(wl, tiny_spec(trials=1, tolerance=1.0), url, "b")
+    last = run.study.trials[-1]
+    assert last.state == TrialState.PRUNED and last.user_attrs["steps_run"] == 0
+    assert last.user_attrs["traffic_bound"] > best
+    assert run.study.trials[-1].intermediate_values == {}
