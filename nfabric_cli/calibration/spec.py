@@ -32,15 +32,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import phase_names
 from nfabric_cli.routes.spec import REDUCERS, ROUTE_NAMES
 from nfabric_cli.runtime.health import HealthThresholds
+from nfabric_cli.textfiles import read_toml
 
 SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random")
 PRUNERS: tuple[str, ...] = ("hyperband", "median", "none")
@@ -136,12 +132,7 @@ class CalibrationSpec:
 def load_spec(path: str | Path, workload: str) -> CalibrationSpec:
     """Parse and check a spec file for `workload` (InputError, one line, on any problem)."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"calibration spec {p}: no such file")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"calibration spec {p}: malformed TOML ({exc})") from None
+    data = read_toml(p, "calibration spec")
     try:
         return parse_spec(data, workload)
     except InputError as exc:

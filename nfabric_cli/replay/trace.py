@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 from nfabric_cli.errors import InputError
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.trace import TRACE_VERSION
+from nfabric_cli.textfiles import read_json
 
 TRACE_FORMAT = "nfabric-trace"
 _COLUMNS = ("rank", "step", "route", "spec", "numel", "segments", "seconds", "payload")
@@ -111,10 +112,7 @@ def _read_meta(d: Path) -> dict:
     path = d / "trace.json"
     if not path.is_file():
         raise InputError(f"{d}: not an nfabric trace (no trace.json)")
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    meta = read_json(path, "trace metadata")
     if not isinstance(meta, dict) or meta.get("format") != TRACE_FORMAT:
         raise InputError(f"{d}: not an nfabric trace (trace.json format is not {TRACE_FORMAT!r})")
     version = str(meta.get("version", ""))

@@ -22,11 +22,7 @@ from typing import Any
 from nfabric_cli.atomic import atomic_write_text
 from nfabric_cli.errors import InputError
 from nfabric_cli.routes.spec import ROUTE_NAMES
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser as a package (tomli)
-    import tomli as tomllib
+from nfabric_cli.textfiles import read_json, read_toml
 
 TOPOLOGIES: tuple[str, ...] = ("sharded", "central")
 
@@ -195,13 +191,7 @@ class Substrate:
 def load_substrate(path: str | Path) -> Substrate:
     """Read a substrate TOML file; a missing, unparsable or invalid file is an `InputError`."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"substrate file not found: {p}")
-    try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{p}: not valid TOML ({exc})") from None
-    return Substrate.from_dict(data, source=str(p))
+    return Substrate.from_dict(read_toml(p, "substrate file"), source=str(p))
 
 
 def save_substrate(substrate: Substrate, path: str | Path) -> None:
@@ -256,12 +246,7 @@ def codec_rates_from_bench(path: str | Path) -> dict[str, dict[str, float]]:
     route label such as ``sign/sharded`` counts for its route name.
     """
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"bench file not found: {p}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"{p}: not valid JSON ({exc})") from None
+    data = read_json(p, "bench file")
     if isinstance(data, dict) and isinstance(data.get("routes"), (list, dict)):
         data = data["routes"]
     if isinstance(data, dict):

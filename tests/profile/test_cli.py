@@ -250,5 +250,5 @@ def test_compile_with_substrate_file(tmp_path):
     assert verdicts == ["admit", "fallback"]  # 1,730 elements: only a slow link pays
     bad_input(
         run("compile-profile", out, "--model", MLP, "--substrate", tmp_path / "none.toml"),
-        "substrate file not found",
+        "no such file",
     )

@@ -117,7 +117,7 @@ def build_plan_stub():
 
 @pytest.mark.parametrize("edit, message", [
     (lambda d: (d / "trace.json").unlink(), "not an nfabric trace (no trace.json)"),
-    (lambda d: (d / "trace.json").write_text("{"), "not valid JSON"),
+    (lambda d: (d / "trace.json").write_text("{"), "malformed JSON"),
     (lambda d: _meta(d, format="other"), "not an nfabric trace (trace.json format"),
     (lambda d: _meta(d, version="2.0"), "trace version 2.0 is incompatible (this nfabric reads 1.x)"),
     (lambda d: _meta(d, world_size=0), "world_size must be an integer >= 1"),

@@ -139,7 +139,7 @@ def test_substrate_file_and_flags_override(files):
         (["b.parquet", "--link-gbps", "1", "--endpoint-gbps", "0"], "endpoint_gbps must be > 0"),
         (["b.parquet", "--link-gbps", "1", "--topology", "ring"], "unknown topology 'ring'"),
         (["b.parquet"], "no substrate: pass --substrate PATH or --link-gbps"),
-        (["b.parquet", "--substrate", "missing.toml"], "substrate file not found"),
+        (["b.parquet", "--substrate", "missing.toml"], "no such file"),
         (["b.parquet", "--link-gbps", "1", "--phase", "warmup"], "unknown phase 'warmup'"),
         (["b.parquet", "--link-gbps", "1", "--world-size", "0"], "--world-size must be >= 1"),
         (["nope.parquet", "--link-gbps", "1"], "nope.parquet"),
