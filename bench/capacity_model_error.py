@@ -1,16 +1,23 @@
 """Cost-model error: predicted vs measured bucket time on shaped links, fit by replay.
 
 One real trace is recorded (2 gloo ranks train a small MLP with `attach(trace_dir=...)`: a
-big Linear and a 1,056-element Linear on sign, the rest on fp32). Then, per link rate and world size, one replay run puts W ranks
-behind a `tc tbf`-shaped loopback (a fresh network namespace, every rank's bytes on one link)
-and measures, side by side: both recorded sign groups through the real sign reducer, sharded
-and central, each followed by an fp32 all-reduce of the same size, and an fp32 size sweep.
-α and β are fitted from the fp32 all-reduces only; the sign rows are predictions:
+big Linear and a 1,056-element Linear on sign, the rest on fp32). Then, per link rate and
+world size, one replay run puts W ranks behind a `tc tbf`-shaped loopback (a fresh network
+namespace, every rank's bytes on one link) and measures, side by side: both recorded sign
+groups through the real sign reducer, sharded and central, each followed by an fp32
+all-reduce of the same size, a codec sweep per reducer (4 sizes of random data, 1,000 to
+262,656 elements) and an fp32 size sweep. α and β are fitted from the fp32 all-reduces; the
+codec (rates and fixed cost per call) and the per-kind latencies from the codec sweeps only;
+the recorded sign groups are predictions:
 
-- `pred` / `meas`: the whole reduce; its collectives are predicted out of sample (α-β from
-  fp32 only), its codec GB/s come from the same replay (the codec stages are timed between
-  the collectives), so the codec part is not out of sample;
-- `dflt codec`: the whole reduce predicted with the substrate's default codec tables;
+- `pred` / `meas`: the whole reduce, predicted by the fitted model (random-data sweep in,
+  recorded payloads out: the 262,656-element group has the sweep's top size, the 1,056 one
+  sits next to its 1,000);
+- `old err`: the model before fixed costs, in the same run: the same α-β, one α per hop for
+  every collective kind, codec GB/s through the origin from the recorded groups' own stages
+  (as `nfabric replay` fitted it before), no fixed cost per call;
+- `dflt err`: the fitted link and per-kind latencies with the default codec tables and fixed
+  costs (`substrate/model.py`) instead of the replayed ones;
 - `gate`: the capacity gate's verdict against the measured fp32 time ("ok" when they agree).
 
 Needs root (ip netns, tc). Prints `uptime` first and last: the host may be shared.
@@ -24,13 +31,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
+from nfabric_cli.replay.fit import fit_codec
 from nfabric_cli.replay.launch import run_ranks
-from nfabric_cli.replay.plan import ROLE_SWEEP, ReplayPlan, build_plan
-from nfabric_cli.replay.run import aggregate, check_payloads, fit_report
+from nfabric_cli.replay.plan import ROLE_SWEEP, ROLE_TRACE, ReplayPlan, build_plan
+from nfabric_cli.replay.run import aggregate, check_payloads, fit_report, stage_samples
 from nfabric_cli.replay.trace import Trace, load_trace
 from nfabric_cli.substrate.cost import route_cost
 
@@ -80,7 +89,8 @@ def record(trace_dir: Path, hidden: int) -> Trace:
 
 
 def merged_plan(trace: Trace, w: int, mbit: float, repeats: int) -> ReplayPlan:
-    """Both reducers' cases (each with its fp32 twin) and one sweep, in one run of the ranks."""
+    """Both reducers' cases (each with its fp32 twin, and its codec sweep) and one fp32 sweep,
+    in one run of the ranks."""
     plans = [build_plan(trace, w, topo, repeats, mbit) for topo in TOPOLOGIES]
     cases = [c for c in plans[0].cases if c.role != ROLE_SWEEP]
     offset = len(cases)
@@ -95,21 +105,26 @@ def measure(trace: Trace, w: int, mbit: float, repeats: int) -> list[dict]:
     results = aggregate(plan, run_ranks(plan))
     report = fit_report(trace, plan, results, shared_link=True, out=None)
     sub = report.substrate
-    default_codec = dataclasses.replace(sub, encode_gbps={}, reduce_gbps={}, decode_gbps={})
+    default_codec = dataclasses.replace(sub, encode_gbps={}, reduce_gbps={}, decode_gbps={},
+                                        codec_call_us={})
+    recorded = [r for r in results if plan.cases[r.index].role == ROLE_TRACE]
+    old_codec = fit_codec(stage_samples(plan, recorded), affine=False).rates
+    old = dataclasses.replace(sub, codec_call_us={}, latency_us_by_kind={}, **old_codec)
     rows = []
-    for g in report.groups:
-        spec = next(plan.cases[r.index].route for r in results
-                    if plan.cases[r.index].route.label() == g["route"])
+    for g, r in zip(report.groups, recorded, strict=True):
+        spec = plan.cases[r.index].route
         cost = route_cost(spec, g["numel"], w, sub)
         rows.append({
             "mbit": mbit, "W": w, "route": g["route"], "numel": g["numel"],
             "fp32_meas_s": g["fp32_measured_s"], "fp32_pred_s": g["fp32_predicted_s"],
             "meas_s": g["measured_s"], "pred_s": g["predicted_s"],
+            "old_pred_s": route_cost(spec, g["numel"], w, old).total_s,
             "stages_s": g["stages_s"], "pred_codec_s": cost.codec_s,
             "dflt_codec_s": route_cost(spec, g["numel"], w, default_codec).total_s,
             "verdict": g["verdict"], "measured_verdict": g["measured_verdict"],
             "alpha_us": sub.alpha * 1e6, "fit_mbit": sub.link_bytes_per_s * 8 / 1e6,
-            "fit_rms": report.link.rms_rel_error,
+            "fit_rms": report.link.rms_rel_error, "call_us": sub.codec_call_us.get("sign"),
+            "latency_us_by_kind": sub.latency_us_by_kind,
         })
     return rows
 
@@ -119,21 +134,41 @@ def _err(pred: float, meas: float) -> str:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'Mbit/s':>6} {'W':>2} {'fit Mbit/s':>10} {'α us':>5} {'route':<13} "
-          f"{'numel':>7} {'meas ms':>8} {'pred ms':>8} {'err':>6} {'dflt err':>8} {'gate':>11} "
-          f"{'fp32 meas':>9} {'fp32 pred':>9} {'fp32 err':>8}")
+    print(f"\n{'Mbit/s':>6} {'W':>2} {'fit Mbit/s':>10} {'α us':>5} {'call us':>7} "
+          f"{'route':<13} {'numel':>7} {'meas ms':>8} {'pred ms':>8} {'err':>6} {'old err':>7} "
+          f"{'dflt err':>8} {'gate':>11} {'fp32 meas':>9} {'fp32 pred':>9} {'fp32 err':>8}")
     for r in rows:
         ok = "ok" if r["verdict"] == r["measured_verdict"] else "WRONG"
         print(f"{r['mbit']:>6g} {r['W']:>2} {r['fit_mbit']:>10.4g} {r['alpha_us']:>5.0f} "
-              f"{r['route']:<13} {r['numel']:>7} {r['meas_s'] * 1e3:>8.3g} {r['pred_s'] * 1e3:>8.3g} "
-              f"{_err(r['pred_s'], r['meas_s']):>6} {_err(r['dflt_codec_s'], r['meas_s']):>8} "
+              f"{r['call_us'] or 0:>7.0f} {r['route']:<13} {r['numel']:>7} "
+              f"{r['meas_s'] * 1e3:>8.3g} {r['pred_s'] * 1e3:>8.3g} "
+              f"{_err(r['pred_s'], r['meas_s']):>6} {_err(r['old_pred_s'], r['meas_s']):>7} "
+              f"{_err(r['dflt_codec_s'], r['meas_s']):>8} "
               f"{r['verdict'][:5] + ' ' + ok:>11} {r['fp32_meas_s'] * 1e3:>9.4g} "
               f"{r['fp32_pred_s'] * 1e3:>9.4g} {_err(r['fp32_pred_s'], r['fp32_meas_s']):>8}")
-    within = [abs(r["pred_s"] / r["meas_s"] - 1) <= 0.25 for r in rows]
+    kinds = {(r["mbit"], r["W"]): r["latency_us_by_kind"] for r in rows}
+    for (mbit, w), lat in kinds.items():
+        print(f"  {mbit:g} Mbit/s, W={w}: latency per round, us: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in lat.items()))
+
+    def within(key: str) -> int:
+        return sum(abs(r[key] / r["meas_s"] - 1) <= 0.25 for r in rows)
+
     fp32 = [abs(r["fp32_pred_s"] / r["fp32_meas_s"] - 1) <= 0.25 for r in rows]
     agree = [r["verdict"] == r["measured_verdict"] for r in rows]
-    print(f"\nsign within 25 %: {sum(within)}/{len(rows)}; fp32 twins within 25 %: "
+    print(f"\nsign within 25 %: {within('pred_s')}/{len(rows)} (old model, same run: "
+          f"{within('old_pred_s')}/{len(rows)}; default codec: {within('dflt_codec_s')}/"
+          f"{len(rows)}); median |err| {_median_err(rows, 'pred_s'):.0f} % (old "
+          f"{_median_err(rows, 'old_pred_s'):.0f} %); fp32 twins within 25 %: "
           f"{sum(fp32)}/{len(rows)}; gate agrees with measurement: {sum(agree)}/{len(rows)}")
+
+
+def _median_err(rows: list[dict], key: str) -> float:
+    return statistics.median(abs(r[key] / r["meas_s"] - 1) * 100 for r in rows)
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> None:
@@ -144,7 +179,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
-    print("load before:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print("load before:", _uptime())
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="nfabric-bench-") as tmp:
         trace = record(Path(tmp) / "trace", args.hidden)
@@ -156,10 +191,11 @@ def main() -> None:
             for w in (int(x) for x in args.worlds.split(",")):
                 new = measure(trace, w, mbit, args.repeats)
                 print_rows(new)
+                print("load:", _uptime())
                 rows += new
     print("\n== all")
     print_rows(rows)
-    print("load after:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print("load after:", _uptime())
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -137,6 +137,10 @@ def _render_report(report: dict[str, Any], plot: Path | None) -> None:
         f"{sub['link_gbps']:g} Gbit/s, latency {sub.get('latency_us', 10.0):g} us, topology "
         f"{sub.get('topology', 'per route')}, margin {sub.get('margin', 0.1):g}"
     )
+    if sub.get("latency_us_by_kind") or sub.get("codec_call_us"):
+        parts = [f"{k} {v:g} us/round" for k, v in sub.get("latency_us_by_kind", {}).items()]
+        parts += [f"{k} codec {v:g} us/call" for k, v in sub.get("codec_call_us", {}).items()]
+        console.print("fitted: " + ", ".join(parts))
     table = Table(title="capacity per bucket")
     for col in ("bucket", "elements", "routes (bytes/rank/step)", "fp32 ms", "low-bit ms",
                 "verdict", "reason"):

@@ -77,6 +77,12 @@ def _render(r: dict[str, Any]) -> None:
         if fit[table]:
             rates = ", ".join(f"{k} {v:.3g}" for k, v in fit[table].items())
             console.print(f"codec {table.split('_')[0]} GB/s: {rates}")
+    if fit["codec_call_us"]:
+        fixed = ", ".join(f"{k} {v:.0f}" for k, v in fit["codec_call_us"].items())
+        console.print(f"codec fixed cost per call, us: {fixed}")
+    if fit["latency_us_by_kind"]:
+        kinds = ", ".join(f"{k} {v:.0f}" for k, v in fit["latency_us_by_kind"].items())
+        console.print(f"latency per round, us: {kinds} (all_gather: W-1 rounds, others: 1)")
     t = Table(title="per group, ms: trace, measured, predicted after the fit; gate vs measured",
               box=box.SIMPLE_HEAD)
     for col in ("route", "numel", "trace", "meas", "pred", "err", "fp32", "fp32 pred", "gate"):

@@ -18,12 +18,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nfabric_cli.errors import InputError
-from nfabric_cli.substrate.cost import op_terms
+from nfabric_cli.substrate.cost import latency_rounds, op_terms
 
 #: A gather informs the endpoint fit only if its bytes take this many hops' latency or more.
 ENDPOINT_MIN_HOPS = 4.0
 #: Alternating refinements of α and β (exact data converges in a few).
 ROUNDS = 20
+#: A stage whose time does not grow with its bytes is written at this rate: free per byte.
+FREE_GBPS = 1e4
+#: A reduce informs the per-kind latencies if its transfers take at most 1/this of the rest.
+LATENCY_BOUND = 4.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,26 @@ class StageSample:
     encode_s: float
     reduce_s: float
     decode_s: float
+
+
+@dataclass(frozen=True)
+class ReduceSample:
+    """One replayed reduce: measured seconds, its codec seconds as the fitted model prices
+    them, and its collectives (each with its measured duration)."""
+
+    world_size: int
+    seconds: float
+    codec_s: float
+    ops: tuple[OpSample, ...]
+
+
+@dataclass(frozen=True)
+class CodecFit:
+    """{"encode_gbps" | "reduce_gbps" | "decode_gbps": {route: GB/s}} and, where an affine
+    fit was possible, each route's fixed microseconds per reduce call."""
+
+    rates: dict[str, dict[str, float]]
+    call_us: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -99,9 +123,10 @@ def fit_link(samples: Iterable[OpSample], shared_link: bool) -> LinkFit:
     return LinkFit(alpha, beta, rms, len(rows))
 
 
-def fit_codec(samples: Iterable[StageSample]) -> dict[str, dict[str, float]]:
-    """{"encode_gbps" | "reduce_gbps" | "decode_gbps": {route: GB/s}} (fp32 has no codec;
-    16-bit routes reduce inside the all-reduce, so they get no reduce rate)."""
+def fit_codec(samples: Iterable[StageSample], affine: bool = True) -> CodecFit:
+    """Codec rates and fixed costs per route (see module doc); fp32 has no codec, 16-bit
+    routes reduce inside the all-reduce, so they get no reduce rate. ``affine=False`` fits
+    every stage through the origin (the model without fixed costs)."""
     acc: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for s in samples:
         if s.route == "fp32" or s.numel == 0:
@@ -113,12 +138,80 @@ def fit_codec(samples: Iterable[StageSample]) -> dict[str, dict[str, float]]:
             stages["reduce_gbps"] = (combined, s.reduce_s)
         for table, point in stages.items():
             acc.setdefault((table, s.route), []).append(point)
-    out: dict[str, dict[str, float]] = {"encode_gbps": {}, "reduce_gbps": {}, "decode_gbps": {}}
+    rates: dict[str, dict[str, float]] = {"encode_gbps": {}, "reduce_gbps": {}, "decode_gbps": {}}
+    call: dict[str, float] = {}
     for (table, route), points in sorted(acc.items()):
+        if affine and len({x for x, _ in points}) > 1:
+            fixed, rate = affine_rate(points)
+            call[route] = call.get(route, 0.0) + fixed * 1e6
+            rates[table][route] = min(FREE_GBPS, rate / 1e9)
+            continue
         rate = rate_through_origin(points)
         if rate is not None:
-            out[table][route] = rate / 1e9
-    return out
+            rates[table][route] = rate / 1e9
+    return CodecFit(rates, call)
+
+
+def affine_rate(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(c seconds, r bytes/s) of t = c + x / r minimising the relative error sum((pred/t - 1)^2),
+    with c >= 0 and 1/r >= 0 (r = inf: no per-byte cost); points with t <= 0 are ignored."""
+    pts = [(x, t) for x, t in points if t > 0]
+    if not pts:
+        return 0.0, math.inf
+    # Weighted least squares with weights 1/t^2: sums of w, w·x, w·x², w·t, w·x·t.
+    sw = sum(1 / t**2 for _, t in pts)
+    sx = sum(x / t**2 for x, t in pts)
+    sxx = sum(x * x / t**2 for x, t in pts)
+    st = sum(1 / t for _, t in pts)
+    sxt = sum(x / t for x, t in pts)
+    det = sw * sxx - sx * sx
+    if det > 0:
+        c, slope = (st * sxx - sx * sxt) / det, (sw * sxt - sx * st) / det
+        if c >= 0 and slope >= 0:
+            return c, (1 / slope if slope > 0 else math.inf)
+    through_origin = sxt / sxx if sxx > 0 else 0.0  # c = 0
+    flat = st / sw  # slope = 0
+    err_origin = sum((through_origin * x / t - 1) ** 2 for x, t in pts)
+    err_flat = sum((flat / t - 1) ** 2 for _, t in pts)
+    if through_origin > 0 and err_origin <= err_flat:
+        return 0.0, 1 / through_origin
+    return flat, math.inf
+
+
+def fit_kind_latency(
+    samples: Iterable[ReduceSample], link: LinkFit, shared_link: bool
+) -> dict[str, float]:
+    """Seconds per latency round per collective kind (see module doc; `allreduce` is α's).
+
+    Per reduce, the latency budget is its measured seconds less its codec seconds (as
+    fitted) and α per hop of any all-reduce it issues. Only latency-bound reduces count:
+    transfers (link bytes·β) at most `1/LATENCY_BOUND` of the budget and codec at most all of
+    it (none among a plan's reduces: the one closest to that), where a collective of a fitted kind takes its
+    latency rounds with the transfer hidden in them (`substrate.cost.op_cost`), and a codec
+    misfit on a large reduce cannot pass for latency. The budget is shared among the other
+    collectives in proportion to their measured durations and divided by each one's rounds;
+    per kind, the median over the reduces.
+    """
+    plans: dict[tuple[str, ...], list[tuple[float, float, ReduceSample]]] = {}
+    for s in samples:
+        terms = [op_terms(o.kind, o.nbytes, o.world_size, shared_link) for o in s.ops]
+        wire = sum(t.link_bytes for t in terms) * link.beta_s_per_byte
+        hops = sum(t.hops for o, t in zip(s.ops, terms, strict=True) if o.kind == "allreduce")
+        budget = s.seconds - s.codec_s - hops * link.alpha_s
+        rank = max(LATENCY_BOUND * wire, s.codec_s) / max(budget, 1e-12)  # <= 1: latency-bound
+        plans.setdefault(tuple(o.kind for o in s.ops), []).append((rank, budget, s))
+    bound = []
+    for rows in plans.values():  # per collective plan (route and reducer), so each kind counts
+        bound += [r for r in rows if r[0] <= 1.0] or [min(rows, key=lambda r: r[0])]
+    per_kind: dict[str, list[float]] = {}
+    for _, budget, s in bound:
+        ops = [o for o in s.ops if o.kind != "allreduce"]
+        total = sum(max(0.0, o.seconds) for o in ops)
+        for o in ops:
+            weight = max(0.0, o.seconds) / total if total > 0 else 1 / len(ops)
+            rounds = latency_rounds(o.kind, o.world_size)
+            per_kind.setdefault(o.kind, []).append(max(0.0, budget) * weight / rounds)
+    return {kind: statistics.median(v) for kind, v in sorted(per_kind.items())}
 
 
 def fit_endpoint(samples: Iterable[OpSample], link: LinkFit) -> float | None:

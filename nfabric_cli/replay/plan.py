@@ -2,8 +2,11 @@
 
 From a loaded trace: each distinct group (after a `--topology` what-if on the compressed
 routes), an fp32 all-reduce "twin" of the same size right after it (so the low-bit and fp32
-times of one bucket are measured side by side), and a small sweep of fp32 all-reduce sizes
-that spans the latency- and bandwidth-bound regimes of the link for the α-β fit.
+times of one bucket are measured side by side), a small sweep of fp32 all-reduce sizes
+that spans the latency- and bandwidth-bound regimes of the link for the α-β fit, and per
+distinct compressed route a sweep of `CODEC_SWEEP_POINTS` sizes (random data) from
+`CODEC_SWEEP_MIN` elements up to its largest recorded group, for the affine codec fit and the
+per-kind latencies (the recorded groups themselves are then predicted, not fitted).
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ SWEEP_MAX_S = 0.2
 SWEEP_MAX_NUMEL = 1 << 22
 SWEEP_SIZES = (1, 256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 1 << 22)
 
-ROLE_TRACE, ROLE_TWIN, ROLE_SWEEP = "trace", "twin", "sweep"
+#: Codec sweep: this many sizes, log-spaced from `CODEC_SWEEP_MIN` elements up to the route's
+#: largest recorded group (at least `CODEC_SWEEP_SPAN` times more, at most `SWEEP_MAX_NUMEL`).
+CODEC_SWEEP_POINTS = 4
+CODEC_SWEEP_MIN = 1000
+CODEC_SWEEP_SPAN = 100
+
+ROLE_TRACE, ROLE_TWIN, ROLE_SWEEP, ROLE_CODEC = "trace", "twin", "sweep", "codec"
 
 
 @dataclass
@@ -113,6 +122,13 @@ def build_plan(
         if spec != FP32:
             cases.append(ReplayCase(ROLE_TWIN, FP32.to_dict(), g.numel, [g.numel],
                                     twin_of=index[key]))
+    largest: dict[RouteSpec, int] = {}
+    for c in cases:
+        if c.role == ROLE_TRACE and c.route != FP32:
+            largest[c.route] = max(largest.get(c.route, 0), c.numel)
+    for spec, numel in sorted(largest.items(), key=lambda kv: kv[0].label()):
+        for n in codec_sweep_sizes(spec, w, link_mbit, numel):
+            cases.append(ReplayCase(ROLE_CODEC, spec.to_dict(), n, [n]))
     for n in sweep_sizes(w, link_mbit):
         cases.append(ReplayCase(ROLE_SWEEP, FP32.to_dict(), n, [n]))
     return ReplayPlan(str(trace.directory.resolve()), w, repeats, cases, topology, link_mbit)
@@ -124,6 +140,25 @@ def sweep_sizes(world_size: int, link_mbit: float | None) -> list[int]:
     rate = (link_mbit or LOOPBACK_GUESS_MBIT) * 1e6 / 8
     biggest = min(SWEEP_MAX_NUMEL, SWEEP_MAX_S * rate / (8 * (world_size - 1)))
     return [n for n in SWEEP_SIZES if n <= max(biggest, SWEEP_SIZES[2])]
+
+
+def codec_sweep_sizes(
+    spec: RouteSpec, world_size: int, link_mbit: float | None, largest: int
+) -> list[int]:
+    """Sizes (elements) of a compressed route's codec sweep: log-spaced from `CODEC_SWEEP_MIN`
+    to `largest` (see the constants), the top one cut to about `SWEEP_MAX_S` on the link."""
+    from nfabric_cli.substrate.cost import route_cost
+    from nfabric_cli.substrate.model import Substrate
+
+    link = Substrate(link_gbps=(link_mbit or LOOPBACK_GUESS_MBIT) / 1e3, latency_us=0.0,
+                     shared_link=True, include_codec=False)
+    hi = min(SWEEP_MAX_NUMEL, max(largest, CODEC_SWEEP_MIN * CODEC_SWEEP_SPAN))
+    while hi > CODEC_SWEEP_MIN and route_cost(spec, hi, world_size, link).total_s > SWEEP_MAX_S:
+        hi //= 2
+    if hi <= CODEC_SWEEP_MIN:
+        return [CODEC_SWEEP_MIN]
+    step = (hi / CODEC_SWEEP_MIN) ** (1 / (CODEC_SWEEP_POINTS - 1))
+    return [round(CODEC_SWEEP_MIN * step**i) for i in range(CODEC_SWEEP_POINTS)]
 
 
 def estimated_seconds(plan: ReplayPlan) -> float:

@@ -1,16 +1,18 @@
 """`replay_trace`: replay a trace on real ranks, fit the substrate, compare with the model.
 
-Flow: load and check the trace -> plan (groups, fp32 twins, fp32 size sweep) -> run the ranks
-(optionally behind a shaped link) -> per case, the median over repeats of the slowest rank's
-seconds, and each rank's codec stages -> fit α, β from every fp32 all-reduce, codec GB/s from
-the low-bit stages, the endpoint's ingress from the central gathers -> a `Substrate` ->
-predicted vs measured per group, and the gate's verdict against what was measured.
+Flow: load and check the trace -> plan (groups, fp32 twins, fp32 and codec size sweeps) ->
+run the ranks (optionally behind a shaped link) -> per case, the median over repeats of the
+slowest rank's seconds, each rank's codec stages and collectives -> fit α, β from every fp32
+all-reduce; codec rates and fixed costs per call, then the per-kind latencies, from the codec
+sweeps; the endpoint's ingress from the central gathers -> a `Substrate` -> predicted vs
+measured per recorded group (out of sample for codec and per-kind latency), and the gate's
+verdict against what was measured.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +20,17 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.replay.fit import (
     LinkFit,
     OpSample,
+    ReduceSample,
     StageSample,
     fit_codec,
     fit_endpoint,
+    fit_kind_latency,
     fit_link,
 )
-from nfabric_cli.replay.plan import ROLE_SWEEP, ROLE_TRACE, ReplayPlan, build_plan
+from nfabric_cli.replay.plan import ROLE_CODEC, ROLE_SWEEP, ROLE_TRACE, ReplayPlan, build_plan
 from nfabric_cli.replay.timed import Stages, split_stages
 from nfabric_cli.replay.trace import Trace, load_payload, load_trace
-from nfabric_cli.substrate.cost import bucket_verdict, predict_route
+from nfabric_cli.substrate.cost import bucket_verdict, codec_seconds, predict_route
 from nfabric_cli.substrate.model import Substrate, save_substrate
 
 
@@ -39,6 +43,7 @@ class CaseResult:
     stages: Stages  # per stage, the slowest rank's median
     ops: tuple[tuple[str, int, float], ...]  # rank 0: (kind, payload bytes, median seconds)
     inputs: dict[str, int]  # "payload" / "random" -> ranks
+    op_medians: tuple[float, ...] = ()  # per collective: median over ranks of its median
 
 
 @dataclass
@@ -58,12 +63,15 @@ class ReplayReport:
 
     def to_dict(self) -> dict[str, Any]:
         """The `--json` document (keys in docs/replay.md)."""
-        sweep = []
+        sweep, codec_sweep = [], []
         for r in self.results:
             case = self.plan.cases[r.index]
+            pred = predict_route(case.route, case.numel, self.plan.world_size, self.substrate)
+            row = {"numel": case.numel, "measured_s": r.measured_s, "predicted_s": pred}
             if case.role == ROLE_SWEEP:
-                pred = predict_route(case.route, case.numel, self.plan.world_size, self.substrate)
-                sweep.append({"numel": case.numel, "measured_s": r.measured_s, "predicted_s": pred})
+                sweep.append(row)
+            elif case.role == ROLE_CODEC:
+                codec_sweep.append({"route": case.route.label(), **row})
         return {
             "trace": str(self.trace.directory), "trace_world_size": self.trace.world_size,
             "world_size": self.plan.world_size, "topology": self.plan.topology,
@@ -75,8 +83,11 @@ class ReplayReport:
                     "endpoint_gbps": self.substrate.endpoint_gbps,
                     "encode_gbps": self.substrate.encode_gbps,
                     "reduce_gbps": self.substrate.reduce_gbps,
-                    "decode_gbps": self.substrate.decode_gbps},
-            "groups": self.groups, "sweep": sweep, "warnings": self.warnings,
+                    "decode_gbps": self.substrate.decode_gbps,
+                    "codec_call_us": self.substrate.codec_call_us,
+                    "latency_us_by_kind": self.substrate.latency_us_by_kind},
+            "groups": self.groups, "sweep": sweep, "codec_sweep": codec_sweep,
+            "warnings": self.warnings,
             "substrate": self.substrate.to_dict(),
             "out": None if self.out is None else str(self.out),
         }
@@ -138,15 +149,17 @@ def aggregate(plan: ReplayPlan, ranks: list[dict[str, Any]]) -> list[CaseResult]
             split = [split_stages(ev, s) for ev, s in zip(r["events"], r["seconds"], strict=True)]
             stage_meds.append(Stages(*(statistics.median(x) for x in zip(*split, strict=True))))
         stages = Stages(*(max(x) for x in zip(*stage_meds, strict=True)))
+        durations = [[statistics.median(rep[j][3] - rep[j][2] for rep in r["events"])
+                      for j in range(len(r["events"][0]))] if r["events"] else []
+                     for r in per_rank]
         root = per_rank[0]["events"]
-        ops = tuple(
-            (kind, int(nbytes), statistics.median(rep[j][3] - rep[j][2] for rep in root))
-            for j, (kind, nbytes, *_rest) in enumerate(root[0])
-        ) if root and root[0] else ()
+        ops = tuple((kind, int(nbytes), durations[0][j])
+                    for j, (kind, nbytes, *_rest) in enumerate(root[0])) if root else ()
+        medians = tuple(statistics.median(d[j] for d in durations) for j in range(len(ops)))
         inputs: dict[str, int] = {}
         for r in per_rank:
             inputs[r["input"]] = inputs.get(r["input"], 0) + 1
-        out.append(CaseResult(i, statistics.median(slowest), stages, ops, inputs))
+        out.append(CaseResult(i, statistics.median(slowest), stages, ops, inputs, medians))
     return out
 
 
@@ -158,33 +171,59 @@ def fit_report(
     out: str | Path | None,
 ) -> ReplayReport:
     """Fit the substrate from aggregated results, compare every trace group, write `out`."""
-    w = plan.world_size
-    fp32 = [OpSample("allreduce", 4 * plan.cases[r.index].numel, w, r.measured_s)
-            for r in results if plan.cases[r.index].route.name == "fp32"]
-    link = fit_link(fp32, shared_link)
-    stages, gathers = [], []
-    for r in results:
-        spec = plan.cases[r.index].route
-        if spec.name == "fp32":
-            continue
-        stages.append(StageSample(spec.name, spec.reducer, spec.lowbit,
-                                  plan.cases[r.index].numel, w, *r.stages[:3]))
-        gathers += [OpSample(k, n, w, s) for k, n, s in r.ops if k == "gather"]
-    codec = {table: {route: _sig(v) for route, v in rates.items()}
-             for table, rates in fit_codec(stages).items() if rates}
-    endpoint = fit_endpoint(gathers, link)
-    sub = Substrate(
-        link_gbps=_sig(link.link_gbps), latency_us=_sig(link.alpha_s * 1e6),
-        topology=plan.topology, world_size=w, shared_link=shared_link,
-        endpoint_gbps=None if endpoint is None else _sig(endpoint * 8 / 1e9),
-        alpha_s=_sig(link.alpha_s), beta_s_per_byte=_sig(link.beta_s_per_byte), **codec,
-    )
+    sub, link = fit_substrate(plan, results, shared_link)
     report = ReplayReport(trace, plan, link, sub, results, shared_link)
     report.groups = compare_groups(plan, results, sub)
     if out is not None:
         save_substrate(sub, out)
         report.out = Path(out)
     return report
+
+
+def fit_substrate(
+    plan: ReplayPlan, results: list[CaseResult], shared_link: bool
+) -> tuple[Substrate, LinkFit]:
+    """The fitted substrate (see module doc) and the link fit behind it.
+
+    Codec and per-kind latency come from the codec sweeps (`ROLE_CODEC`); a plan without any
+    (written before them) fits them from the compressed trace groups instead."""
+    w = plan.world_size
+    fp32 = [OpSample("allreduce", 4 * plan.cases[r.index].numel, w, r.measured_s)
+            for r in results if plan.cases[r.index].route.name == "fp32"]
+    link = fit_link(fp32, shared_link)
+    coded = [r for r in results if plan.cases[r.index].route.name != "fp32"]
+    fitted = [r for r in coded if plan.cases[r.index].role == ROLE_CODEC] or coded
+    codec = fit_codec(stage_samples(plan, fitted))
+    gathers = [OpSample(k, n, w, s) for r in coded for k, n, s in r.ops if k == "gather"]
+    endpoint = fit_endpoint(gathers, link)
+    sub = Substrate(
+        link_gbps=_sig(link.link_gbps), latency_us=_sig(link.alpha_s * 1e6),
+        topology=plan.topology, world_size=w, shared_link=shared_link,
+        endpoint_gbps=None if endpoint is None else _sig(endpoint * 8 / 1e9),
+        alpha_s=_sig(link.alpha_s), beta_s_per_byte=_sig(link.beta_s_per_byte),
+        codec_call_us={route: _sig(us) for route, us in codec.call_us.items()},
+        **{table: {route: _sig(v) for route, v in rates.items()}
+           for table, rates in codec.rates.items() if rates},
+    )
+    reduces = []
+    for r in fitted:
+        case = plan.cases[r.index]
+        ops = tuple(OpSample(k, n, w, d) for (k, n, _), d in zip(r.ops, r.op_medians, strict=True))
+        reduces.append(ReduceSample(w, r.measured_s,
+                                    codec_seconds(case.route, case.numel, w, sub), ops))
+    kinds = fit_kind_latency(reduces, link, shared_link)
+    return replace(sub, latency_us_by_kind={k: _sig(v * 1e6) for k, v in kinds.items()}), link
+
+
+def stage_samples(plan: ReplayPlan, results: list[CaseResult]) -> list[StageSample]:
+    """The codec stages of replayed compressed reduces, as `fit_codec` takes them."""
+    out = []
+    for r in results:
+        case = plan.cases[r.index]
+        spec = case.route
+        out.append(StageSample(spec.name, spec.reducer, spec.lowbit, case.numel,
+                               plan.world_size, *r.stages[:3]))
+    return out
 
 
 def compare_groups(

@@ -14,11 +14,33 @@ and E the central endpoint's capacity (``n`` = the op's payload, see `routes/pla
 With ``shared_link`` every rank's bytes cross one link, so the bandwidth term is the bytes all
 ranks send together divided by B (the latency terms are unchanged).
 
-Codec time of a compressed route on ``numel`` fp32 elements: encode ``4·numel`` bytes at the
-route's encode rate, combine the received codes at its reduce rate, decode ``4·numel`` bytes
-at its decode rate. The reducer combines ``numel`` contributions on each rank when sharded
-(W shards of numel/W) and ``W·numel`` on the central endpoint (every contribution, while the
-other ranks wait). 16-bit routes reduce inside the all-reduce (no combine step).
+A kind named in the substrate's ``latency_us_by_kind`` takes max(rounds·L_kind, transfer)
+instead of hops·α + transfer (transfer: the bandwidth and endpoint terms above), with the
+rounds its gloo implementation takes:
+
+| kind         | rounds  | measured (gloo, loopback, see docs/capacity.md)                  |
+|--------------|---------|-------------------------------------------------------------------|
+| `allreduce`  | 2(W-1)  | ring (per hop)                                                    |
+| `all_gather` | W-1     | ring (per hop)                                                    |
+| `all_to_all` | 1       | every pair's send and receive posted at once: one round per call  |
+| `gather`     | 1       | per call                                                          |
+| `broadcast`  | 1       | per call                                                          |
+
+Measured on the development host (docs/capacity.md): from W = 2 to 4 a lone 64-byte
+all_to_all grew as much as gather and broadcast did, not 3x more, as W-1 hops would have it.
+L_kind is what a small collective of that kind costs in all (host wake-up, gloo dispatch,
+TCP); on a link busy with the collective's own bytes those rounds overlap the transfer: the
+262,656-element sign reduces on 50-100 Mbit/s links were over-predicted by 15-64 % with
+latency + transfer, 5-46 % with the max. The overlap shows in `Cost` as the latency left
+over, max(0, rounds·L_kind - transfer). A kind not in the table keeps α per hop, added.
+
+Codec time of a compressed route on ``numel`` fp32 elements: a fixed cost per reduce call
+(`Substrate.codec_call_s`: call overhead of encode, combine and decode, the route's Python
+flow), then encode ``4·numel`` bytes at the route's encode rate, combine the received codes at
+its reduce rate, decode ``4·numel`` bytes at its decode rate. The reducer combines ``numel``
+contributions on each rank when sharded (W shards of numel/W) and ``W·numel`` on the central
+endpoint (every contribution, while the other ranks wait). 16-bit routes reduce inside the
+all-reduce (no combine step).
 
 Buckets run their collectives one after another (the comm hook issues them in order on one
 thread) and do not overlap with backward compute: a bucket's time is the sum of its parts.
@@ -43,6 +65,7 @@ class Cost:
     """Predicted seconds split by cause, so a verdict can name what dominates.
 
     ``endpoint_s`` is only the excess of the endpoint's fan-in over the plain link time;
+    ``call_s`` is the codec's fixed cost per reduce call (codec time, not latency);
     ``fanin_bytes`` is the payload one sender pushes into the endpoint.
     """
 
@@ -54,10 +77,11 @@ class Cost:
     decode_s: float = 0.0
     collectives: int = 0
     fanin_bytes: int = 0
+    call_s: float = 0.0
 
     @property
     def codec_s(self) -> float:
-        return self.encode_s + self.reduce_s + self.decode_s
+        return self.call_s + self.encode_s + self.reduce_s + self.decode_s
 
     @property
     def total_s(self) -> float:
@@ -102,6 +126,26 @@ def op_terms(kind: str, nbytes: int, world_size: int, shared_link: bool = False)
     return OpTerms(hops, all_ranks if shared_link else per_rank, 0.0)
 
 
+def latency_rounds(kind: str, world_size: int) -> int:
+    """Latency rounds of one collective of `kind` on W ranks (the second table of the doc)."""
+    if kind == "allreduce":
+        return 2 * (world_size - 1)
+    if kind == "all_gather":
+        return world_size - 1
+    if kind in ("all_to_all", "gather", "broadcast"):
+        return 1
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def op_latency(kind: str, world_size: int, s: Substrate) -> float:
+    """Latency seconds of one collective before any overlap: L_kind per round if the
+    substrate names the kind, else α per hop."""
+    per_round = s.kind_latency_s(kind)
+    if per_round is not None:
+        return per_round * latency_rounds(kind, world_size)
+    return op_terms(kind, 0, world_size).hops * s.alpha
+
+
 def op_cost(op: CommOp, world_size: int, s: Substrate) -> Cost:
     """Predicted time of one collective of `op.nbytes` on `world_size` ranks (see module doc)."""
     if world_size <= 1 or op.nbytes == 0:
@@ -110,7 +154,10 @@ def op_cost(op: CommOp, world_size: int, s: Substrate) -> Cost:
     link = t.link_bytes / s.link_bytes_per_s
     endpoint = max(0.0, t.endpoint_bytes / s.endpoint_bytes_per_s - link)
     fanin = op.nbytes if op.kind == "gather" else 0
-    return Cost(t.hops * s.alpha, link, endpoint, collectives=1, fanin_bytes=fanin)
+    latency = op_latency(op.kind, world_size, s)
+    if s.kind_latency_s(op.kind) is not None:  # rounds overlap the transfer (module doc)
+        latency = max(0.0, latency - link - endpoint)
+    return Cost(latency, link, endpoint, collectives=1, fanin_bytes=fanin)
 
 
 def plan_cost(ops: Iterable[CommOp], world_size: int, s: Substrate) -> Cost:
@@ -122,7 +169,8 @@ def plan_cost(ops: Iterable[CommOp], world_size: int, s: Substrate) -> Cost:
 
 
 def codec_cost(spec: RouteSpec, numel: int, world_size: int, s: Substrate) -> Cost:
-    """Encode, reduce and decode time of `numel` fp32 elements on `spec` (zero for fp32)."""
+    """Fixed per-call, encode, reduce and decode time of `numel` fp32 elements on `spec`
+    (zero for fp32)."""
     if spec.name == "fp32" or numel == 0 or not s.include_codec:
         return Cost()
     nbytes = 4.0 * numel
@@ -133,6 +181,7 @@ def codec_cost(spec: RouteSpec, numel: int, world_size: int, s: Substrate) -> Co
     else:
         combined = nbytes
     return Cost(
+        call_s=s.codec_call_s(spec.name),
         encode_s=nbytes / s.encode_bytes_per_s(spec.name),
         reduce_s=combined / s.reduce_bytes_per_s(spec.name),
         decode_s=nbytes / s.decode_bytes_per_s(spec.name),
@@ -140,7 +189,7 @@ def codec_cost(spec: RouteSpec, numel: int, world_size: int, s: Substrate) -> Co
 
 
 def codec_seconds(spec: RouteSpec, numel: int, world_size: int, s: Substrate) -> float:
-    """Encode + reduce + decode seconds of `numel` fp32 elements on `spec` (0 for fp32)."""
+    """Per-call + encode + reduce + decode seconds of `numel` fp32 elements on `spec` (0 for fp32)."""
     return codec_cost(spec, numel, world_size, s).codec_s
 
 
@@ -238,6 +287,11 @@ def _fallback_reason(cost: Cost, fp32: float, speedup: float, w: int, s: Substra
     if cause == "codec":
         stages = {"encode": cost.encode_s, "reduce": cost.reduce_s, "decode": cost.decode_s}
         stage = max(stages, key=lambda k: stages[k])
+        if cost.call_s > stages[stage]:
+            return (
+                f"codec call overhead: codec {cost.codec_s * 1e3:.3g} ms "
+                f"({cost.call_s * 1e3:.3g} ms fixed per call) vs fp32 {fp32 * 1e3:.3g} ms" + tail
+            )
         return (
             f"{stage} slower than link: codec {cost.codec_s * 1e3:.3g} ms "
             f"({stage} {stages[stage] * 1e3:.3g} ms) vs fp32 {fp32 * 1e3:.3g} ms" + tail

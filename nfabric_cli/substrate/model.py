@@ -5,6 +5,10 @@ Units (kept in the key names' spirit, spelled out here because they differ):
 - `encode_gbps`, `decode_gbps`: GB/s (10^9 bytes/s) of fp32 gradient (codec speeds, as
   `nfabric bench routes` measures them).
 - `latency_us`: microseconds per message hop (the α of the α-β model).
+- `latency_us_by_kind`: microseconds per latency round of one collective kind (replaces α for
+  the kinds it names; `substrate/cost.py` says how many rounds each kind takes).
+- `codec_call_us`: microseconds a route's reduce costs once per call, whatever its size
+  (encode / combine / decode call overhead, the Python of the route's flow).
 
 A substrate is a TOML file (`load_substrate` / `save_substrate`) or a dict inside a profile's
 metadata (`Substrate.from_dict` / `to_dict`); both reject unknown keys and bad values with one
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from nfabric_cli.atomic import atomic_write_text
 from nfabric_cli.errors import InputError
+from nfabric_cli.routes.plan import OP_KINDS
 from nfabric_cli.routes.spec import ROUTE_NAMES
 from nfabric_cli.textfiles import read_json, read_toml
 
@@ -28,20 +34,33 @@ TOPOLOGIES: tuple[str, ...] = ("sharded", "central")
 
 #: Codec throughput in GB/s of fp32 gradient (for `reduce`: of fp32-equivalent contributions
 #: combined, result packing included; for `decode`: unpacking the combined result to fp32),
-#: measured on the development host with the real route code on the reduction path (one CPU
-#: thread, native AVX2 kernels, 4M-element buffers, W = 2 and 4, rounded down). fp32 has no
-#: codec; 16-bit routes reduce inside the all-reduce. Codecs change: measure this host with
-#: `nfabric bench routes --json` and pass it as `--bench`, or set the substrate's tables.
+#: and the fixed cost of one reduce call in microseconds, whatever its size. Measured on the
+#: development host (2-core x86-64 VM shared with other jobs, load 2.5-3.5; native AVX2
+#: kernels; one thread per rank) on 2026-11-30 with `nfabric replay`'s machinery: every route's
+#: real reducer, sharded and central, at W = 2 on unshaped loopback, 1e3 to 4.2e6 elements.
+#: Rates: bytes / (seconds - fixed) at 4,194,304 elements, rounded down to 2 digits (DDP
+#: buckets are 1-25 MB); fixed costs: the affine fit's intercept over 1e3..1e5 elements
+#: (about half on an idle host; x1.3 at W = 4 on these 2 cores). The reduction path's decode
+#: is dominated at this size by `routes/packing.unpack_uint`, which grows faster than linear
+#: here (sign: 2.8 ms at 1M elements, 65 ms at 4M); at 1M elements decode runs at 0.5-0.6
+#: GB/s, and `nfabric bench routes` (a local decode, no combined result) reports 9-14 GB/s,
+#: so its decode rates overstate the reduce path's. fp32 has no codec; 16-bit routes reduce
+#: inside the all-reduce. Codecs change: measure this host with `nfabric replay`.
 DEFAULT_ENCODE_GBPS: dict[str, float] = {
-    "bf16": 2.5, "fp16": 10.0, "int8": 8.0, "int4": 5.0, "ternary": 0.8, "sign": 6.0,
+    "bf16": 1.1, "fp16": 1.3, "int8": 5.0, "int4": 3.2, "ternary": 2.0, "sign": 5.2,
 }
 DEFAULT_REDUCE_GBPS: dict[str, float] = {
-    "bf16": 10.0, "fp16": 10.0, "int8": 1.7, "int4": 2.2, "ternary": 0.9, "sign": 0.65,
+    "bf16": 10.0, "fp16": 10.0, "int8": 0.71, "int4": 0.77, "ternary": 0.69, "sign": 0.59,
 }
 DEFAULT_DECODE_GBPS: dict[str, float] = {
-    "bf16": 10.0, "fp16": 10.0, "int8": 0.1, "int4": 0.14, "ternary": 0.17, "sign": 0.1,
+    "bf16": 5.7, "fp16": 1.4, "int8": 0.15, "int4": 0.16, "ternary": 0.18, "sign": 0.15,
+}
+DEFAULT_CODEC_CALL_US: dict[str, float] = {
+    "bf16": 180.0, "fp16": 200.0, "int8": 790.0, "int4": 880.0, "ternary": 1100.0, "sign": 990.0,
 }
 CODEC_TABLES: tuple[str, ...] = ("encode_gbps", "reduce_gbps", "decode_gbps")
+#: Every table-valued key (merged key by key by `build_substrate`).
+TABLES: tuple[str, ...] = (*CODEC_TABLES, "codec_call_us", "latency_us_by_kind")
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,12 @@ class Substrate:
       reducer endpoint, running at line rate): collectives only.
     - ``alpha_s`` / ``beta_s_per_byte``: fitted α-β constants; when set they replace
       ``latency_us`` / ``link_gbps`` in the model.
+    - ``latency_us_by_kind``: µs per latency round of a collective kind (``all_to_all``,
+      ``all_gather``, ``gather``, ``broadcast``, ``allreduce``); kinds not named pay α per hop.
+    - ``codec_call_us``: µs a compressed (or 16-bit) route's reduce costs once per call. A
+      route the substrate describes (named in any codec table or here) pays what is given
+      here, 0 if nothing; a route it does not describe pays the host defaults (rates and
+      `DEFAULT_CODEC_CALL_US`), so files written before this key keep their predictions.
     """
 
     link_gbps: float
@@ -74,6 +99,8 @@ class Substrate:
     include_codec: bool = True
     alpha_s: float | None = None
     beta_s_per_byte: float | None = None
+    codec_call_us: dict[str, float] = field(default_factory=dict)
+    latency_us_by_kind: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _positive("link_gbps", self.link_gbps)
@@ -97,19 +124,16 @@ class Substrate:
         if self.margin >= 1.0:
             raise InputError(f"margin must be in [0, 1), got {self.margin}")
         for table in CODEC_TABLES:
-            rates = getattr(self, table)
-            if not isinstance(rates, dict):
-                raise InputError(f"{table} must be a table of route = GB/s, got {rates!r}")
-            for route, rate in rates.items():
-                if route not in ROUTE_NAMES:
-                    raise InputError(
-                        f"{table}: unknown route {route!r} (choose from {', '.join(ROUTE_NAMES)})"
-                    )
-                _positive(f"{table}.{route}", rate)
+            _table(table, getattr(self, table), ROUTE_NAMES, "route", "GB/s", _positive)
         if self.alpha_s is not None:
             _non_negative("alpha_s", self.alpha_s)
         if self.beta_s_per_byte is not None:
             _positive("beta_s_per_byte", self.beta_s_per_byte)
+        codecs = tuple(r for r in ROUTE_NAMES if r != "fp32")
+        _table("codec_call_us", self.codec_call_us, codecs, "route", "microseconds",
+               _non_negative, excluded="fp32 has no codec (its per-call cost is in α)")
+        _table("latency_us_by_kind", self.latency_us_by_kind, OP_KINDS, "collective kind",
+               "microseconds", _non_negative)
 
     # -- the model's constants -------------------------------------------------------------
 
@@ -141,6 +165,21 @@ class Substrate:
     def decode_bytes_per_s(self, route: str) -> float:
         """fp32 bytes per second the route's decoder produces from the combined result."""
         return _rate(self.decode_gbps, DEFAULT_DECODE_GBPS, route)
+
+    def codec_call_s(self, route: str) -> float:
+        """Seconds a reduce on `route` costs once per call (0 for fp32; see class doc)."""
+        if route == "fp32":
+            return 0.0
+        if route in self.codec_call_us:
+            return self.codec_call_us[route] * 1e-6
+        if any(route in getattr(self, table) for table in CODEC_TABLES):
+            return 0.0  # the substrate describes this codec and gives it no fixed cost
+        return DEFAULT_CODEC_CALL_US[route] * 1e-6
+
+    def kind_latency_s(self, kind: str) -> float | None:
+        """Seconds per latency round of collective `kind`, or None: α per hop applies."""
+        us = self.latency_us_by_kind.get(kind)
+        return None if us is None else us * 1e-6
 
     def with_link(self, link_gbps: float) -> Substrate:
         """The same fabric at another link speed (fitted β dropped: it belongs to one link)."""
@@ -228,7 +267,7 @@ def build_substrate(
     else:
         data = dict(base or {})
         source = "substrate"
-    for key in CODEC_TABLES:  # tables merge, so one route can be overridden
+    for key in TABLES:  # tables merge, so one route can be overridden
         if overrides.get(key):
             overrides[key] = {**data.get(key, {}), **overrides[key]}
     data.update({k: v for k, v in overrides.items() if v is not None})
@@ -262,6 +301,21 @@ def codec_rates_from_bench(path: str | Path) -> dict[str, dict[str, float]]:
     if not any(tables.values()):
         raise InputError(f"{p}: no {' / '.join(CODEC_TABLES)} per route found")
     return tables
+
+
+def _table(
+    name: str, table: Any, keys: tuple[str, ...], noun: str, unit: str,
+    check: Callable[[str, Any], None], excluded: str = "",
+) -> None:
+    """A table of known `noun`s to checked numbers; `excluded` says why a route is left out."""
+    if not isinstance(table, dict):
+        raise InputError(f"{name} must be a table of {noun} = {unit}, got {table!r}")
+    for key, value in table.items():
+        if key not in keys:
+            if excluded and key in ROUTE_NAMES:
+                raise InputError(f"{name}.{key}: {excluded}")
+            raise InputError(f"{name}: unknown {noun} {key!r} (choose from {', '.join(keys)})")
+        check(f"{name}.{key}", value)
 
 
 def _rate(table: dict[str, float], defaults: dict[str, float], route: str) -> float:

@@ -160,13 +160,17 @@ def project(
 def assumptions(s: Substrate) -> list[str]:
     """The model's assumptions, printed beside every projection."""
     endpoint = "a rank's link" if s.endpoint_gbps is None else f"{s.endpoint_gbps:g} Gbit/s"
+    kinds = ", ".join(f"{k} {v:g} us" for k, v in s.latency_us_by_kind.items())
     return [
-        f"alpha-beta model, alpha = {s.alpha * 1e6:g} us per hop, one full-duplex link per rank",
+        f"alpha-beta model, alpha = {s.alpha * 1e6:g} us per hop, one full-duplex link per rank"
+        + (f"; per round, overlapping the transfer: {kinds} (fitted at "
+           f"{s.world_size or '?'} ranks, extrapolated)" if kinds else ""),
         "fp32: DDP ring all-reduce per bucket (no tree, no hierarchy); buckets as DDP assigns them",
         "sign-sharded: all-to-all of 1-bit codes then all-gather of the 1-bit result",
         f"sign-central: fan-in to one endpoint of capacity {endpoint}, W-1 copies sent back",
         (
-            f"codec: sign encode {s.encode_bytes_per_s('sign') / 1e9:g}, reduce "
+            f"codec: sign {s.codec_call_s('sign') * 1e6:g} us per call, encode "
+            f"{s.encode_bytes_per_s('sign') / 1e9:g}, reduce "
             f"{s.reduce_bytes_per_s('sign') / 1e9:g}, decode "
             f"{s.decode_bytes_per_s('sign') / 1e9:g} GB/s of fp32 (the central endpoint "
             "combines all W contributions)"

@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from nfabric_cli.app import app
 from nfabric_cli.replay.plan import sweep_sizes
+from nfabric_cli.routes.spec import FP32, RouteSpec
+from nfabric_cli.substrate.cost import predict_route
 from nfabric_cli.substrate.model import load_substrate
 from tests.replay.test_trace import BODY_STEP0
 
@@ -66,6 +68,20 @@ def test_round_trip_central_what_if_writes_a_substrate_others_accept(
     assert (sub.world_size, sub.topology, sub.shared_link) == (2, "central", True)
     assert sub.alpha_s == float(f"{fit['alpha_s']:.4g}")
     assert all("sign" in getattr(sub, t) for t in ("encode_gbps", "reduce_gbps", "decode_gbps"))
+    # The codec sweep (random data, 1,000 to 100,000 elements) fits the fixed cost per call
+    # and the latency of each collective kind the central sign reducer issues.
+    assert [(c["route"], c["numel"]) for c in rep["codec_sweep"]] == [
+        ("sign/central", n) for n in (1000, 4642, 21544, 100000)]
+    assert set(fit["codec_call_us"]) == {"sign"} and fit["codec_call_us"]["sign"] >= 0
+    assert set(fit["latency_us_by_kind"]) == {"all_gather", "gather", "broadcast"}
+    assert (sub.codec_call_us, sub.latency_us_by_kind) == (fit["codec_call_us"],
+                                                           fit["latency_us_by_kind"])
+    # record -> replay -> file -> load: the loaded file predicts exactly what replay reported.
+    specs = {"fp32": FP32, "sign/central": RouteSpec("sign", reducer="central")}
+    for row in rep["groups"] + rep["codec_sweep"]:
+        spec = specs[row.get("route", "fp32")]
+        assert predict_route(spec, row["numel"], 2, sub) == pytest.approx(row["predicted_s"],
+                                                                          rel=1e-12)
 
     # The file is a substrate the other commands take.
     cap = run("capacity", "--project", "--shape", "pythia-160m", "--substrate", out, "--json")
@@ -87,6 +103,8 @@ def test_round_trip_central_what_if_writes_a_substrate_others_accept(
     _render(rep)
     text = capsys.readouterr().out
     assert "sign/central" in text and f"substrate: {out}" in text
+    assert "codec fixed cost per call, us: sign" in text
+    assert "latency per round, us: all_gather" in text
     assert "recorded payloads on 8 of 8 rank-groups" in text
 
 

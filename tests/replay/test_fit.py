@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from nfabric_cli.errors import InputError
 from nfabric_cli.replay.fit import (
+    FREE_GBPS,
     LinkFit,
     OpSample,
+    ReduceSample,
     StageSample,
+    affine_rate,
     fit_codec,
     fit_endpoint,
+    fit_kind_latency,
     fit_link,
 )
+from nfabric_cli.replay.plan import ROLE_CODEC, ROLE_SWEEP, ReplayCase, ReplayPlan
+from nfabric_cli.replay.run import CaseResult, fit_substrate
 from nfabric_cli.replay.timed import Event, Stages, split_stages
+from nfabric_cli.routes.spec import FP32, RouteSpec
+from nfabric_cli.substrate.cost import codec_cost, op_cost, route_cost, route_plan
+from nfabric_cli.substrate.model import Substrate
 
 ALPHA, BETA = 150e-6, 8 / 100e6  # 150 us per hop, 100 Mbit/s
 
@@ -81,10 +92,14 @@ def test_codec_fit_recovers_rates_with_the_cost_models_byte_counts() -> None:
                                        combined / red, 4 * n / dec))
     samples.append(StageSample("bf16", "sharded", False, 1000, 4, 4000 / 4e9, 0.0, 4000 / 8e9))
     samples.append(StageSample("fp32", "sharded", False, 1000, 4, 1.0, 1.0, 1.0))
-    rates = fit_codec(samples)
-    assert rates["encode_gbps"] == {"bf16": pytest.approx(4.0), "sign": pytest.approx(2.0)}
-    assert rates["reduce_gbps"] == {"sign": pytest.approx(0.5)}  # 16-bit: inside all-reduce
-    assert rates["decode_gbps"] == {"bf16": pytest.approx(8.0), "sign": pytest.approx(0.25)}
+    for affine in (True, False):  # no fixed cost in the data: both fits find the same rates
+        fit = fit_codec(samples, affine=affine)
+        rates = fit.rates
+        assert rates["encode_gbps"] == {"bf16": pytest.approx(4.0), "sign": pytest.approx(2.0)}
+        assert rates["reduce_gbps"] == {"sign": pytest.approx(0.5)}  # 16-bit: in the all-reduce
+        assert rates["decode_gbps"] == {"bf16": pytest.approx(8.0), "sign": pytest.approx(0.25)}
+        # one bf16 size: through the origin, no fixed cost; sign's is zero
+        assert fit.call_us == ({"sign": pytest.approx(0.0, abs=1e-6)} if affine else {})
 
 
 def test_endpoint_fit_uses_only_bandwidth_bound_gathers() -> None:
@@ -105,3 +120,105 @@ def test_split_stages_attributes_gaps_between_collectives() -> None:
     fp = split_stages([["allreduce", 4096, 0.0005, 0.0035]], 0.004)  # JSON lists work too
     assert fp == Stages(pytest.approx(0.0005), 0.0, pytest.approx(0.0005), pytest.approx(0.003))
     assert split_stages([], 0.001) == Stages(0.0, 0.0, 0.0, 0.0)
+
+
+# -- fixed costs and per-kind latency: the fits recover the model's own constants ------------
+
+#: The "true" fabric the synthetic timings come from: 100 Mbit/s shared link, 150 us per
+#: all-reduce hop, per-kind rounds, sign's codec with a fixed cost per call.
+TRUE = Substrate(
+    link_gbps=0.1, alpha_s=ALPHA, beta_s_per_byte=BETA, shared_link=True, world_size=4,
+    encode_gbps={"sign": 2.0}, reduce_gbps={"sign": 0.5}, decode_gbps={"sign": 0.25},
+    codec_call_us={"sign": 900.0},
+    latency_us_by_kind={"all_gather": 700.0, "all_to_all": 2500.0, "gather": 1100.0,
+                        "broadcast": 1800.0},
+)
+SPLIT = (0.5, 0.2, 0.3)  # how the fixed cost falls on encode / reduce / decode
+SIGNS = (RouteSpec("sign", reducer="sharded"), RouteSpec("sign", reducer="central"))
+SIZES = (1000, 6404, 41013, 262656)
+
+
+def stages_of(spec: RouteSpec, numel: int, w: int) -> Stages:
+    c = codec_cost(spec, numel, w, TRUE)
+    comm = route_cost(spec, numel, w, TRUE).total_s - c.codec_s
+    e, r, d = (c.call_s * f for f in SPLIT)
+    return Stages(c.encode_s + e, c.reduce_s + r, c.decode_s + d, comm)
+
+
+def test_affine_codec_fit_recovers_rates_and_fixed_cost() -> None:
+    samples = [StageSample("sign", spec.reducer, True, n, 4, *stages_of(spec, n, 4)[:3])
+               for spec in SIGNS for n in SIZES]
+    fit = fit_codec(samples)
+    assert fit.call_us == {"sign": pytest.approx(900.0, rel=0.01)}
+    assert {t: r["sign"] for t, r in fit.rates.items()} == {
+        "encode_gbps": pytest.approx(2.0, rel=0.01), "reduce_gbps": pytest.approx(0.5, rel=0.01),
+        "decode_gbps": pytest.approx(0.25, rel=0.01)}
+    # Through the origin (the model before fixed costs), the fixed cost inflates every rate's
+    # time: the 1,000-element reduce is what a relative fit cannot match then.
+    old = fit_codec(samples, affine=False)
+    assert old.call_us == {} and old.rates["decode_gbps"]["sign"] < 0.25
+
+
+def test_affine_rate_clamps_to_non_negative_terms() -> None:
+    assert affine_rate([(1.0, 2e-3), (1e6, 2e-3)]) == (pytest.approx(2e-3), math.inf)
+    c, r = affine_rate([(1e3, 1e-6), (1e6, 1e-3), (1e5, 1e-4)])  # through the origin
+    assert c == 0.0 and r == pytest.approx(1e9)
+    # Bigger was faster: no per-byte term; c = sum(1/t) / sum(1/t^2) = 1200 / 1.04e6.
+    assert affine_rate([(1e3, 5e-3), (1e6, 1e-3)]) == (pytest.approx(1200 / 1.04e6), math.inf)
+    assert affine_rate([(1e3, 0.0)]) == (0.0, math.inf)
+    assert FREE_GBPS == 1e4  # what a stage without per-byte cost is written as
+
+
+def reduce_samples(w: int) -> list[ReduceSample]:
+    out = []
+    for spec in SIGNS:
+        for n in SIZES:
+            ops = tuple(OpSample(op.kind, op.nbytes, w, op_cost(op, w, TRUE).total_s)
+                        for op in route_plan(spec, n, w))
+            out.append(ReduceSample(w, route_cost(spec, n, w, TRUE).total_s,
+                                    codec_cost(spec, n, w, TRUE).codec_s, ops))
+    return out
+
+
+def test_kind_latency_fit_recovers_each_kind_per_round() -> None:
+    link = LinkFit(ALPHA, BETA, 0.0, 10)
+    for w in (2, 4):
+        got = fit_kind_latency(reduce_samples(w), link, shared_link=True)
+        assert got == {k: pytest.approx(v * 1e-6, rel=0.01)
+                       for k, v in TRUE.latency_us_by_kind.items()}
+    # A transfer-bound reduce says nothing about latency: with none latency-bound, the one
+    # closest to it is used (a slower link: every sample is mostly transfer).
+    slow = LinkFit(ALPHA, BETA * 1000, 0.0, 10)
+    assert set(fit_kind_latency(reduce_samples(4), slow, True)) == {
+        "all_gather", "all_to_all", "broadcast", "gather"}
+    assert fit_kind_latency([], link, True) == {}
+
+
+def test_fit_substrate_recovers_the_model_that_made_the_timings() -> None:
+    w = 4
+    cases, results = [], []
+    for spec in SIGNS:
+        for n in SIZES:
+            cases.append(ReplayCase(ROLE_CODEC, spec.to_dict(), n, [n]))
+    for n in (1, 256, 1024, 4096, 16384, 65536):
+        cases.append(ReplayCase(ROLE_SWEEP, FP32.to_dict(), n, [n]))
+    for i, case in enumerate(cases):
+        spec, n = case.route, case.numel
+        ops = [(op.kind, op.nbytes, op_cost(op, w, TRUE).total_s) for op in route_plan(spec, n, w)]
+        stages = stages_of(spec, n, w) if spec != FP32 else Stages(0.0, 0.0, 0.0, 0.0)
+        results.append(CaseResult(i, route_cost(spec, n, w, TRUE).total_s, stages, tuple(ops),
+                                  {"random": w}, tuple(d for *_, d in ops)))
+    plan = ReplayPlan("/nonexistent", w, 3, cases)
+    sub, link = fit_substrate(plan, results, shared_link=True)
+    assert (sub.alpha_s, sub.beta_s_per_byte) == (pytest.approx(ALPHA, rel=0.01),
+                                                  pytest.approx(BETA, rel=0.01))
+    assert sub.codec_call_us == {"sign": pytest.approx(900.0, rel=0.01)}
+    for table in ("encode_gbps", "reduce_gbps", "decode_gbps"):
+        assert getattr(sub, table) == {"sign": pytest.approx(getattr(TRUE, table)["sign"],
+                                                             rel=0.01)}
+    assert sub.latency_us_by_kind == {k: pytest.approx(v, rel=0.01)
+                                      for k, v in TRUE.latency_us_by_kind.items()}
+    for spec in SIGNS:  # so the fitted substrate predicts what the true one does
+        for n in (1056, 100000):
+            assert route_cost(spec, n, w, sub).total_s == pytest.approx(
+                route_cost(spec, n, w, TRUE).total_s, rel=0.01)

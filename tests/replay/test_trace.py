@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 
 from nfabric_cli.errors import InputError
-from nfabric_cli.replay.plan import ROLE_SWEEP, ROLE_TRACE, ROLE_TWIN, build_plan, sweep_sizes
+from nfabric_cli.replay.plan import (
+    ROLE_CODEC,
+    ROLE_SWEEP,
+    ROLE_TRACE,
+    ROLE_TWIN,
+    build_plan,
+    codec_sweep_sizes,
+    sweep_sizes,
+)
 from nfabric_cli.replay.run import aggregate, check_payloads
 from nfabric_cli.replay.timed import Stages
 from nfabric_cli.replay.trace import load_payload, load_trace
@@ -50,6 +58,11 @@ def test_plan_what_if_world_size_and_payload_cycling(recorded: Path) -> None:
     roles = [c.role for c in plan.cases]
     assert roles.count(ROLE_TRACE) == 4 and roles.count(ROLE_TWIN) == 2
     assert [c.numel for c in plan.cases if c.role == ROLE_SWEEP] == sweep_sizes(3, None)
+    # One codec sweep per distinct compressed route: random data, 1,000 up to 100x that (the
+    # largest recorded sign group has only 1,664 elements), log-spaced.
+    codec = [c for c in plan.cases if c.role == ROLE_CODEC]
+    assert [(c.route, c.numel, c.segments, c.payloads) for c in codec] == [
+        (RouteSpec("sign", reducer="central"), n, [n], []) for n in (1000, 4642, 21544, 100000)]
     sign = [c for c in plan.cases if c.role == ROLE_TRACE and c.spec["name"] == "sign"]
     assert {c.route for c in sign} == {RouteSpec("sign", reducer="central")}
     assert all(c.recorded_s is None for c in sign)  # another world size: not what ran
@@ -64,6 +77,11 @@ def test_plan_what_if_world_size_and_payload_cycling(recorded: Path) -> None:
     # Sweep: from 1 element up to ~0.2 s at the nominal link (sizes for a slow link stop early).
     assert sweep_sizes(4, 50.0) == [1, 256, 1024, 4096, 16384]
     assert sweep_sizes(2, None)[-1] == 1 << 22
+    # A codec sweep reaches the largest recorded group, cut to ~0.2 s on a slow link.
+    sign = RouteSpec("sign")
+    assert codec_sweep_sizes(sign, 4, 50.0, 262656) == [1000, 6404, 41013, 262656]
+    assert codec_sweep_sizes(sign, 4, 1.0, 10**7)[-1] < 10**6
+    assert codec_sweep_sizes(sign, 4, 0.001, 10**7) == [1000]
 
 
 def test_unusable_payloads_are_reported_and_replaced(trace_copy: Path) -> None:
@@ -101,6 +119,7 @@ def test_aggregate_takes_the_slowest_rank_and_rank0_collectives() -> None:
     assert [(k, n) for k, n, _ in res.ops] == [("all_gather", 64), ("all_to_all", 512),
                                                ("all_gather", 128)]
     assert res.ops[1][2] == pytest.approx(0.002)
+    assert res.op_medians == (pytest.approx(0.001), pytest.approx(0.002), pytest.approx(0.001))
     # Stages per rank (median over repeats), then the slowest rank per stage: rank 1 encodes
     # 0.002 + 0.001 before its all-to-all, both combine 0.001, rank 1 decodes from 0.008 to its
     # median 0.020.

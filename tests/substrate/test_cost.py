@@ -20,6 +20,7 @@ from nfabric_cli.substrate.cost import (
     predict_route,
     route_plan,
 )
+from nfabric_cli.substrate.cost import codec_cost as codec_cost_of
 from nfabric_cli.substrate.model import Substrate
 
 SIGN = RouteSpec("sign")
@@ -249,3 +250,48 @@ def test_endpoint_ingress_bound_and_first_true():
     assert first_true(lambda n: n >= 1, 1, 1000) == 1
     assert first_true(lambda n: n >= 1000, 1, 1000) == 1000
     assert first_true(lambda n: False, 1, 1000) is None
+
+
+# -- fixed codec cost per call and latency per collective kind ----------------------------
+
+
+def test_kind_latency_rounds_and_overlap_with_the_transfer():
+    # all_to_all: one round per call whatever W; all_gather: W-1 rounds; a named kind takes
+    # max(rounds·L, transfer), so its Cost carries only the latency the transfer leaves over.
+    s = Substrate(link_gbps=8.0, latency_us=10.0,
+                  latency_us_by_kind={"all_to_all": 100.0, "all_gather": 50.0})
+    c = op_cost(CommOp("all_to_all", 4_000), 4, s)  # wire 3/4 * 4e3 / 1e9 = 3 us
+    assert (c.latency_s, c.wire_s, c.total_s) == (pytest.approx(97e-6), pytest.approx(3e-6),
+                                                  pytest.approx(100e-6))
+    big = op_cost(CommOp("all_to_all", 4_000_000), 4, s)  # 3 ms of wire hides the 0.1 ms
+    assert (big.latency_s, big.total_s) == (0.0, pytest.approx(3e-3))
+    assert op_cost(CommOp("all_gather", 8), 4, s).total_s == pytest.approx(3 * 50e-6)
+    assert op_cost(CommOp("all_gather", 8), 8, s).total_s == pytest.approx(7 * 50e-6)
+    # Kinds not named: α per hop, added to the transfer (the model as before).
+    assert op_cost(CommOp("allreduce", 4_000), 4, s) == op_cost(CommOp("allreduce", 4_000), 4, S)
+    assert op_cost(CommOp("gather", 1_000_000), 8, s) == op_cost(CommOp("gather", 1_000_000), 8, S)
+
+
+def test_fixed_codec_cost_is_codec_time_once_per_call():
+    s = Substrate(link_gbps=8.0, latency_us=10.0, codec_call_us={"sign": 500.0}, **CODEC)
+    c = codec_cost_of(SIGN, 1_000_000, 4, s)
+    # 500 us + encode 4e6/1e9 + reduce 4e6/5e8 + decode 4e6/2.5e8 = 0.5 + 4 + 8 + 16 ms
+    assert c.call_s == pytest.approx(5e-4)
+    assert c.codec_s == pytest.approx(0.0285)
+    assert predict_route(SIGN, 1_000_000, 4, s) == pytest.approx(
+        predict_route(SIGN, 1_000_000, 4, S) + 5e-4)
+    assert codec_cost_of(FP32, 1000, 4, s).codec_s == 0.0
+    assert codec_cost_of(SIGN, 1000, 4, Substrate(8.0, codec_call_us={"sign": 500.0},
+                                                  include_codec=False)).codec_s == 0.0
+    # A fixed cost moves the crossover up: small buckets lose to fp32 (on a 100 Mbit/s link).
+    slow, slow_fixed = S.with_link(0.1), s.with_link(0.1)
+    assert crossover_bucket_numel(SIGN, 4, slow_fixed) > crossover_bucket_numel(SIGN, 4, slow)
+
+
+def test_fixed_cost_names_itself_in_the_fallback_reason():
+    s = Substrate(link_gbps=8.0, latency_us=1.0, codec_call_us={"sign": 500.0}, **CODEC)
+    v = bucket_verdict(s, {SIGN: 1000}, 2)
+    # fp32: 2 hops * 1 us + 4e3/1e9 = 6 us; sign: 500 us fixed + 28 us codec + 3 us latency
+    assert v.verdict == "fallback"
+    assert v.reason == ("codec call overhead: codec 0.528 ms (0.5 ms fixed per call) vs fp32 "
+                        "0.006 ms (0.01x)")

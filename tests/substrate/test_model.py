@@ -9,8 +9,10 @@ import pytest
 
 from nfabric_cli.errors import InputError
 from nfabric_cli.substrate.model import (
+    DEFAULT_CODEC_CALL_US,
     DEFAULT_ENCODE_GBPS,
     Substrate,
+    as_substrate,
     build_substrate,
     codec_rates_from_bench,
     load_substrate,
@@ -31,6 +33,8 @@ FULL = Substrate(
     include_codec=False,
     alpha_s=4.2e-05,
     beta_s_per_byte=8.1e-08,
+    codec_call_us={"sign": 120.0, "int8": 0.0},
+    latency_us_by_kind={"all_to_all": 300.0, "all_gather": 150.5},
 )
 
 
@@ -82,6 +86,19 @@ def test_units_and_defaults():
         ("link_gbps = 1\n[decode_gbps]\nfp8 = 1.0", "decode_gbps: unknown route 'fp8'"),
         ("link_gbps = 1\nencode_gbps = 3", "encode_gbps must be a table of route = GB/s, got 3"),
         ("link_gbps = 1\nlink_mbps = 3", "unknown key(s) link_mbps (known: "),
+        ("link_gbps = 1\n[codec_call_us]\nsign = -1", "codec_call_us.sign must be >= 0, got -1"),
+        ("link_gbps = 1\n[codec_call_us]\nfp32 = 10",
+         "codec_call_us.fp32: fp32 has no codec (its per-call cost is in α)"),
+        ("link_gbps = 1\n[codec_call_us]\nfp8 = 10", "codec_call_us: unknown route 'fp8'"),
+        ("link_gbps = 1\ncodec_call_us = 3",
+         "codec_call_us must be a table of route = microseconds, got 3"),
+        ("link_gbps = 1\n[latency_us_by_kind]\nring = 5",
+         "latency_us_by_kind: unknown collective kind 'ring' (choose from allreduce, "
+         "all_to_all, all_gather, gather, broadcast)"),
+        ('link_gbps = 1\n[latency_us_by_kind]\nall_to_all = "x"',
+         "latency_us_by_kind.all_to_all must be a number, got 'x'"),
+        ("link_gbps = 1\n[latency_us_by_kind]\ngather = inf",
+         "latency_us_by_kind.gather must be finite, got inf"),
         ("link_gbps = ", "malformed TOML"),
     ],
 )
@@ -95,6 +112,24 @@ def test_every_bad_value_is_one_line(tmp_path, text, message):
     assert "\n" not in str(err.value)
 
 
+def test_fixed_costs_and_kind_latency_defaults():
+    # A substrate that does not describe a route's codec pays the host defaults, fixed cost
+    # included; one that describes it (any codec table) pays only what it gives.
+    bare = Substrate(link_gbps=1.0)
+    assert bare.codec_call_s("sign") == pytest.approx(DEFAULT_CODEC_CALL_US["sign"] * 1e-6)
+    assert bare.codec_call_s("fp32") == 0.0
+    described = Substrate(link_gbps=1.0, encode_gbps={"sign": 2.0})
+    assert described.codec_call_s("sign") == 0.0  # files written before the key: unchanged
+    assert described.codec_call_s("int8") == pytest.approx(DEFAULT_CODEC_CALL_US["int8"] * 1e-6)
+    assert FULL.codec_call_s("sign") == pytest.approx(1.2e-4)
+    assert FULL.codec_call_s("int8") == 0.0
+    assert FULL.kind_latency_s("all_gather") == pytest.approx(1.505e-4)
+    assert FULL.kind_latency_s("gather") is None  # α per hop applies
+    # Profile metadata keeps them (the dict the runtime's gate reads).
+    assert as_substrate(FULL.to_dict()).latency_us_by_kind == FULL.latency_us_by_kind
+    assert Substrate.from_dict(FULL.to_dict()) == FULL
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(InputError, match="substrate file .*: no such file"):
         load_substrate(tmp_path / "nope.toml")
@@ -103,10 +138,13 @@ def test_missing_file(tmp_path):
 def test_build_substrate_overrides(tmp_path):
     path = tmp_path / "s.toml"
     save_substrate(FULL, path)
-    s = build_substrate(path, link_gbps=1.0, latency_us=None, encode_gbps={"int4": 0.3})
+    s = build_substrate(path, link_gbps=1.0, latency_us=None, encode_gbps={"int4": 0.3},
+                        codec_call_us={"sign": 50.0}, latency_us_by_kind={"gather": 9.0})
     assert s.link_gbps == 1.0
     assert s.latency_us == 55.5  # None overrides are ignored
     assert s.encode_gbps == {"int4": 0.3, "int8": 0.7, "sign": 1.5}  # tables merge
+    assert s.codec_call_us == {"int8": 0.0, "sign": 50.0}
+    assert s.latency_us_by_kind == {"all_gather": 150.5, "all_to_all": 300.0, "gather": 9.0}
     assert build_substrate(None, base={"link_gbps": 2.0}, margin=0.3) == Substrate(2.0, margin=0.3)
     with pytest.raises(InputError, match="no substrate: pass --substrate PATH or --link-gbps"):
         build_substrate(None, base=None, latency_us=3.0)
