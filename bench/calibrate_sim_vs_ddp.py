@@ -3,9 +3,12 @@
 Both train the same workload from the same seed on the same batches with the same profile
 (head fp32, everything else sign with error feedback, health monitor on). The real run spawns
 N gloo ranks (FileStore rendezvous) with the fabric hook; the simulated run is what
-`nfabric calibrate` does per trial. Printed: wall time of each, the ratio sim / real (whole
-run including process start-up, which a real trial pays, and training loop only), and the
-largest parameter difference between the simulated model and rank 0.
+`nfabric calibrate` does per trial, once in one process and once with the ranks' gradients
+spread over forked processes (one per CPU, the default). Printed: wall time of each, the ratio
+sim / real (whole run including process start-up, which a real trial pays, and training loop
+only), the compute floor (N ranks' forward and backward passes, timed alone in this run, over
+the CPUs: what no simulator that computes every rank's gradient can beat), and the largest
+parameter difference between the simulated model and rank 0.
 
     OMP_NUM_THREADS=1 python -m bench.calibrate_sim_vs_ddp [--workload vision] [--world 4] [--steps 30]
 """
@@ -23,6 +26,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile
+from nfabric_cli.calibration.ranks import default_processes, usable_cpus
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.spec import parse_spec
@@ -97,23 +101,45 @@ def main() -> None:
     torch.set_num_threads(1)
 
     wl = get_workload(args.workload)  # loaded once per study, like the real ranks each do
-    t0 = time.perf_counter()
-    model = wl.build_model(args.seed)
-    bindings = bindings_for(args.workload, model, args.world, args.steps, args.head_route)
-    sim = simulate_run(wl, bindings, args.world, args.steps, args.seed)
-    sim_wall = time.perf_counter() - t0
+    sims = {}
+    for procs in sorted({1, default_processes(args.world)}):
+        t0 = time.perf_counter()
+        model = wl.build_model(args.seed)
+        bindings = bindings_for(args.workload, model, args.world, args.steps, args.head_route)
+        sim = simulate_run(wl, bindings, args.world, args.steps, args.seed, processes=procs)
+        sims[procs] = (time.perf_counter() - t0, sim)
+    floor = compute_floor(wl, args.world, args.steps, args.seed)
 
     real_wall, real_loop, real_params = real_run(
         args.workload, args.world, args.steps, args.seed, args.head_route
     )
-    diff = max(float((p.detach() - real_params[n]).abs().max())
-               for n, p in sim.model.named_parameters())
     print(f"workload {args.workload}, N = {args.world}, {args.steps} steps, head "
-          f"{args.head_route}, rest sign+EF, cores {os.cpu_count()}")
-    print(f"simulated trial (1 process)    {sim_wall:8.2f} s")
-    print(f"real DDP  (N processes, total) {real_wall:8.2f} s   ratio sim/real {sim_wall / real_wall:.2f}x")
-    print(f"real DDP  (training loop only) {real_loop:8.2f} s   ratio sim/real {sim_wall / real_loop:.2f}x")
-    print(f"max |param sim - param rank0|  {diff:.3g}")
+          f"{args.head_route}, rest sign+EF, cpus {usable_cpus()}")
+    print(f"real DDP  (N processes, total) {real_wall:8.2f} s")
+    print(f"real DDP  (training loop only) {real_loop:8.2f} s")
+    print(f"compute floor (N fwd+bwd / cpus) {floor:6.2f} s   ratio floor/real loop "
+          f"{floor / real_loop:.2f}x")
+    for procs, (wall, sim) in sims.items():
+        diff = max(float((p.detach() - real_params[n]).abs().max())
+                   for n, p in sim.model.named_parameters())
+        print(f"simulated trial, {procs} process(es) {wall:8.2f} s   sim/real total "
+              f"{wall / real_wall:.2f}x, sim/real loop {wall / real_loop:.2f}x, "
+              f"max |param sim - rank0| {diff:.3g}")
+    one, many = sims[1][1], sims[max(sims)][1]
+    same = all(torch.equal(p, q)
+               for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True))
+    print(f"1 process vs {max(sims)}: bit-identical parameters: {same}")
+
+
+def compute_floor(wl, world: int, steps: int, seed: int) -> float:  # noqa: ANN001
+    """Seconds for `steps` x `world` forward+backward passes on one CPU, over the CPUs."""
+    model = wl.build_model(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    batches = [wl.train_batch(s % 10, r, world, seed) for s in range(10) for r in range(world)]
+    t0 = time.perf_counter()
+    for i in range(steps * world):
+        torch.autograd.grad(wl.loss(model, batches[i % len(batches)]), params)
+    return (time.perf_counter() - t0) / min(world, usable_cpus())
 
 
 if __name__ == "__main__":

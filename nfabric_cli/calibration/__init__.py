@@ -27,11 +27,15 @@ def calibrate(
     out: str | Path = "profiles",
     sink: ProgressSink | None = None,
     callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] = (),
+    processes: int | None = None,
 ) -> tuple[StudyRun, Outcome]:
-    """Run (or resume) the study and write the winning profile under `out/<workload>/`."""
+    """Run (or resume) the study and write the winning profile under `out/<workload>/`.
+
+    `processes`: processes computing the simulated ranks' gradients (default one per CPU, at
+    most the world size); results do not depend on it."""
     from nfabric_cli.binding.fingerprint import model_fingerprint
 
-    run = run_study(workload, spec, storage, study_name, sink, callbacks)
+    run = run_study(workload, spec, storage, study_name, sink, callbacks, processes=processes)
     fingerprint = model_fingerprint(workload.build_model(spec.seed))
     outcome = build_outcome(run, out, storage, run.study.study_name, fingerprint)
     return run, outcome

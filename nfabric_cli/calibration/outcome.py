@@ -151,6 +151,8 @@ def build_outcome(run: StudyRun, out_root: str | Path, storage_url: str | None,
             spec=spec.to_dict(),
         ),
     }
+    if spec.substrate:  # the fabric the gate priced during the search: validate prices it too
+        meta["substrate"] = spec.substrate
     profile = config_profile(spec, config, meta, row_evidence(run, config, winner))
     path = next_profile_path(out_root, wl.name)
     write_profile(profile, path)

@@ -1,12 +1,14 @@
-"""Simulated data-parallel training: W workers in one process, exactly what W DDP ranks with
-the fabric hook would compute.
+"""Simulated data-parallel training: W workers, one model, exactly what W DDP ranks with the
+fabric hook would compute.
 
 Per step: each simulated rank computes its gradient on its own batch
-(`train_batch(step, rank, W, seed)`); the health statistics are gathered the way the hook
+(`train_batch(step, rank, W, seed)`, in one process or spread over forked ones: see
+`ranks.py`); the health statistics are gathered the way the hook
 agrees them (per-region gradient norm = sqrt of the summed squared local norms, sign agreement
 from the routes' `agree_sum / agree_n`, loss = mean of the ranks' losses, any non-finite value
 marks the step); every parameter is aggregated with the route in force for its region in this
-phase (the profile's, or fp32 while the health monitor holds the region), with per-rank error
+phase (the profile's, or fp32 while the health monitor holds the region or the capacity gate
+refuses its bucket: the gate's static verdicts, from the profile's substrate), with per-rank error
 feedback; a non-finite step is zeroed; then one optimizer and scheduler step. Aggregation is
 separable per parameter (chunks never span parameters), so reducing each (region, route) group
 over the whole model equals the hook's per-bucket groups. Mirrors `runtime/state.py`.
@@ -23,14 +25,17 @@ import torch
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
-from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, step_bytes
+from nfabric_cli.calibration.ranks import RankGradients
+from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, ErrorFeedback, make_route
 from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
 from nfabric_cli.workloads.base import Workload
 
-#: Called after each checkpoint with (step, metric, traffic so far); False stops the run.
+#: Called after each checkpoint with (step, metric, projected traffic fraction of the whole
+#: run: measured so far plus the profile's planned routes for the steps left); False stops it.
 CheckpointFn = Callable[[int, float, float], bool]
 
 
@@ -63,6 +68,7 @@ class SimulatedDDP:
         total_steps: int,
         seed: int,
         monitor: bool = True,
+        processes: int | None = None,
     ) -> None:
         self.workload = workload
         self.bindings = bindings
@@ -83,10 +89,20 @@ class SimulatedDDP:
         self.events: list[dict[str, Any]] = []
         self.skipped_steps: list[int] = []
         self.tally = TrafficTally()
+        self.gate = CapacityGate(bindings.meta.get("substrate"), world_size)
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
+        self._planned: dict[str, StepBytes] = {}
+        self._routes_cache: dict[tuple[str, frozenset[str]], Callable[[str], RouteSpec]] = {}
         self.step = 0
         self.phase = bindings.phase_at(0, self.total_steps)
         self._enter_phase(self.phase, 0)
+        self.ranks = RankGradients(
+            workload, self.model, [p for _, p in self.params], world_size, seed, processes
+        )
+
+    def close(self) -> None:
+        """Stop the processes computing the ranks' gradients, if any."""
+        self.ranks.close()
 
     # -- the hook's decisions ------------------------------------------------------------------
     def effective(self, name: str) -> RouteSpec:
@@ -107,51 +123,50 @@ class SimulatedDDP:
             return frozenset()
         return frozenset(s for s in self.scopes if self.monitor.forced_fp32(s))
 
-    # -- one step --------------------------------------------------------------------------------
-    def local_gradients(self, step: int) -> tuple[list[list[torch.Tensor]], list[float]]:
-        """Per rank: flat gradients of every trainable parameter, and the local loss."""
-        tensors = [p for _, p in self.params]
-        grads, losses = [], []
-        for rank in range(self.world_size):
-            batch = self.workload.train_batch(step, rank, self.world_size, self.seed)
-            loss = self.workload.loss(self.model, batch)
-            losses.append(float(loss.detach()))
-            got = torch.autograd.grad(loss, tensors, allow_unused=True)
-            grads.append(
-                [torch.zeros(p.numel()) if g is None else g.detach().reshape(-1).float()
-                 for g, p in zip(got, tensors, strict=True)]
-            )
-        return grads, losses
+    def projected_fraction(self) -> float:
+        """Traffic fraction of the whole run if the steps left follow the profile (no further
+        fallbacks): what a checkpoint can best say about the final traffic. Equals the
+        measured fraction once every step has run."""
+        sent, ref = self.tally.sent, self.tally.fp32
+        for step in range(self.step, self.total_steps):
+            phase = self.bindings.phase_at(step, self.total_steps).name
+            if phase not in self._planned:
+                routes = {n: b.routes[phase] for n, b in self.bindings.params.items()}
+                planned = gated(self.bindings, phase, routes.__getitem__, self.gate)
+                self._planned[phase] = step_bytes(self.bindings, self.world_size, phase, planned)
+            sent += self._planned[phase].sent
+            ref += self._planned[phase].fp32
+        return sent / ref if ref else 1.0
 
+    # -- one step --------------------------------------------------------------------------------
     def train_step(self) -> None:
         step, phase = self.step, self.phase.name
-        grads, losses = self.local_gradients(step)
+        local = self.ranks.compute(step)
+        grads, losses = local.grads, local.losses
         names = [n for n, _ in self.params]
         regions = [self.bindings.params[n].regions[phase] for n in names]
-        # Health statistics, as the hook measures them before any encoding.
+        # Health statistics, as the hook measures them before any encoding (a rank's
+        # non-finite gradient was zeroed after its norm was taken: NaN never votes).
         norm2: dict[str, float] = {}
         nonfinite = False
-        for rank_grads in grads:
-            rank_bad = False
-            for region, g in zip(regions, rank_grads, strict=True):
-                norm = float(torch.linalg.vector_norm(g))
+        for rank_norms in local.norms:
+            for region, norm in zip(regions, rank_norms, strict=True):
                 if not math.isfinite(norm):
-                    rank_bad = True
+                    nonfinite = True
                     continue
                 norm2[region] = norm2.get(region, 0.0) + norm * norm
-            if rank_bad:  # never encode NaN/Inf: the step is zeroed below anyway
-                for g in rank_grads:
-                    g.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            nonfinite |= rank_bad
         nonfinite |= any(not math.isfinite(v) for v in losses)
         finite_losses = [v for v in losses if math.isfinite(v)]
         loss_mean = sum(finite_losses) / len(losses)
 
         key = (phase, self._forced())
-        specs = [self.effective(n) for n in names]
+        if key not in self._routes_cache:  # the gate's verdicts are static here: no timings
+            by_name = {n: self.effective(n) for n in names}
+            self._routes_cache[key] = gated(self.bindings, phase, by_name.__getitem__, self.gate)
+        routes = self._routes_cache[key]
+        specs = [routes(n) for n in names]
         if key not in self._bytes_cache:
-            by_name = dict(zip(names, specs, strict=True))
-            self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, by_name.__getitem__)
+            self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes)
         self.tally.add(self._bytes_cache[key])
 
         agreed, agree = self._aggregate(names, regions, specs, grads)
@@ -235,27 +250,35 @@ def simulate_run(
     on_checkpoint: CheckpointFn | None = None,
     on_step: Callable[[int], None] | None = None,
     monitor: bool = True,
+    processes: int | None = None,
 ) -> SimResult:
     """Train `steps` simulated DDP steps; evaluate after each step in `checkpoints`.
 
-    The global RNG is forked and seeded, so a run depends only on its arguments.
+    The global RNG is forked and seeded, so a run depends only on its arguments (not on
+    `processes`, the number of processes computing the ranks' gradients; default one per
+    CPU, at most W).
     """
     marks = set(checkpoints)
     curve: list[tuple[int, float]] = []
     stopped = False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor)
-        while sim.step < steps:
-            sim.train_step()
-            if on_step is not None:
-                on_step(sim.step)
-            if sim.step in marks:
-                metric = sim.evaluate()
-                curve.append((sim.step, metric))
-                if on_checkpoint is not None and not on_checkpoint(sim.step, metric, sim.tally.fraction()):
-                    stopped = sim.step < steps
-                    break
+        sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor, processes)
+        try:
+            while sim.step < steps:
+                sim.train_step()
+                if on_step is not None:
+                    on_step(sim.step)
+                if sim.step in marks:
+                    metric = sim.evaluate()
+                    curve.append((sim.step, metric))
+                    if on_checkpoint is not None and not on_checkpoint(
+                        sim.step, metric, sim.projected_fraction()
+                    ):
+                        stopped = sim.step < steps
+                        break
+        finally:
+            sim.close()
     return SimResult(
         curve=curve,
         steps_run=sim.step,

@@ -46,7 +46,7 @@ MAX_STEPS = 1_000_000
 
 _TOP_KEYS = {
     "workload", "world_size", "seed", "steps", "eval_every", "tolerance", "trials",
-    "sampler", "pruner", "phases", "routes", "regions", "health",
+    "sampler", "pruner", "phases", "routes", "regions", "health", "substrate",
 }
 _REGION_KEYS = {"name", "selector", "routes"}
 _PHASE_KEYS = {"boundaries"}
@@ -102,6 +102,7 @@ class CalibrationSpec:
     sampler: str = "tpe"
     pruner: str = "hyperband"
     health: dict[str, Any] = field(default_factory=dict)
+    substrate: dict[str, Any] = field(default_factory=dict)  # a Substrate's dict; {}: none
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -117,6 +118,8 @@ class CalibrationSpec:
         keep = asdict(self)
         for k in ("trials", "sampler", "pruner"):
             keep.pop(k)
+        if not keep["substrate"]:  # studies made before the key existed keep their key
+            keep.pop("substrate")
         text = json.dumps(keep, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -133,6 +136,8 @@ def load_spec(path: str | Path, workload: str) -> CalibrationSpec:
     """Parse and check a spec file for `workload` (InputError, one line, on any problem)."""
     p = Path(path)
     data = read_toml(p, "calibration spec")
+    if isinstance(data.get("substrate"), str):  # a path, relative to the spec file
+        data["substrate"] = str(p.parent / data["substrate"])
     try:
         return parse_spec(data, workload)
     except InputError as exc:
@@ -187,6 +192,7 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
         error_feedback=_ef(routes.get("error_feedback", False)),
         reducer=_typed(routes.get("reducer", "sharded"), str, "routes.reducer"),
         health=dict(health),
+        substrate=substrate_dict(data.get("substrate")),
         **kw,
     )
     if "eval_every" not in data and "steps" in data:
@@ -231,6 +237,20 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
             )
         previous = b.hi
     return spec
+
+
+def substrate_dict(value: Any) -> dict[str, Any]:
+    """The fabric the capacity gate prices: a substrate TOML path or an inline table, checked
+    by `Substrate` (one-line errors); None or {}: no substrate (every bucket admitted)."""
+    from nfabric_cli.substrate.model import Substrate, load_substrate
+
+    if value is None or value == {}:
+        return {}
+    if isinstance(value, (str, Path)):
+        return load_substrate(value).to_dict()
+    if isinstance(value, dict):
+        return Substrate.from_dict(value, source="[substrate]").to_dict()
+    raise InputError(f"substrate must be a path or a table, got {value!r}")
 
 
 # -- parsing helpers --------------------------------------------------------------------------

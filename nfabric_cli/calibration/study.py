@@ -3,8 +3,9 @@
 Objective (one value, so pruners work): the trial's measured traffic fraction when its metric
 stays within tolerance of the FP32 reference, else ``1 + traffic + excess / tolerance``, so
 every out-of-tolerance trial ranks behind every admissible one (the all-fp32 profile scores
-1.0). Each checkpoint reports the same formula with the traffic so far, against the reference
-curve at that step, with the tolerance widened by what the reference still gains after it
+1.0). Each checkpoint reports the same formula with the projected traffic (measured so far, plus the
+profile's planned routes for the steps left: traffic is known before accuracy is), against
+the reference curve at that step, with the tolerance widened by what the reference still gains after it
 (early checkpoints are noisy); that is what Hyperband and the median pruner compare. Before a
 search trial trains, it is pruned if its traffic lower bound already loses to the best
 admissible trial. With ``--sampler nsga2`` the study has
@@ -42,6 +43,7 @@ from nfabric_cli.calibration.space import (
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.storage import load_or_create, open_storage
 from nfabric_cli.calibration.traffic import traffic_lower_bound
+from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.base import Workload
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -131,8 +133,10 @@ class Calibrator:
         sink: ProgressSink | None = None,
         sweep: bool = True,
         traffic_bound: bool = True,
+        processes: int | None = None,
     ) -> None:
         self.workload = workload
+        self.processes = processes
         self.sweep = sweep
         self.traffic_bound = traffic_bound
         self.spec = spec
@@ -145,9 +149,10 @@ class Calibrator:
 
     # -- building blocks -------------------------------------------------------------------
     def bindings_for(self, config: Config) -> Bindings:
-        profile = config_profile(
-            self.spec, config, {"world_size": self.spec.world_size, "health": self.health}
-        )
+        meta: dict[str, Any] = {"world_size": self.spec.world_size, "health": self.health}
+        if self.spec.substrate:
+            meta["substrate"] = self.spec.substrate
+        profile = config_profile(self.spec, config, meta)
         return compile_profile(
             profile, self.model, world_size=self.spec.world_size, bucket_cap_mb=None,
             total_steps=self.spec.steps,
@@ -157,6 +162,7 @@ class Calibrator:
         return simulate_run(
             self.workload, bindings or self.bindings_for(config), self.spec.world_size,
             self.spec.steps, self.spec.seed, self.spec.checkpoints(), on_checkpoint, self.sink.step,
+            processes=self.processes,
         )
 
     def _prune_by_bound(self, trial: optuna.Trial, bindings: Bindings) -> None:
@@ -169,7 +175,8 @@ class Calibrator:
               and "traffic_fraction" in t.user_attrs]
         if not ok:
             return
-        bound = traffic_lower_bound(bindings, self.spec.world_size, self.spec.steps)
+        gate = CapacityGate(bindings.meta.get("substrate"), self.spec.world_size)
+        bound = traffic_lower_bound(bindings, self.spec.world_size, self.spec.steps, gate)
         if bound <= min(ok) + 1e-12:
             return
         trial.set_user_attr("steps_run", 0)
@@ -335,12 +342,14 @@ def run_study(
     callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] = (),
     sweep: bool = True,
     traffic_bound: bool = True,
+    processes: int | None = None,
 ) -> StudyRun:
     """Reference, sweep and `spec.trials` more trials in the named study (created or resumed).
 
     `sweep=False` leaves out the sweep and its seeds, `traffic_bound=False` the pruning of
-    trials whose traffic lower bound cannot win (both for benchmarks)."""
-    calibrator = Calibrator(workload, spec, sink, sweep, traffic_bound)
+    trials whose traffic lower bound cannot win (both for benchmarks). `processes`: see
+    `simulate_run`."""
+    calibrator = Calibrator(workload, spec, sink, sweep, traffic_bound, processes)
     storage = open_storage(storage_url)
     name = study_name or default_study_name(spec, workload.name)
     spec_dict = {k: v for k, v in spec.to_dict().items() if k not in ("trials", "sampler", "pruner")}

@@ -3,7 +3,7 @@
 The hook reduces each bucket as one fp32 all-reduce when every parameter in it is on fp32,
 and otherwise as one collective per (region, route) group (region "" for the float routes).
 We replay that grouping over the bindings' bucket plan with the routes in force at each step
-(after health fallbacks), so a trial's traffic fraction counts fallbacks too. Bytes are one
+(after health fallbacks and the capacity gate), so a trial's traffic fraction counts both. Bytes are one
 non-root rank's sent + received, against the same buckets all-reduced in fp32.
 """
 
@@ -16,6 +16,7 @@ from itertools import combinations
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.routes import FP32, make_route
 from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime.gate import CapacityGate
 
 Row = tuple[str, str]  # (region selector, phase)
 
@@ -92,9 +93,34 @@ def step_bytes(
     return StepBytes(sent, total_ref, {k: (v[0], v[1]) for k, v in rows.items()})
 
 
-def traffic_lower_bound(bindings: Bindings, world_size: int, steps: int) -> float:
+def gated(
+    bindings: Bindings, phase: str, effective: Callable[[str], RouteSpec], gate: CapacityGate | None
+) -> Callable[[str], RouteSpec]:
+    """`effective` after the capacity gate: every parameter of a bucket the gate refuses runs
+    on fp32, as in the hook (same `CapacityGate`, same key: the bucket's names and phase)."""
+    if gate is None or gate.substrate is None or not gate.enabled:
+        return effective
+    refused: set[str] = set()
+    for bucket in bindings.buckets:
+        numel_by_spec: dict[RouteSpec, int] = {}
+        for name in bucket.params:
+            spec = effective(name)
+            numel_by_spec[spec] = numel_by_spec.get(spec, 0) + bindings.params[name].numel
+        if any(s.lowbit for s in numel_by_spec) and not gate.verdict(
+            (tuple(bucket.params), phase), numel_by_spec
+        ).admit:
+            refused.update(bucket.params)
+    if not refused:
+        return effective
+    return lambda name: FP32 if name in refused else effective(name)
+
+
+def traffic_lower_bound(
+    bindings: Bindings, world_size: int, steps: int, gate: CapacityGate | None = None
+) -> float:
     """The least traffic fraction any run of these bindings can measure: per phase, the
-    cheapest of every way the health monitor could hold its low-bit regions on fp32."""
+    cheapest of every way the health monitor could hold its low-bit regions on fp32 (each
+    after the capacity `gate`, which decides from the routes left)."""
     sent = ref = 0.0
     for phase in bindings.phases:
         n = sum(1 for s in range(steps) if bindings.phase_at(s, steps).name == phase.name)
@@ -103,7 +129,8 @@ def traffic_lower_bound(bindings: Bindings, world_size: int, steps: int) -> floa
         lowbit = sorted({b.regions[phase.name] for b in bindings.params.values()
                          if b.routes[phase.name].lowbit})
         options = [
-            step_bytes(bindings, world_size, phase.name, held_on_fp32(bindings, phase.name, held))
+            step_bytes(bindings, world_size, phase.name,
+                       gated(bindings, phase.name, held_on_fp32(bindings, phase.name, held), gate))
             for k in range(len(lowbit) + 1)
             for held in combinations(lowbit, k)
         ]

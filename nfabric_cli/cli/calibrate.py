@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from nfabric_cli.cli.common import console, err_console, handle_errors, print_json
+from nfabric_cli.errors import InputError
 
 
 def register(app: typer.Typer) -> None:
@@ -33,6 +34,12 @@ def calibrate_cmd(
     tolerance: float = typer.Option(None, "--tolerance", help="Allowed metric drop vs FP32."),
     out: Path = typer.Option(Path("profiles"), "--out", help="Profile root: OUT/<workload>/."),
     data_dir: str = typer.Option(None, "--data-dir", help="Data directory for the workload."),
+    substrate: Path = typer.Option(None, "--substrate", help="Substrate TOML (e.g. from "
+                                   "`nfabric replay`): the capacity gate prices every bucket on "
+                                   "it during the search, and the profile carries it."),
+    processes: int = typer.Option(None, "--processes", help="Processes computing the simulated "
+                                  "ranks' gradients (default: one per CPU, at most the world "
+                                  "size); results are identical for any value."),
     as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best}."),
 ) -> None:
     """Calibrate: FP32 reference, sensitivity sweep, Optuna search; write the cheapest profile
@@ -40,28 +47,30 @@ def calibrate_cmd(
     import optuna
 
     from nfabric_cli.calibration import calibrate, resolve_spec
+    from nfabric_cli.calibration.spec import substrate_dict
     from nfabric_cli.workloads.registry import get_workload
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    if processes is not None and processes < 1:
+        raise InputError(f"--processes must be >= 1, got {processes}")
     wl = get_workload(workload, data_dir)
     base = resolve_spec(wl.name, wl.head_selector, wl.default_steps, spec)
     if pruner is not None and (sampler or base.sampler) == "nsga2" and pruner != "none":
-        from nfabric_cli.errors import InputError
-
         raise InputError("--sampler nsga2 runs a multi-objective study, which Optuna cannot "
                          "prune: use --pruner none")
     # --steps keeps the spec's number of checkpoints
     every = None if steps is None else max(1, round(base.eval_every * steps / base.steps))
     cal = base.with_overrides(world_size=world_size, trials=trials, steps=steps, sampler=sampler,
-                              pruner=pruner, seed=seed, tolerance=tolerance, eval_every=every)
+                              pruner=pruner, seed=seed, tolerance=tolerance, eval_every=every,
+                              substrate=None if substrate is None else substrate_dict(substrate))
     if as_json:
-        _, outcome = calibrate(wl, cal, storage, study, out)
+        _, outcome = calibrate(wl, cal, storage, study, out, processes=processes)
         print_json({"profile": str(outcome.path), "trials": outcome.trials,
                     "pruned": outcome.pruned, "best": outcome.best})
         return
     with _RichSink(cal.trials) as sink:
-        run, outcome = calibrate(wl, cal, storage, study, out, sink)
+        run, outcome = calibrate(wl, cal, storage, study, out, sink, processes=processes)
     console.print(_summary(outcome, run.study.study_name))
     console.print(_routes(outcome.best))
     if outcome.pareto:

@@ -1,0 +1,193 @@
+"""Local gradients of the simulated ranks, computed in one process or in forked ones.
+
+Each simulated rank computes ``workload.loss(model, train_batch(step, rank, W, seed))`` and its
+gradient with the ops a DDP rank runs, and draws from its own RNG stream (every rank starts
+from ``manual_seed(seed)``, as a real rank seeded that way does), so a rank's gradient is
+bit-identical however many processes compute them.
+
+With ``processes > 1`` (POSIX ``fork``), the parameters move to shared memory and P forked
+children each compute the ranks ``r ≡ p (mod P)`` into shared flat gradient buffers, one
+intra-op thread each; the parent aggregates and steps the optimizer in place, which the
+children read at the next step. The W simulated ranks then use the machine's cores as W real
+ranks would. A model with buffers (BatchNorm running statistics, which DDP broadcasts from
+rank 0 every step) is simulated in one process.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from torch import nn
+
+from nfabric_cli.workloads.base import Workload
+
+#: Seconds a closing child may take to exit before it is terminated.
+JOIN_TIMEOUT_S = 5.0
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_processes(world_size: int) -> int:
+    """One process per usable CPU, at most one per simulated rank."""
+    return max(1, min(world_size, usable_cpus()))
+
+
+@dataclass
+class LocalStep:
+    """One step's local results, per rank: flat fp32 gradient per parameter (views of a
+    buffer that the next step overwrites; non-finite values zeroed), loss, and the gradient
+    norm of each parameter before zeroing (the hook's health statistics)."""
+
+    grads: list[list[torch.Tensor]]
+    losses: list[float]
+    norms: list[list[float]]
+
+
+class RankGradients:
+    """Per step: every simulated rank's flat gradient (views per parameter) and local loss."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        world_size: int,
+        seed: int,
+        processes: int | None = None,
+    ) -> None:
+        self.workload, self.model, self.params = workload, model, params
+        self.world_size, self.seed = world_size, seed
+        self.numels = [p.numel() for p in params]
+        total = sum(self.numels)
+        wanted = default_processes(world_size) if processes is None else int(processes)
+        if wanted < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.processes = min(wanted, world_size)
+        if self.processes > 1 and (
+            "fork" not in mp.get_all_start_methods() or any(True for _ in model.buffers())
+        ):
+            self.processes = 1
+        start = torch.Generator().manual_seed(int(seed)).get_state()
+        self.rng = [start.clone() for _ in range(world_size)]
+        self.buffers = [torch.zeros(total) for _ in range(world_size)]
+        self.views = [list(torch.split(b, self.numels)) for b in self.buffers]
+        self.conns: list[Connection] = []
+        self.children: list[Any] = []
+        if self.processes > 1:
+            self._fork()
+
+    # -- one rank ----------------------------------------------------------------------------
+    def _rank_gradient(self, step: int, rank: int) -> tuple[float, list[float]]:
+        """Rank `rank`'s gradient of step `step` into its buffer; returns its loss and the
+        gradient norm of each parameter. A non-finite gradient is zeroed after its norm is
+        taken (NaN never reaches a codec; the step is neutralised anyway)."""
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.rng[rank])
+        try:
+            batch = self.workload.train_batch(step, rank, self.world_size, self.seed)
+            loss = self.workload.loss(self.model, batch)
+            got = torch.autograd.grad(loss, self.params, allow_unused=True)
+            self.rng[rank] = torch.get_rng_state()
+        finally:
+            torch.set_rng_state(saved)
+        norms = []
+        for view, g in zip(self.views[rank], got, strict=True):
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g.detach().reshape(-1))
+            norms.append(float(torch.linalg.vector_norm(view)))
+        if not all(math.isfinite(n) for n in norms):
+            self.buffers[rank].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return float(loss.detach()), norms
+
+    # -- the step ----------------------------------------------------------------------------
+    def compute(self, step: int) -> LocalStep:
+        """Every rank's gradient, loss and per-parameter gradient norms for `step`."""
+        if not self.conns:
+            done = [self._rank_gradient(step, r) for r in range(self.world_size)]
+            return LocalStep(self.views, [d[0] for d in done], [d[1] for d in done])
+        for conn in self.conns:
+            conn.send(step)
+        losses = [0.0] * self.world_size
+        norms: list[list[float]] = [[] for _ in range(self.world_size)]
+        for p, conn in enumerate(self.conns):
+            try:
+                msg = conn.recv()
+            except EOFError:
+                code = self.children[p].exitcode
+                raise RuntimeError(
+                    f"simulated-rank process {p} exited (exit code {code}) at step {step}"
+                ) from None
+            if msg[0] == "error":
+                raise RuntimeError(f"simulated rank failed at step {step}: {msg[1]}\n{msg[2]}")
+            for rank, (loss, rank_norms) in msg[1]:
+                losses[rank], norms[rank] = loss, rank_norms
+        return LocalStep(self.views, losses, norms)
+
+    # -- processes ---------------------------------------------------------------------------
+    def _fork(self) -> None:
+        for t in (*self.params, *self.buffers):
+            t.detach().share_memory_()
+        ctx = mp.get_context("fork")
+        for p in range(self.processes):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=self._serve, args=(child, p), daemon=True,
+                               name=f"nfabric-sim-{p}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.children.append(proc)
+
+    def _serve(self, conn: Connection, p: int) -> None:
+        """A child's loop: compute its ranks for each step received; None ends it."""
+        for other in self.conns:  # the pipes of earlier siblings are not ours
+            other.close()
+        torch.set_num_threads(1)
+        ranks = range(p, self.world_size, self.processes)
+        while True:
+            try:
+                step = conn.recv()
+            except EOFError:  # the parent is gone
+                return
+            if step is None:
+                return
+            try:
+                conn.send(("ok", [(r, self._rank_gradient(step, r)) for r in ranks]))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+                conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+    def close(self) -> None:
+        """Stop the children (idempotent)."""
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.children:
+            proc.join(JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(JOIN_TIMEOUT_S)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.children = [], []
+
+    def __enter__(self) -> RankGradients:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,144 @@
+"""Simulated ranks in forked processes: bit-identical to one process, per-rank RNG, clean exits."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nfabric_cli.binding import compile_profile
+from nfabric_cli.calibration.ranks import RankGradients, default_processes
+from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.calibration.space import Config, config_profile
+from tests.calibration.helpers import tiny_spec
+from tests.calibration.tiny import TinyNet, TinyWorkload
+
+STEPS = 6
+
+
+class DropoutNet(TinyNet):
+    """TinyNet with dropout: each rank's masks come from its own RNG stream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.dropout(F.relu(self.norm(self.body(x))), 0.5, self.training))
+
+
+class DropoutWorkload(TinyWorkload):
+    def _make_model(self) -> nn.Module:
+        return DropoutNet()
+
+
+class FailingWorkload(TinyWorkload):
+    fail = False
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.fail:
+            raise ValueError("rank loss exploded")
+        return super().loss(model, batch)
+
+
+def _bindings(model: nn.Module, world: int):  # noqa: ANN202
+    spec = tiny_spec(world_size=world, steps=STEPS)
+    config = Config((("fp32", "sign"), ("int8", "ternary")), (0.4,), 0.5, True)
+    profile = config_profile(spec, config, {"world_size": world})
+    return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
+
+
+def _run(workload: TinyWorkload, world: int, processes: int):  # noqa: ANN202
+    bindings = _bindings(workload.build_model(0), world)
+    return simulate_run(workload, bindings, world, STEPS, 0, checkpoints=(3, STEPS),
+                        processes=processes)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_forked_ranks_equal_one_process_bit_for_bit(world: int) -> None:
+    wl = DropoutWorkload()
+    one, two = _run(wl, world, 1), _run(wl, world, 2)
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert one.curve == two.curve and one.events == two.events
+    assert one.traffic_fraction == two.traffic_fraction
+    assert not mp.active_children()  # the children were joined
+
+
+def test_each_rank_draws_its_own_stream_from_the_seed() -> None:
+    """Every rank starts from manual_seed(seed), as W real ranks seeded alike do: with the same
+    batch, two ranks draw the same dropout masks; the stream advances per rank."""
+    wl = DropoutWorkload()
+    model = wl.build_model(0)
+    params = list(model.parameters())
+    ranks = RankGradients(wl, model, params, 2, seed=5, processes=1)
+    wl_batch = wl.train_batch
+    try:
+        wl.train_batch = lambda step, rank, w, seed: wl_batch(step, 0, w, seed)  # same batch
+        first = ranks.compute(0)
+        grads, losses = first.grads, first.losses
+        assert losses[0] == losses[1]
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
+        assert first.norms[0] == [float(g.norm()) for g in grads[0]]
+        torch.manual_seed(5)
+        expected = wl.loss(model, wl_batch(0, 0, 2, 5))
+        assert losses[0] == float(expected.detach())
+        again = ranks.compute(0).losses  # the streams moved on: new masks
+        assert again[0] != losses[0]
+    finally:
+        wl.train_batch = wl_batch
+        ranks.close()
+
+
+def test_a_failing_rank_raises_in_the_parent_and_the_children_exit() -> None:
+    wl = FailingWorkload()
+    wl.fail = True
+    model = wl.build_model(0)
+    ranks = RankGradients(wl, model, list(model.parameters()), 4, seed=0, processes=2)
+    assert len(ranks.children) == 2
+    with pytest.raises(RuntimeError, match="simulated rank failed at step 0: "
+                                           "ValueError: rank loss exploded"):
+        ranks.compute(0)
+    ranks.close()
+    assert not mp.active_children()
+
+
+def test_models_with_buffers_stay_in_one_process() -> None:
+    class BNWorkload(TinyWorkload):
+        def _make_model(self) -> nn.Module:
+            net = TinyNet()
+            net.norm = nn.BatchNorm1d(32)  # running statistics: DDP broadcasts them from rank 0
+            return net
+
+    wl = BNWorkload()
+    model = wl.build_model(0)
+    ranks = RankGradients(wl, model, list(model.parameters()), 4, seed=0, processes=2)
+    assert ranks.processes == 1 and not ranks.children
+    ranks.close()
+
+
+def test_default_is_one_process_per_cpu_at_most_world_size() -> None:
+    assert default_processes(1) == 1
+    assert 1 <= default_processes(64) <= 64
+    with pytest.raises(ValueError, match="processes must be >= 1"):
+        RankGradients(TinyWorkload(), TinyNet(), [], 2, 0, processes=0)
+
+
+class NaNWorkload(TinyWorkload):
+    """Rank 1's batch at step 2 holds a NaN: its loss and gradient are not finite."""
+
+    def train_batch(self, step: int, rank: int, world_size: int, seed: int):  # noqa: ANN201
+        x, y = super().train_batch(step, rank, world_size, seed)
+        if (step, rank) == (2, 1):
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return x, y
+
+
+def test_a_nonfinite_rank_in_a_child_skips_the_step_everywhere() -> None:
+    runs = [_run(NaNWorkload(), 4, p) for p in (1, 2)]
+    for run in runs:
+        assert run.skipped_steps == [2]
+        assert any(e["to"] == "skipped" and e["step"] == 2 for e in run.events)
+        assert all(torch.isfinite(p).all() for p in run.model.parameters())
+    for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True):
+        assert torch.equal(p, q)
