@@ -13,6 +13,7 @@ from typing import Any
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase, phase_at
 from nfabric_cli.routes import make_route
+from nfabric_cli.routes.groups import BucketGroup, bucket_groups
 from nfabric_cli.routes.spec import FP32, RouteSpec
 
 
@@ -88,27 +89,26 @@ class Bindings:
             raise InputError("total steps unknown: pass total_steps or compile with --total-steps")
         return phase_at(self.phases, step, total)
 
-    def route_numels(self, bucket: int, phase_name: str) -> dict[RouteSpec, int]:
-        """Elements per route in one bucket for one phase (what the capacity model prices)."""
-        out: dict[RouteSpec, int] = {}
-        for name in self.buckets[bucket].params:
-            spec = self.params[name].routes[phase_name]
-            out[spec] = out.get(spec, 0) + self.params[name].numel
-        return out
+    def bucket_groups(self, bucket: int, phase_name: str) -> list[BucketGroup]:
+        """The reduces the hook issues for one bucket in one phase, one per (region, route)
+        group, with this phase's routes (what the capacity model prices)."""
+        names = self.buckets[bucket].params
+        return bucket_groups(
+            [self.params[n].regions[phase_name] for n in names],
+            [self.params[n].routes[phase_name] for n in names],
+            [self.params[n].numel for n in names],
+        )
 
     # -- traffic ---------------------------------------------------------------------------
     def bucket_bytes(
         self, bucket: int, phase_name: str, world_size: int | None = None
     ) -> tuple[int, int]:
-        """(bytes with this phase's routes, bytes all-fp32) one rank moves per step for a bucket."""
+        """(bytes with this phase's routes, bytes all-fp32) one rank moves per step for a bucket:
+        one reduce per group as the hook sends them, against one fp32 all-reduce."""
         w = self.world_size if world_size is None else world_size
-        slices = [
-            (self.params[n].routes[phase_name], self.params[n].numel)
-            for n in self.buckets[bucket].params
-        ]
-        return modelled_bytes(route_groups(slices), w), modelled_bytes(
-            route_groups([(FP32, n) for _, n in slices]), w
-        )
+        groups = self.bucket_groups(bucket, phase_name)
+        low = sum(modelled_bytes(g.spec, g.segments, w) for g in groups)
+        return low, modelled_bytes(FP32, (self.buckets[bucket].numel,), w)
 
     def bytes_per_step(self, phase_name: str, world_size: int | None = None) -> tuple[int, int]:
         """(modelled bytes, all-fp32 bytes) one rank sends plus receives per step in a phase."""
@@ -161,22 +161,9 @@ class Bindings:
         }
 
 
-def route_groups(
-    slices: list[tuple[RouteSpec, int]],
-) -> dict[RouteSpec, tuple[int, tuple[int, ...]]]:
-    """Group one bucket's parameter slices by route: route -> (elements, per-parameter lengths).
-    The runtime sends each route's slices of a bucket as one collective."""
-    groups: dict[RouteSpec, tuple[int, tuple[int, ...]]] = {}
-    for spec, numel in slices:
-        total, segments = groups.get(spec, (0, ()))
-        groups[spec] = (total + numel, (*segments, numel))
-    return groups
-
-
-def modelled_bytes(groups: dict[RouteSpec, tuple[int, tuple[int, ...]]], world_size: int) -> int:
-    """Bytes one (non-root) rank sends plus receives for one bucket's route groups."""
-    total = 0
-    for spec, (numel, segments) in groups.items():
-        if numel:
-            total += make_route(spec).wire_bytes(numel, world_size, segments=segments or None).total
-    return total
+def modelled_bytes(spec: RouteSpec, segments: tuple[int, ...], world_size: int) -> int:
+    """Bytes one (non-root) rank sends plus receives for one reduce of `segments` on `spec`."""
+    numel = sum(segments)
+    if not numel:
+        return 0
+    return make_route(spec).wire_bytes(numel, world_size, segments=segments).total

@@ -19,6 +19,7 @@ from nfabric_cli.binding.fingerprint import TrainableParam, fingerprint_of, trai
 from nfabric_cli.binding.selectors import check_selector, selector_matches
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
+from nfabric_cli.routes.groups import spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 
 NO_SUBSTRATE_REASON = "no substrate: admitted as written"
@@ -111,8 +112,8 @@ def fill_buckets(bindings: Bindings, substrate: Any) -> None:
             else:
                 from nfabric_cli.substrate.cost import bucket_verdict  # binding -> substrate
 
-                numels = bindings.route_numels(bucket.index, phase.name)
-                verdict, reason, _, _ = bucket_verdict(sub, numels, bindings.world_size)
+                groups = spec_numels(bindings.bucket_groups(bucket.index, phase.name))
+                verdict, reason, _, _ = bucket_verdict(sub, groups, bindings.world_size)
             bucket.verdicts[phase.name], bucket.reasons[phase.name] = verdict, reason
 
 
@@ -174,5 +175,17 @@ def compile_profile(
         meta=dict(profile.meta),
     )
     plan_layout(bindings, params, bucket_cap_mb, find_unused_parameters, ready_order)
-    fill_buckets(bindings, substrate if substrate is not None else profile.meta.get("substrate"))
+    if substrate is not None:
+        remember_substrate(bindings, substrate)
+    fill_buckets(bindings, bindings.meta.get("substrate"))
     return bindings
+
+
+def remember_substrate(bindings: Bindings, substrate: Any) -> None:
+    """Store `substrate` (a `Substrate` or its dict) in the bindings' metadata: the runtime's
+    capacity gate prices buckets on what the bindings carry, so it must be the fabric their
+    verdicts were computed for."""
+    from nfabric_cli.substrate.model import Substrate
+
+    sub = Substrate.from_dict(substrate) if isinstance(substrate, dict) else substrate
+    bindings.meta["substrate"] = sub.to_dict()

@@ -16,7 +16,12 @@ import pyarrow as pa
 from torch import nn
 
 from nfabric_cli.binding.bindings import Bindings, BucketPlan, ParamBinding
-from nfabric_cli.binding.compile import compile_profile, fill_buckets, plan_layout
+from nfabric_cli.binding.compile import (
+    compile_profile,
+    fill_buckets,
+    plan_layout,
+    remember_substrate,
+)
 from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.parquet import read_metadata, read_table, write_table
@@ -176,6 +181,8 @@ def load_bindings_or_profile(
             raise InputError(f"world size must be a positive integer, got {ws!r}")
         replan = replan or ws != bindings.world_size
         bindings.world_size = ws
+    if sub is not None:
+        remember_substrate(bindings, sub)
     if replan or sub is not None:
-        fill_buckets(bindings, sub if sub is not None else bindings.meta.get("substrate"))
+        fill_buckets(bindings, bindings.meta.get("substrate"))
     return bindings

@@ -15,6 +15,7 @@ from itertools import combinations
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.routes import FP32, make_route
+from nfabric_cli.routes.groups import bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
 
@@ -79,12 +80,10 @@ def step_bytes(
             for region, s in zip(regions, share, strict=True):
                 credit((region, phase), s, s)
             continue
-        groups: dict[tuple[str, RouteSpec], list[int]] = {}
-        for i, spec in enumerate(specs):
-            groups.setdefault((regions[i] if spec.lowbit else "", spec), []).append(i)
-        for (_, spec), idx in groups.items():
-            segs = tuple(numels[i] for i in idx)
-            b = make_route(spec).wire_bytes(sum(segs), world_size, segments=segs).total
+        for group in bucket_groups(regions, specs, numels):
+            idx = group.index
+            b = make_route(group.spec).wire_bytes(group.numel, world_size,
+                                                  segments=group.segments).total
             sent += b
             group_ref = sum(share[i] for i in idx)
             for i in idx:  # a float group spans regions: split its bytes by elements
@@ -97,19 +96,20 @@ def gated(
     bindings: Bindings, phase: str, effective: Callable[[str], RouteSpec], gate: CapacityGate | None
 ) -> Callable[[str], RouteSpec]:
     """`effective` after the capacity gate: every parameter of a bucket the gate refuses runs
-    on fp32, as in the hook (same `CapacityGate`, same key: the bucket's names and phase)."""
+    on fp32, as in the hook (same `CapacityGate`, same key: the bucket's names and phase; same
+    price: one reduce per (region, route) group)."""
     if gate is None or gate.substrate is None or not gate.enabled:
         return effective
     refused: set[str] = set()
     for bucket in bindings.buckets:
-        numel_by_spec: dict[RouteSpec, int] = {}
-        for name in bucket.params:
-            spec = effective(name)
-            numel_by_spec[spec] = numel_by_spec.get(spec, 0) + bindings.params[name].numel
-        if any(s.lowbit for s in numel_by_spec) and not gate.verdict(
-            (tuple(bucket.params), phase), numel_by_spec
-        ).admit:
-            refused.update(bucket.params)
+        names = bucket.params
+        specs = [effective(n) for n in names]
+        if not any(s.lowbit for s in specs):
+            continue
+        groups = bucket_groups([bindings.params[n].regions[phase] for n in names], specs,
+                               [bindings.params[n].numel for n in names])
+        if not gate.verdict((tuple(names), phase), spec_numels(groups)).admit:
+            refused.update(names)
     if not refused:
         return effective
     return lambda name: FP32 if name in refused else effective(name)

@@ -82,7 +82,7 @@ def capacity(
     phase_name = _pick_phase(bindings, phase)
     from nfabric_cli.substrate.report import capacity_report, link_sweep
 
-    buckets = [(b.index, bindings.route_numels(b.index, phase_name)) for b in bindings.buckets]
+    buckets = [(b.index, bindings.bucket_groups(b.index, phase_name)) for b in bindings.buckets]
     report = {"phase": phase_name, "world_size": w, "substrate": sub.to_dict()}
     report.update(capacity_report(buckets, w, sub))
     if plot:
@@ -128,6 +128,12 @@ def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:.3g}"
 
 
+def _reduces(bucket: dict[str, Any], route: str) -> str:
+    """' (2 reduces)' when a route's slices of the bucket go out in several region groups."""
+    n = sum(g["route"] == route for g in bucket["groups"])
+    return f" ({n} reduces)" if n > 1 else ""
+
+
 def _render_report(report: dict[str, Any], plot: Path | None) -> None:
     from nfabric_cli.substrate.cost import human_bytes
 
@@ -146,7 +152,8 @@ def _render_report(report: dict[str, Any], plot: Path | None) -> None:
                 "verdict", "reason"):
         table.add_column(col, justify="right" if col.endswith(("ms", "elements")) else "left")
     for b in report["buckets"]:
-        routes = ", ".join(f"{k} {human_bytes(v['bytes'])}" for k, v in b["routes"].items())
+        routes = ", ".join(f"{k} {human_bytes(v['bytes'])}" + _reduces(b, k)
+                           for k, v in b["routes"].items())
         colour = "green" if b["verdict"] == "admit" else "yellow"
         table.add_row(str(b["index"]), f"{b['numel']:,}", routes, _ms(b["fp32_time_s"]),
                       _ms(b["lowbit_time_s"]), f"[{colour}]{b['verdict']}[/]", b["reason"])

@@ -1,8 +1,10 @@
 """`CapacityGate`: admit a low-bit route for a bucket only where it is predicted to pay.
 
 The verdict is taken on the *actual* bucket (DDP rebuilds buckets after the first step, so
-the compile-time plan is only a forecast), from the substrate's α-β cost model
-(`substrate/cost.py`). Without a substrate every bucket is admitted as the profile wrote it.
+the compile-time plan is only a forecast), priced per reduce the hook issues for it (one per
+(region, route) group, `routes/groups.py`) by the substrate's α-β cost model
+(`substrate/cost.py`), as compile-profile and calibration price it. Without a substrate every
+bucket is admitted as the profile wrote it.
 Measured collective times can revoke an admission: if a bucket's low-bit reduction is seen
 slower than the model's fp32 prediction by the margin for `revoke_after` consecutive steps,
 that bucket falls back to fp32 (decided from all-reduced timings, so every rank agrees).
@@ -11,9 +13,10 @@ that bucket falls back to fp32 (decided from all-reduced timings, so every rank 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from nfabric_cli.routes.spec import RouteSpec
+if TYPE_CHECKING:
+    from nfabric_cli.substrate.cost import BucketGroups
 
 
 @dataclass(frozen=True)
@@ -41,23 +44,30 @@ class CapacityGate:
         self._revoked: dict[tuple, str] = {}
         self._slow: dict[tuple, int] = {}
 
-    def verdict(self, key: tuple, route_numels: dict[RouteSpec, int]) -> Verdict:
-        """Verdict for a bucket (key: its parameter names + phase) given elements per route."""
+    def verdict(self, key: tuple, groups: BucketGroups) -> Verdict:
+        """Verdict for a bucket (key: its parameter names + phase), priced as `groups`: one
+        (route, elements) pair per reduce the hook issues (`routes.groups.spec_numels`).
+        The first verdict taken for a key is kept for the rest of the phase."""
         if not self.enabled or self.substrate is None:
             return ADMIT_AS_WRITTEN
         if key in self._revoked:
             return Verdict(False, self._revoked[key])
         cached = self._cache.get(key)
         if cached is None:
-            if not any(spec.lowbit for spec in route_numels):
+            from nfabric_cli.substrate.cost import as_groups, bucket_verdict
+
+            pairs = as_groups(groups)
+            if not any(spec.lowbit for spec, _ in pairs):
                 cached = Verdict(True, "all fp32")
             else:
-                from nfabric_cli.substrate.cost import bucket_verdict
-
-                v, reason, t32, tlow = bucket_verdict(self.substrate, route_numels, self.world_size)
+                v, reason, t32, tlow = bucket_verdict(self.substrate, pairs, self.world_size)
                 cached = Verdict(v == "admit", reason, t32, tlow)
             self._cache[key] = cached
         return cached
+
+    def decided(self) -> dict[tuple, Verdict]:
+        """Every verdict taken so far, by bucket key (revocations are in the events log)."""
+        return dict(self._cache)
 
     def observe(self, key: tuple, measured_lowbit_s: float) -> str | None:
         """Feed an (all-ranks max) measured low-bit time; return a reason when revoking."""

@@ -23,6 +23,7 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
+from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
@@ -174,11 +175,10 @@ class FabricState:
             apply_injection(self.injections, step, self.rank, slices)
         self._measure(names, slices)
         specs = [self._effective(n) for n in names]
+        groups = bucket_groups([self.bindings.params[n].regions[phase] for n in names], specs, numels)
         if any(s.lowbit for s in specs):
-            numel_by_spec: dict[RouteSpec, int] = {}
-            for s, n in zip(specs, numels, strict=True):
-                numel_by_spec[s] = numel_by_spec.get(s, 0) + n
-            verdict = self.gate.verdict((tuple(names), phase), numel_by_spec)
+            # Priced per reduce issued below, as compile-profile and calibration price it.
+            verdict = self.gate.verdict((tuple(names), phase), spec_numels(groups))
             if not verdict.admit:
                 specs = [FP32] * len(specs)
         if self._nonfinite:
@@ -195,7 +195,7 @@ class FabricState:
                 self.trace.record(step, phase, bucket, buffer.numel(), len(names), FP32,
                                   tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
         else:
-            self._reduce_groups(names, slices, specs, step, phase, bucket)
+            self._reduce_groups(names, slices, groups, step, phase, bucket)
         self.meter.add_fp32_reference(step, _FP32_ROUTE.wire_bytes(buffer.numel(), self.world_size, self.rank))
         self._pending.append((fut, buffer))
         if is_last:
@@ -215,16 +215,13 @@ class FabricState:
         self,
         names: list[str],
         slices: list[torch.Tensor],
-        specs: list[RouteSpec],
+        groups: list[BucketGroup],
         step: int,
         phase: str,
         bucket: int = 0,
     ) -> None:
-        groups: dict[tuple[str, RouteSpec], list[int]] = {}
-        for i, (name, spec) in enumerate(zip(names, specs, strict=True)):
-            region = self.bindings.params[name].regions[phase] if spec.lowbit else ""
-            groups.setdefault((region, spec), []).append(i)
-        for gi, ((region, spec), idx) in enumerate(groups.items()):
+        for gi, group in enumerate(groups):
+            region, spec, idx = group.region, group.spec, group.index
             route = make_route(spec)
             parts = []
             for i in idx:

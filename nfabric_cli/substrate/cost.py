@@ -43,12 +43,14 @@ endpoint (every contribution, while the other ranks wait). 16-bit routes reduce 
 all-reduce (no combine step).
 
 Buckets run their collectives one after another (the comm hook issues them in order on one
-thread) and do not overlap with backward compute: a bucket's time is the sum of its parts.
+thread) and do not overlap with backward compute: a bucket's time is the sum of its parts. Its
+parts are the reduces the hook issues, one per (region, route) group (`routes/groups.py`): two
+regions on sign in one bucket pay two fixed codec costs and two sets of collectives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import astuple, dataclass, replace
 from typing import NamedTuple
 
@@ -65,7 +67,8 @@ class Cost:
     """Predicted seconds split by cause, so a verdict can name what dominates.
 
     ``endpoint_s`` is only the excess of the endpoint's fan-in over the plain link time;
-    ``call_s`` is the codec's fixed cost per reduce call (codec time, not latency);
+    ``call_s`` is the codec's fixed cost per reduce call (codec time, not latency), summed
+    over the ``calls`` reduces that paid it;
     ``fanin_bytes`` is the payload one sender pushes into the endpoint.
     """
 
@@ -78,6 +81,7 @@ class Cost:
     collectives: int = 0
     fanin_bytes: int = 0
     call_s: float = 0.0
+    calls: int = 0
 
     @property
     def codec_s(self) -> float:
@@ -182,6 +186,7 @@ def codec_cost(spec: RouteSpec, numel: int, world_size: int, s: Substrate) -> Co
         combined = nbytes
     return Cost(
         call_s=s.codec_call_s(spec.name),
+        calls=1,
         encode_s=nbytes / s.encode_bytes_per_s(spec.name),
         reduce_s=combined / s.reduce_bytes_per_s(spec.name),
         decode_s=nbytes / s.decode_bytes_per_s(spec.name),
@@ -232,28 +237,41 @@ def predict_route(spec: RouteSpec, numel: int, world_size: int, s: Substrate) ->
     return route_cost(spec, numel, world_size, s).total_s
 
 
-def bucket_cost(route_numels: dict[RouteSpec, int], world_size: int, s: Substrate) -> Cost:
-    """Cost of one DDP bucket whose slices go through several routes, one after another."""
+#: A bucket as the hook reduces it: one (route, elements) pair per reduce call (see
+#: `routes/groups.py`); a mapping route -> elements is read as one reduce per route.
+BucketGroups = Mapping[RouteSpec, int] | Iterable[tuple[RouteSpec, int]]
+
+
+def as_groups(groups: BucketGroups) -> list[tuple[RouteSpec, int]]:
+    """The reduces of a bucket as a list of (route, elements) pairs."""
+    pairs = groups.items() if isinstance(groups, Mapping) else groups
+    return [(spec, int(numel)) for spec, numel in pairs]
+
+
+def bucket_cost(groups: BucketGroups, world_size: int, s: Substrate) -> Cost:
+    """Cost of one DDP bucket reduced as `groups`, one reduce after another: every group pays
+    its own collectives and its own fixed codec cost per call."""
     total = Cost()
-    for spec, numel in route_numels.items():
+    for spec, numel in as_groups(groups):
         if numel:
             total = total + route_cost(spec, numel, world_size, s)
     return total
 
 
-def bucket_verdict(
-    substrate: Substrate, route_numels: dict[RouteSpec, int], world_size: int
-) -> Verdict:
+def bucket_verdict(substrate: Substrate, groups: BucketGroups, world_size: int) -> Verdict:
     """Admit a bucket's routes only if predicted faster than fp32 by the substrate's margin.
 
-    `route_numels` maps each route used in the bucket to its element count. The reason names
-    the speed-up or, for a fallback, the dominant cost: latency, endpoint fan-in or codec.
+    `groups` holds one (route, elements) pair per reduce the hook issues for the bucket
+    (`routes.groups.bucket_groups`); the fp32 reference is one all-reduce of the whole bucket.
+    The reason names the speed-up or, for a fallback, the dominant cost: latency, endpoint
+    fan-in or codec.
     """
-    numel = sum(route_numels.values())
+    pairs = as_groups(groups)
+    numel = sum(n for _, n in pairs)
     fp32 = predict_fp32(numel, world_size, substrate)
-    if all(spec.name == "fp32" for spec, n in route_numels.items() if n):
+    if all(spec.name == "fp32" for spec, n in pairs if n):
         return Verdict("admit", "fp32 only: nothing to gate", fp32, fp32)
-    cost = bucket_cost(route_numels, world_size, substrate)
+    cost = bucket_cost(pairs, world_size, substrate)
     low = cost.total_s
     if world_size <= 1:
         return Verdict("fallback", "single rank: no communication to save", fp32, low)
@@ -288,9 +306,11 @@ def _fallback_reason(cost: Cost, fp32: float, speedup: float, w: int, s: Substra
         stages = {"encode": cost.encode_s, "reduce": cost.reduce_s, "decode": cost.decode_s}
         stage = max(stages, key=lambda k: stages[k])
         if cost.call_s > stages[stage]:
+            fixed = (f"{cost.call_s * 1e3:.3g} ms fixed over {cost.calls} calls" if cost.calls > 1
+                     else f"{cost.call_s * 1e3:.3g} ms fixed per call")
             return (
-                f"codec call overhead: codec {cost.codec_s * 1e3:.3g} ms "
-                f"({cost.call_s * 1e3:.3g} ms fixed per call) vs fp32 {fp32 * 1e3:.3g} ms" + tail
+                f"codec call overhead: codec {cost.codec_s * 1e3:.3g} ms ({fixed}) "
+                f"vs fp32 {fp32 * 1e3:.3g} ms" + tail
             )
         return (
             f"{stage} slower than link: codec {cost.codec_s * 1e3:.3g} ms "

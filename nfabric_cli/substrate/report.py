@@ -1,14 +1,17 @@
 """Capacity report: per-bucket verdicts, totals and crossovers for one phase of a bucket plan.
 
-Input is plain data (bucket index -> route -> elements), so this module does not depend on
-the binding layer; `nfabric capacity` extracts it from `Bindings`.
+Input is plain data (bucket index -> the bucket's reduces, one `BucketGroup` per (region,
+route) group as the hook issues them), so this module does not depend on the binding layer;
+`nfabric capacity` extracts it from `Bindings.bucket_groups`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nfabric_cli.routes.groups import BucketGroup, spec_numels
 from nfabric_cli.routes.plan import plan_wire_bytes
 from nfabric_cli.routes.spec import FP32, RouteSpec
 from nfabric_cli.substrate.cost import (
@@ -21,8 +24,8 @@ from nfabric_cli.substrate.cost import (
 )
 from nfabric_cli.substrate.model import Substrate
 
-#: One DDP bucket as the cost model sees it: (bucket index, route -> elements on it).
-BucketRoutes = tuple[int, dict[RouteSpec, int]]
+#: One DDP bucket as the cost model sees it: (bucket index, its reduces in issue order).
+BucketRoutes = tuple[int, Sequence[BucketGroup]]
 
 
 @dataclass(frozen=True)
@@ -44,21 +47,28 @@ def capacity_report(
 ) -> dict[str, Any]:
     """The `nfabric capacity --json` document: buckets, totals, crossover."""
     rows = []
-    for index, route_numels in buckets:
-        v = bucket_verdict(substrate, route_numels, world_size)
-        numel = sum(route_numels.values())
-        routes = {
-            spec.label(): {"numel": n, "bytes": wire_bytes(spec, n, world_size)}
-            for spec, n in route_numels.items()
-            if n
-        }
+    for index, groups in buckets:
+        v = bucket_verdict(substrate, spec_numels(groups), world_size)
+        numel = sum(g.numel for g in groups)
+        reduces = [
+            {"region": g.region, "route": g.spec.label(), "numel": g.numel,
+             "bytes": wire_bytes(g.spec, g.numel, world_size)}
+            for g in groups
+            if g.numel
+        ]
+        routes: dict[str, dict[str, int]] = {}
+        for r in reduces:  # bytes per route: its groups' reduces together
+            entry = routes.setdefault(r["route"], {"numel": 0, "bytes": 0})
+            entry["numel"] += r["numel"]
+            entry["bytes"] += r["bytes"]
         rows.append(
             {
                 "index": index,
                 "numel": numel,
-                "bytes": sum(r["bytes"] for r in routes.values()),
+                "bytes": sum(r["bytes"] for r in reduces),
                 "fp32_bytes": wire_bytes(FP32, numel, world_size),
                 "routes": routes,
+                "groups": reduces,
                 "fp32_time_s": v.fp32_time_s,
                 "lowbit_time_s": v.lowbit_time_s,
                 "verdict": v.verdict,
@@ -87,9 +97,9 @@ def crossovers(
 ) -> dict[str, Any]:
     """Per compressed route: the bucket size below which it loses, and (for the largest
     bucket) the world size at which a central reducer stops paying."""
-    specs = sorted({s for _, rn in buckets for s, n in rn.items() if n and s.name != "fp32"},
+    specs = sorted({g.spec for _, gs in buckets for g in gs if g.numel and g.spec.name != "fp32"},
                    key=RouteSpec.label)
-    largest = max((sum(rn.values()) for _, rn in buckets), default=0)
+    largest = max((sum(g.numel for g in gs) for _, gs in buckets), default=0)
     central = sorted({replace(s, reducer="central") for s in specs if s.lowbit},
                      key=RouteSpec.label)
     return {
@@ -123,8 +133,8 @@ def link_sweep(
     for link in links_gbps:
         s = substrate.with_link(link)
         rows = []
-        for _, route_numels in buckets:
-            v = bucket_verdict(s, route_numels, world_size)
+        for _, groups in buckets:
+            v = bucket_verdict(s, spec_numels(groups), world_size)
             rows.append({"fp32_time_s": v.fp32_time_s, "lowbit_time_s": v.lowbit_time_s,
                          "verdict": v.verdict})
         out.append(_step_times(rows))

@@ -186,6 +186,38 @@ def test_modelled_bytes_group_routes_per_bucket():
     ).traffic_fraction("all")
 
 
+def test_bucket_groups_are_the_hooks_reduces_and_price_bytes_and_verdicts():
+    # One bucket: 3.bias 10, 3.weight 400, 1.bias 40, 1.weight 40, 0.bias 40, 0.weight 1200.
+    # bf16 is one reduce across its two regions; sign is one reduce per region.
+    model = models.mlp()
+    prof = rules(("3.*", "bf16"), ("1.*", "sign"), ("*.bias", "bf16"), ("*", "sign"))
+    b = compile_profile(prof, model, world_size=4)
+    groups = b.bucket_groups(0, "all")
+    assert [(g.region, g.spec.name, g.index, g.segments) for g in groups] == [
+        ("", "bf16", (0, 1, 4), (10, 400, 40)),
+        ("1.*", "sign", (2, 3), (40, 40)),
+        ("*", "sign", (5,), (1200,)),
+    ]
+    sign = make_route(RouteSpec("sign"))
+    two = sign.wire_bytes(80, 4, segments=(40, 40)).total + sign.wire_bytes(1200, 4).total
+    assert two > sign.wire_bytes(1280, 4, segments=(40, 40, 1200)).total  # padded twice
+    bf16 = make_route(RouteSpec("bf16")).wire_bytes(450, 4).total
+    assert b.buckets[0].wire_bytes["all"] == bf16 + two
+    # The verdict prices the same three reduces: on 20 Mbit/s with 2 ms fixed per sign reduce,
+    # one sign reduce of 1280 elements would pay (2.39 ms vs fp32 4.21 ms), two do not (4.01).
+    from nfabric_cli.substrate.cost import bucket_verdict
+    from nfabric_cli.substrate.model import Substrate
+
+    sub = {"link_gbps": 0.02, "latency_us": 10.0, "codec_call_us": {"sign": 2000.0, "bf16": 0.0}}
+    b = compile_profile(prof, model, world_size=4, substrate=sub)
+    pairs = [(RouteSpec("bf16"), 450), (RouteSpec("sign"), 80), (RouteSpec("sign"), 1200)]
+    merged = {RouteSpec("bf16"): 450, RouteSpec("sign"): 1280}
+    v = bucket_verdict(Substrate.from_dict(sub), pairs, 4)
+    assert (b.buckets[0].verdicts["all"], b.buckets[0].reasons["all"]) == (v.verdict, v.reason)
+    assert v.verdict == "fallback"
+    assert bucket_verdict(Substrate.from_dict(sub), merged, 4).verdict == "admit"
+
+
 def test_verdicts_without_and_with_substrate():
     model = models.split()
     b = compile_profile(rules(("*", "sign")), model, bucket_cap_mb=0.25)
@@ -207,6 +239,26 @@ def test_verdicts_without_and_with_substrate():
         compile_profile(prof, model, world_size=8, bucket_cap_mb=0.25).buckets[1].verdicts["all"]
         == "admit"
     )
+
+
+def test_a_passed_substrate_is_what_the_runtime_gate_prices():
+    """compile_profile(substrate=X) stores X in the bindings, so the hook's gate (which reads the
+    bindings' metadata) takes the verdicts compile-profile printed, not the profile's own."""
+    from nfabric_cli.routes.groups import spec_numels
+    from nfabric_cli.runtime.gate import CapacityGate
+
+    model = models.split()
+    slow = {"link_gbps": 0.1, "latency_us": 1.0, "include_codec": False}
+    fast = {"link_gbps": 400.0, "latency_us": 50.0}
+    b = compile_profile(rules(("*", "sign"), substrate=slow), model, world_size=8,
+                        bucket_cap_mb=0.25, substrate=fast)
+    assert b.meta["substrate"]["link_gbps"] == 400.0
+    gate = CapacityGate(b.meta["substrate"], 8)
+    for i, bucket in enumerate(b.buckets):
+        groups = spec_numels(b.bucket_groups(i, "all"))
+        verdict = gate.verdict((tuple(bucket.params), "all"), groups)
+        assert ("admit" if verdict.admit else "fallback") == bucket.verdicts["all"]
+    assert b.buckets[2].verdicts["all"] == "fallback"
 
 
 def test_bad_world_size_and_steps():

@@ -14,7 +14,7 @@ from nfabric_cli.binding import compile_profile
 from nfabric_cli.calibration import calibrate
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config
-from nfabric_cli.calibration.traffic import gated, step_bytes, traffic_lower_bound
+from nfabric_cli.calibration.traffic import gated, held_on_fp32, step_bytes, traffic_lower_bound
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.runtime.gate import CapacityGate
@@ -26,6 +26,8 @@ STEPS = 4
 REFUSES = {"link_gbps": 100.0, "latency_us": 5000.0}
 #: A 1 Mbit/s link: bytes dominate, low-bit always wins.
 ADMITS = {"link_gbps": 0.001, "latency_us": 1.0}
+#: 10 Mbit/s, 1 ms fixed per sign reduce: the tiny model's bucket pays as one reduce, not two.
+TWO_CALLS_LOSE = {"link_gbps": 0.01, "latency_us": 10.0, "codec_call_us": {"sign": 1000.0}}
 
 
 def _bindings(config: Config, substrate: dict | None, cap_mb: float | None = None):  # noqa: ANN202
@@ -82,6 +84,28 @@ def test_the_gate_decides_per_bucket() -> None:
     run = _run(b)
     per_step = step_bytes(b, 2, phase, routes)
     assert run.traffic_fraction == pytest.approx(per_step.sent / per_step.fp32, rel=1e-12)
+
+
+def test_gated_refuses_exactly_what_compile_profile_refuses() -> None:
+    """Head and body are two sign regions in one bucket: the hook issues two sign reduces.
+    On 10 Mbit/s with 1 ms fixed per reduce, one 612-element sign reduce would pay (1.15 ms vs
+    fp32 1.98 ms) but two do not (2.20 ms): compile-profile and the simulator's gate both
+    price the two reduces and refuse the bucket; on a 1 Mbit/s link both admit it."""
+    for sub, expected in ((TWO_CALLS_LOSE, "fallback"), (ADMITS, "admit")):
+        _, b = _bindings(SIGN, sub)
+        gate = CapacityGate(b.meta["substrate"], 2)
+        (bucket,) = b.buckets
+        for phase in b.phase_names():
+            assert [(g.region, g.numel) for g in b.bucket_groups(0, phase)] == [
+                ("head.*", 132), ("*", 480)]
+            routes = gated(b, phase, held_on_fp32(b, phase, ()), gate)
+            refused = {n for n in b.params if routes(n).name == "fp32"}
+            assert bucket.verdicts[phase] == expected
+            assert refused == (set(bucket.params) if expected == "fallback" else set())
+            assert gate.decided()[(tuple(bucket.params), phase)].reason == bucket.reasons[phase]
+    _, b = _bindings(SIGN, TWO_CALLS_LOSE)
+    assert b.buckets[0].reasons["main"] == (
+        "codec call overhead: codec 2.02 ms (2 ms fixed over 2 calls) vs fp32 1.98 ms (0.90x)")
 
 
 def test_spec_substrate_table_path_and_bad_values(tmp_path: Path) -> None:

@@ -68,6 +68,7 @@ def _scenarios(rank: int, world: int) -> dict:
         "nan": _nan_worker(rank, world),
         "spike": _spike_worker(rank, world),
         "unused": _unused_worker(rank, world),
+        "gate": _gate_worker(rank, world),
     }
 
 
@@ -180,6 +181,54 @@ def test_ranks_switch_at_the_same_step_from_different_local_losses(two_ranks: li
     assert events[0] == events[1]
     assert [(e["step"], e["scope"], e["to"]) for e in events[0]][:1] == [(8, "all", "fp32")]
     assert "loss spike" in events[0][0]["reason"]
+
+
+#: 10 Mbit/s, 3 ms fixed per sign reduce: TinyNet's 1,664 sign elements pay as one reduce
+#: (3.78 ms vs fp32 5.77 ms) but not as the two the hook issues for two regions (6.83 ms).
+TWO_CALLS_LOSE = {"link_gbps": 0.01, "latency_us": 10.0, "codec_call_us": {"sign": 3000.0}}
+
+
+def _gate_bindings(model, world: int):  # noqa: ANN001, ANN202
+    """One bucket: head on fp32, body.0 and the rest on sign as two regions (two reduces).
+    The substrate goes in the profile: the runtime gate reads the bindings' metadata."""
+    profile = static_profile(model, "sign", [("head.*", "fp32"), ("body.0.*", "sign")])
+    profile.meta["substrate"] = TWO_CALLS_LOSE
+    return compile_profile(profile, model, world_size=world, bucket_cap_mb=25)
+
+
+def _gate_worker(rank: int, world: int) -> dict:
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=25)
+    bindings = _gate_bindings(model, world)
+    state = attach(ddp, bindings, total_steps=1)
+    _train(ddp, 1, state, rank)
+    state.close()
+    return {"decided": {(frozenset(names), phase): v
+                        for (names, phase), v in state.gate.decided().items()},
+            "bytes": state.bytes_per_route()}
+
+
+def test_runtime_gate_prices_two_sign_regions_as_compile_profile_does(
+    two_ranks: list[dict],
+) -> None:
+    from nfabric_cli.routes.groups import spec_numels
+    from nfabric_cli.substrate.cost import bucket_verdict
+    from nfabric_cli.substrate.model import Substrate
+
+    bindings = _gate_bindings(make_model(), 2)
+    (bucket,) = bindings.buckets
+    groups = bindings.bucket_groups(0, "all")
+    assert [(g.region, g.spec.name, g.numel) for g in groups] == [
+        ("", "fp32", 132), ("*", "sign", 1120), ("body.0.*", "sign", 544)]
+    want = bucket_verdict(Substrate.from_dict(TWO_CALLS_LOSE), spec_numels(groups), 2)
+    assert (bucket.verdicts["all"], bucket.reasons["all"]) == ("fallback", want.reason)
+    assert want.reason.startswith("codec call overhead: codec 6.06 ms (6 ms fixed over 2 calls)")
+    for r in two_ranks:
+        ((key, v),) = r["gate"]["decided"].items()
+        assert key == (frozenset(bucket.params), "all")
+        assert (v.admit, v.reason) == (False, bucket.reasons["all"])
+        assert (v.fp32_time_s, v.lowbit_time_s) == (want.fp32_time_s, want.lowbit_time_s)
+        assert set(r["gate"]["bytes"]) == {"fp32", "control"}  # refused: the bucket went fp32
 
 
 def _unused_worker(rank: int, world: int) -> bool:
