@@ -245,6 +245,75 @@ void nf_sign_encode(const float *x, int64_t n, const int64_t *blocks, int64_t nb
     }
 }
 
+/* ---- decode by selection: a 1/2/4-bit code picks one of a chunk's 2/4/16 precomputed floats -- */
+
+/* out[i] = t[bit i] for i in [i, stop), bits packed little-endian within a byte. */
+static void select_bits1(const uint8_t *bits, int64_t i, int64_t stop, const float *t, float *out) {
+    for (; i < stop && (i & 7); ++i) out[i] = t[(bits[i >> 3] >> (i & 7)) & 1];
+#if defined(__AVX2__)
+    const __m256 vp = _mm256_set1_ps(t[1]), vn = _mm256_set1_ps(t[0]);
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (; i + 8 <= stop; i += 8) {
+        const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bits[i >> 3]), sel);
+        const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(vn, vp, m));
+    }
+#elif defined(__SSE2__)
+    const __m128 vp = _mm_set1_ps(t[1]), vn = _mm_set1_ps(t[0]);
+    const __m128i lo = _mm_setr_epi32(1, 2, 4, 8), hi = _mm_setr_epi32(16, 32, 64, 128);
+    for (; i + 8 <= stop; i += 8) {
+        const __m128i v = _mm_set1_epi32(bits[i >> 3]);
+        const __m128 m0 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(v, lo), lo));
+        const __m128 m1 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(v, hi), hi));
+        _mm_storeu_ps(out + i, _mm_or_ps(_mm_and_ps(m0, vp), _mm_andnot_ps(m0, vn)));
+        _mm_storeu_ps(out + i + 4, _mm_or_ps(_mm_and_ps(m1, vp), _mm_andnot_ps(m1, vn)));
+    }
+#endif
+    for (; i + 8 <= stop; i += 8) {
+        const unsigned w = bits[i >> 3];
+        for (int k = 0; k < 8; ++k) out[i + k] = t[(w >> k) & 1];
+    }
+    for (; i < stop; ++i) out[i] = t[(bits[i >> 3] >> (i & 7)) & 1];
+}
+
+/* out[i] = t[2-bit code i] (four codes per byte, low bits first). */
+static void select_bits2(const uint8_t *c, int64_t i, int64_t stop, const float *t, float *out) {
+    for (; i < stop && (i & 3); ++i) out[i] = t[(c[i >> 2] >> (2 * (i & 3))) & 3];
+#if defined(__AVX2__)
+    const __m256 tab = _mm256_setr_ps(t[0], t[1], t[2], t[3], t[0], t[1], t[2], t[3]);
+    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), m3 = _mm256_set1_epi32(3);
+    for (; i + 8 <= stop; i += 8) { /* two bytes -> 8 lanes of codes -> table entries */
+        const int w = c[i >> 2] | c[(i >> 2) + 1] << 8;
+        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w), sh), m3);
+        _mm256_storeu_ps(out + i, _mm256_permutevar8x32_ps(tab, idx));
+    }
+#endif
+    for (; i + 4 <= stop; i += 4) {
+        const unsigned w = c[i >> 2];
+        out[i] = t[w & 3], out[i + 1] = t[(w >> 2) & 3], out[i + 2] = t[(w >> 4) & 3], out[i + 3] = t[w >> 6];
+    }
+    for (; i < stop; ++i) out[i] = t[(c[i >> 2] >> (2 * (i & 3))) & 3];
+}
+
+/* out[i] = t[4-bit code i] (two codes per byte, low nibble first). */
+static void select_bits4(const uint8_t *c, int64_t i, int64_t stop, const float *t, float *out) {
+    if (i < stop && (i & 1)) out[i] = t[c[i >> 1] >> 4], ++i;
+#if defined(__AVX2__)
+    const __m256 lo = _mm256_loadu_ps(t), hi = _mm256_loadu_ps(t + 8);
+    const __m256i sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), m15 = _mm256_set1_epi32(15);
+    for (; i + 8 <= stop; i += 8) { /* four bytes -> 8 codes; bit 3 of a code picks the half */
+        uint32_t w;
+        memcpy(&w, c + (i >> 1), 4);
+        const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)w), sh), m15);
+        const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx),
+                                                   _mm256_permutevar8x32_ps(hi, idx), upper));
+    }
+#endif
+    for (; i + 2 <= stop; i += 2) out[i] = t[c[i >> 1] & 15], out[i + 1] = t[c[i >> 1] >> 4];
+    if (i < stop) out[i] = t[c[i >> 1] & 15];
+}
+
 /* out = (bit ? +1 : -1) * scale of the element's chunk: torch's (2 * bit - 1) * scale. */
 void nf_sign_decode(const uint8_t *bits, const int64_t *blocks, int64_t nblocks,
                     const float *scales, float *out) {
@@ -252,30 +321,9 @@ void nf_sign_decode(const uint8_t *bits, const int64_t *blocks, int64_t nblocks,
         const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
         for (int64_t r = 0; r < nch; ++r) {
             const float s = *scales++;
-            const float pos = 1.0f * s, neg = -1.0f * s;
-            int64_t i = start + r * len;
-            const int64_t stop = i + len;
-            for (; i < stop && (i & 7); ++i) out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? pos : neg;
-#if defined(__AVX2__)
-            const __m256 vp = _mm256_set1_ps(pos), vn = _mm256_set1_ps(neg);
-            const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-            for (; i + 8 <= stop; i += 8) {
-                const __m256i v = _mm256_and_si256(_mm256_set1_epi32(bits[i >> 3]), sel);
-                const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(v, sel));
-                _mm256_storeu_ps(out + i, _mm256_blendv_ps(vn, vp, m));
-            }
-#elif defined(__SSE2__)
-            const __m128 vp = _mm_set1_ps(pos), vn = _mm_set1_ps(neg);
-            const __m128i lo = _mm_setr_epi32(1, 2, 4, 8), hi = _mm_setr_epi32(16, 32, 64, 128);
-            for (; i + 8 <= stop; i += 8) {
-                const __m128i v = _mm_set1_epi32(bits[i >> 3]);
-                const __m128 m0 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(v, lo), lo));
-                const __m128 m1 = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(v, hi), hi));
-                _mm_storeu_ps(out + i, _mm_or_ps(_mm_and_ps(m0, vp), _mm_andnot_ps(m0, vn)));
-                _mm_storeu_ps(out + i + 4, _mm_or_ps(_mm_and_ps(m1, vp), _mm_andnot_ps(m1, vn)));
-            }
-#endif
-            for (; i < stop; ++i) out[i] = ((bits[i >> 3] >> (i & 7)) & 1) ? pos : neg;
+            const int64_t a = start + r * len;
+            const float t[2] = {-1.0f * s, 1.0f * s};
+            select_bits1(bits, a, a + len, t, out);
         }
     }
 }
@@ -520,7 +568,8 @@ void nf_pack_nibbles(const int8_t *codes, int64_t n, uint8_t *out) {
 }
 
 /* out = lut[code] * scale. `bits` 8: one code per byte (lut has 256 entries, by byte value);
- * `bits` 4: two per byte, low nibble first (lut has 16 entries, by nibble). */
+ * `bits` 4: two per byte, low nibble first (lut has 16 entries, by nibble; selected from the
+ * chunk's 16 products). */
 void nf_int_decode(const uint8_t *codes, int bits, const int64_t *blocks, int64_t nblocks,
                    const float *lut, const float *scales, float *out) {
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -531,7 +580,9 @@ void nf_int_decode(const uint8_t *codes, int bits, const int64_t *blocks, int64_
             if (bits == 8) {
                 for (int64_t i = a; i < stop; ++i) out[i] = lut[codes[i]] * s;
             } else {
-                for (int64_t i = a; i < stop; ++i) out[i] = lut[(codes[i >> 1] >> ((i & 1) * 4)) & 15] * s;
+                float t[16];
+                for (int k = 0; k < 16; ++k) t[k] = lut[k] * s;
+                select_bits4(codes, a, stop, t, out);
             }
         }
     }
@@ -768,8 +819,20 @@ void nf_sign_combine(const uint8_t *const *shards, int64_t w, int64_t nbytes, in
     }
 }
 
-/* Decode combined integers with per-chunk scales s:
- * mode 0: (float)v * s; mode 1: ((float)v / d) * s; mode 2: ((2 * (float)v - d) / d) * s. */
+/* ---- decode of combined results ---------------------------------------------------------- */
+
+/* A combined value v before its chunk's scale, each step rounded to float32 as torch does:
+ * mode 0: v; mode 1: v / d; mode 2: (2 v - d) / d. Callers pass literal modes (inlined). */
+static inline float pre_scale(float v, int mode, float d) {
+    return mode == 0 ? v : mode == 1 ? v / d : (2.0f * v - d) / d;
+}
+
+static inline void scale_int64(const int64_t *v, int64_t a, int64_t stop, int mode, float d,
+                               float s, float *out) {
+    for (int64_t i = a; i < stop; ++i) out[i] = pre_scale((float)v[i], mode, d) * s;
+}
+
+/* Decode combined integers with per-chunk scales s: out = pre_scale(v) * s. */
 void nf_decode_values(const int64_t *v, const int64_t *blocks, int64_t nblocks,
                       const float *scales, int mode, float d, float *out) {
     for (int64_t b = 0; b < nblocks; ++b) {
@@ -777,12 +840,72 @@ void nf_decode_values(const int64_t *v, const int64_t *blocks, int64_t nblocks,
         for (int64_t r = 0; r < nch; ++r) {
             const float s = *scales++;
             const int64_t a = start + r * len, stop = a + len;
-            if (mode == 0)
-                for (int64_t i = a; i < stop; ++i) out[i] = (float)v[i] * s;
-            else if (mode == 1)
-                for (int64_t i = a; i < stop; ++i) out[i] = ((float)v[i] / d) * s;
-            else
-                for (int64_t i = a; i < stop; ++i) out[i] = ((2.0f * (float)v[i] - d) / d) * s;
+            if (mode == 0) scale_int64(v, a, stop, 0, d, s, out);
+            else if (mode == 1) scale_int64(v, a, stop, 1, d, s, out);
+            else scale_int64(v, a, stop, 2, d, s, out);
+        }
+    }
+}
+
+/* The combined value of a packed code: mul * code + lo in int64, wrapping like torch's int64. */
+static inline int64_t code_value(uint64_t code, int64_t mul, int64_t lo) {
+    return (int64_t)((uint64_t)mul * code + (uint64_t)lo);
+}
+
+/* 8/16-bit codes whose values fit int32 (the caller checks): int32 lanes vectorize, and int32
+ * and int64 convert the same integer to the same float. */
+#define NF_SCALE_NARROW(name, type)                                                               \
+    static void name(const type *c, int32_t mul, int32_t lo, int64_t a, int64_t stop, int mode,   \
+                     float d, float s, float *out) {                                              \
+        if (mode == 0)                                                                            \
+            for (int64_t i = a; i < stop; ++i) out[i] = pre_scale((float)((int32_t)c[i] * mul + lo), 0, d) * s; \
+        else if (mode == 1)                                                                       \
+            for (int64_t i = a; i < stop; ++i) out[i] = pre_scale((float)((int32_t)c[i] * mul + lo), 1, d) * s; \
+        else                                                                                      \
+            for (int64_t i = a; i < stop; ++i) out[i] = pre_scale((float)((int32_t)c[i] * mul + lo), 2, d) * s; \
+    }
+NF_SCALE_NARROW(scale_u8, uint8_t)
+NF_SCALE_NARROW(scale_u16, uint16_t)
+
+/* Decode the packed combined result straight from its codes: element i's code (little-endian at
+ * `bits` in {1, 2, 4, 8, 16, 32}; 16/32-bit codes are native words, `codes` aligned to them)
+ * has value v = mul * code + lo, and out = pre_scale(v) * s, the same float ops as unpacking
+ * to int64 and calling nf_decode_values. Codes of up to 4 bits select from a per-chunk table of
+ * pre_scale(v) * s; wider codes are computed (8 lanes of int32 -> float outrun a table gather). */
+void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const int64_t *blocks,
+                     int64_t nblocks, const float *scales, int mode, float d, float *out) {
+    const uint8_t *c8 = (const uint8_t *)codes;
+    const uint16_t *c16 = (const uint16_t *)codes;
+    const uint32_t *c32 = (const uint32_t *)codes;
+    float lut[16], t[16];
+    if (bits <= 4)
+        for (int k = 0; k < (1 << bits); ++k) lut[k] = pre_scale((float)code_value((uint64_t)k, mul, lo), mode, d);
+    /* values as int32 when |mul * code| <= 2^30 and |lo| < 2^30: no overflow */
+    const int narrow = (bits == 8 || bits == 16) && mul >= -(1 << 14) && mul <= (1 << 14) &&
+                       lo > -(1 << 30) && lo < (1 << 30);
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
+        for (int64_t r = 0; r < nch; ++r) {
+            const float s = *scales++;
+            const int64_t a = start + r * len, stop = a + len;
+            if (bits <= 4)
+                for (int k = 0; k < (1 << bits); ++k) t[k] = lut[k] * s;
+            if (bits == 1) {
+                select_bits1(c8, a, stop, t, out);
+            } else if (bits == 2) {
+                select_bits2(c8, a, stop, t, out);
+            } else if (bits == 4) {
+                select_bits4(c8, a, stop, t, out);
+            } else if (narrow && bits == 8) {
+                scale_u8(c8, (int32_t)mul, (int32_t)lo, a, stop, mode, d, s, out);
+            } else if (narrow) {
+                scale_u16(c16, (int32_t)mul, (int32_t)lo, a, stop, mode, d, s, out);
+            } else {
+                for (int64_t i = a; i < stop; ++i) {
+                    const uint64_t code = bits == 8 ? c8[i] : bits == 16 ? c16[i] : c32[i];
+                    out[i] = pre_scale((float)code_value(code, mul, lo), mode, d) * s;
+                }
+            }
         }
     }
 }

@@ -12,7 +12,8 @@ Low-bit reduction, for every code route:
 3. the codes are combined exactly as integers, either `sharded` (all-to-all of packed shards,
    each rank combines its shard, all-gather of packed results) or `central` (gather to rank 0,
    combine, broadcast back);
-4. every rank decodes the combined integers with the agreed scales.
+4. every rank decodes the combined integers with the agreed scales; the native kernels decode
+   straight from the packed result (`_decode_result`), without an int64 copy of it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.routes import kernels
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.comm import Comm, sum_in_rank_order
 from nfabric_cli.routes.packing import bits_for_levels, pack_uint, unpack_uint
@@ -151,9 +153,18 @@ class CodeRoute(Route):
         """Inclusive range of combined values, for packing the result."""
         raise NotImplementedError
 
+    def result_map(self, world_size: int) -> tuple[int, int]:
+        """(mul, lo): a code c of the packed result stands for the combined value mul * c + lo."""
+        return 1, self.result_range(world_size)[0]
+
     def decode_values(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_mode(self, scales: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int, float]:
+        """How the native kernels decode combined values v: (scales s, mode, d), mode 0 `v * s`,
+        1 `(v / d) * s`, 2 `((2v - d) / d) * s`; the same float ops as `decode_values`."""
         raise NotImplementedError
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
@@ -205,8 +216,24 @@ class CodeRoute(Route):
         return pack_uint(values - lo, self.result_bits(world_size))
 
     def _unpack_result(self, packed: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
-        lo, _ = self.result_range(world_size)
-        return unpack_uint(packed, numel, self.result_bits(world_size)).to(torch.int64) + lo
+        mul, lo = self.result_map(world_size)
+        values = unpack_uint(packed, numel, self.result_bits(world_size)).to(torch.int64)
+        return (values * mul if mul != 1 else values).add_(lo)  # unpack's copy: ours to modify
+
+    def _decode_result(
+        self, packed: torch.Tensor, numel: int, world_size: int, scales: torch.Tensor,
+        layout: ChunkLayout,
+    ) -> torch.Tensor:
+        """The packed combined result -> what every rank returns. Natively straight from the
+        codes (unpacking to int64 first cost 10-30x the decode: two fresh 8-byte-per-element
+        tensors, mostly page faults); else unpacked and `decode_values`. Same bits either way."""
+        k = kernels.native()
+        if k is None:
+            values = self._unpack_result(packed, numel, world_size)
+            return self.decode_values(values, scales, layout, world_size)
+        mul, lo = self.result_map(world_size)
+        s, mode, d = self.decode_mode(scales, world_size)
+        return k.decode_codes(packed, self.result_bits(world_size), layout, s, mode, d, mul, lo)
 
     def _pad(self, codes: torch.Tensor, padded: int) -> torch.Tensor:
         if codes.numel() == padded:
@@ -262,8 +289,7 @@ class CodeRoute(Route):
                 self._record_agreement(agree, n, stats)
                 packed = self._pack_result(values, w)
             comm.broadcast(packed)
-        values = self._unpack_result(packed, n, w)
-        return self.decode_values(values, agreed, layout, w)
+        return self._decode_result(packed, n, w, agreed, layout)
 
     def simulate(
         self,

@@ -92,9 +92,12 @@ class IntRoute(CodeRoute):
         # values / (qmax * W) first: a constant input decodes exactly (±1 * absmax).
         k = kernels.native()
         if k is not None:
-            return k.decode_values(values, layout, scales, 1, float(self.qmax * world_size))
+            return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         v = values.float().div_(self.qmax * world_size)
         return layout.scale_into(v, scales, v)
+
+    def decode_mode(self, scales: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int, float]:
+        return scales, 1, float(self.qmax * world_size)
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
         k = kernels.native()

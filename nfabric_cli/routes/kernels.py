@@ -66,6 +66,7 @@ _SIGNATURES: dict[str, list] = {
     "nf_sum_codes": [_P, _I, _I, ctypes.c_int, _I, _P],
     "nf_sign_combine": [_P, _I, _I, ctypes.c_int, _P, _P],
     "nf_decode_values": [_P, _P, _I, _P, ctypes.c_int, _F, _P],
+    "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
 }
 #: Code kinds `sum_codes` adds up, with elements per byte.
 SUM_KINDS: dict[str, tuple[int, int]] = {"int8": (0, 1), "nibble": (1, 2), "trit": (2, 5), "bit": (3, 8)}
@@ -340,6 +341,25 @@ class Kernels:
         out = self.empty(layout.numel)
         self.lib.nf_decode_values(values.data_ptr(), _blocks(layout).data_ptr(), len(layout.blocks),
                                   scales.data_ptr(), mode, d, out.data_ptr())
+        return out
+
+    def decode_codes(
+        self, packed: torch.Tensor, bits: int, layout: ChunkLayout, scales: torch.Tensor,
+        mode: int, d: float = 1.0, mul: int = 1, lo: int = 0,
+    ) -> torch.Tensor:
+        """`decode_values(mul * code + lo)` straight from packed codes (uint8, `bits` per element,
+        little-endian; 16/32-bit codes as native words), bit for bit, without the int64 values."""
+        if bits not in (1, 2, 4, 8, 16, 32) or mode not in (0, 1, 2):
+            raise ValueError(f"unsupported code width {bits} or decode mode {mode}")
+        if packed.dtype != torch.uint8:
+            raise ValueError(f"packed codes must be uint8, got {packed.dtype}")
+        packed = _need(packed, (layout.numel * bits + 7) // 8, "packed result")
+        if packed.data_ptr() % max(bits // 8, 1):
+            packed = packed.clone()  # wide codes are read as aligned words
+        scales = _need(scales.float(), 4 * layout.nchunks, "scales")
+        out = self.empty(layout.numel)
+        self.lib.nf_decode_codes(packed.data_ptr(), bits, mul, lo, _blocks(layout).data_ptr(),
+                                 len(layout.blocks), scales.data_ptr(), mode, d, out.data_ptr())
         return out
 
 

@@ -79,19 +79,20 @@ class SignRoute(CodeRoute):
             return pack_bool(values > 0)
         return super()._pack_result(values, world_size)
 
-    def _unpack_result(self, packed: torch.Tensor, numel: int, world_size: int) -> torch.Tensor:
+    def result_map(self, world_size: int) -> tuple[int, int]:
         if self.spec.mode == "majority" and world_size % 2 == 1:
-            return unpack_bool(packed, numel).to(torch.int64) * 2 - 1
-        return super()._unpack_result(packed, numel, world_size)
+            return 2, -1  # bit 1 is +1, bit 0 is -1
+        return super().result_map(world_size)
+
+    def decode_mode(self, scales: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int, float]:
+        return (scales, 2, float(world_size)) if self.spec.mode == "count" else (scales, 0, 1.0)
 
     def decode_values(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
         k = kernels.native()
         if k is not None:
-            if self.spec.mode == "count":
-                return k.decode_values(values, layout, scales, 2, float(world_size))
-            return k.decode_values(values, layout, scales, 0)
+            return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         v = values.float()
         if self.spec.mode == "count":
             v = (2 * v - world_size) / world_size

@@ -95,8 +95,11 @@ class TernaryRoute(CodeRoute):
     ) -> torch.Tensor:
         k = kernels.native()
         if k is not None:
-            return k.decode_values(values, layout, scales / world_size, 0)
+            return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         return layout.scale_into(values.float(), scales / world_size, torch.empty(values.numel()))
+
+    def decode_mode(self, scales: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int, float]:
+        return scales / world_size, 0, 1.0
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
         k = kernels.native()
