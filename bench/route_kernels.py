@@ -32,10 +32,13 @@ def main() -> None:
     for label, run in runs.items():
         print(f"{label}: {run['kernels']}; read pass {run['read_gbps']:.2f} GB/s, "
               f"{args.size:,} fp32 elements, 1 thread")
-        print(f"  {'route':8} {'encode GB/s':>12} {'vs read':>8} {'decode GB/s':>12} {'vs read':>8}")
+        print(f"  {'route':8} {'encode GB/s':>12} {'vs read':>8} {'decode GB/s':>12} {'vs read':>8}"
+              f" {'reduce decode':>14} {'vs read':>8}")
         for name, r in run["routes"].items():
+            reduce = (f" {r['reduce_decode_gbps']:14.2f} {r['reduce_decode_vs_read']:8.0%}"
+                      if "reduce_decode_gbps" in r else "")
             print(f"  {name:8} {r['encode_gbps']:12.2f} {r['encode_vs_read']:8.0%} "
-                  f"{r['decode_gbps']:12.2f} {r['decode_vs_read']:8.0%}")
+                  f"{r['decode_gbps']:12.2f} {r['decode_vs_read']:8.0%}{reduce}")
     goal = all(runs["native"]["routes"][n]["encode_vs_read"] >= 0.5 for n in ("sign", "int8"))
     print(f"goal (sign and int8 encode >= 50% of read): {'met' if goal else 'NOT met'}")
 

@@ -27,7 +27,9 @@ REFUSES = {"link_gbps": 100.0, "latency_us": 5000.0}
 #: A 1 Mbit/s link: bytes dominate, low-bit always wins.
 ADMITS = {"link_gbps": 0.001, "latency_us": 1.0}
 #: 10 Mbit/s, 1 ms fixed per sign reduce: the tiny model's bucket pays as one reduce, not two.
-TWO_CALLS_LOSE = {"link_gbps": 0.01, "latency_us": 10.0, "codec_call_us": {"sign": 1000.0}}
+TWO_CALLS_LOSE = {"link_gbps": 0.01, "latency_us": 10.0, "codec_call_us": {"sign": 1000.0},
+                  "encode_gbps": {"sign": 5.0}, "reduce_gbps": {"sign": 0.5},
+                  "decode_gbps": {"sign": 0.15}}
 
 
 def _bindings(config: Config, substrate: dict | None, cap_mb: float | None = None):  # noqa: ANN202
