@@ -118,6 +118,8 @@ def build_outcome(run: StudyRun, out_root: str | Path, storage_url: str | None,
         "routes": config.labels(spec),
         "tau": config.tau if config.uses("ternary") else None,
         "error_feedback": config.error_feedback,
+        "rounding": config.rounding if config.uses("int8") or config.uses("int4") else None,
+        "sign_mode": config.sign_mode if config.uses("sign") else None,
         "boundaries": list(config.boundaries),
     }
     if winner is None:

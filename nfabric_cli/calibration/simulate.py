@@ -29,6 +29,7 @@ from nfabric_cli.calibration.ranks import RankGradients
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, ErrorFeedback, make_route
+from nfabric_cli.routes.base import rounding_noise
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
@@ -217,12 +218,14 @@ class SimulatedDDP:
             flats = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in per_rank]
             segs = tuple(grads[0][i].numel() for i in idx)
             stats: dict[str, float] = {}
-            result = route.simulate(flats, segs, stats)
+            group = [names[i] for i in idx]
+            noise = [rounding_noise(spec, self.seed, self.step, r, group, segs)
+                     for r in range(self.world_size)]
+            result = route.simulate(flats, segs, stats, noise)
             if spec.error_feedback and spec.lowbit:
-                # One roundtrip per rank and group: chunks never span parameters, so this is
-                # the hook's per-parameter roundtrip, concatenated.
+                # One roundtrip per rank and group, as the hook does it (same noise as sent).
                 for rank, (parts, flat) in enumerate(zip(per_rank, flats, strict=True)):
-                    sent = route.roundtrip(flat, segs)
+                    sent = route.roundtrip(flat, segs, noise[rank])
                     off = 0
                     for i, comp in zip(idx, parts, strict=True):
                         self.efs[rank].update(names[i], comp, sent[off : off + comp.numel()])

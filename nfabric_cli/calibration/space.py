@@ -1,8 +1,9 @@
 """The search space: one `Config` per trial (route per region x phase, tau, error feedback,
-phase boundaries), the Optuna parameters that encode it, and the profile it becomes.
+int rounding, sign reducer mode, phase boundaries), the Optuna parameters that encode it, and
+the profile it becomes.
 
 Parameter names are stable strings (`route.<region>.<phase>`, `boundary.<i>`, `tau`,
-`error_feedback`) so a resumed study, an enqueued sweep trial and a fresh trial all speak the
+`error_feedback`, `rounding`, `sign_mode`) so a resumed study, an enqueued sweep trial and a fresh trial all speak the
 same language. `Config.key()` is a canonical form: two configs with the same key train
 identically, so a repeated suggestion reuses the stored result instead of training again.
 """
@@ -36,6 +37,8 @@ class Config:
     boundaries: tuple[float, ...]
     tau: float
     error_feedback: bool
+    rounding: str = "nearest"  # int8 / int4 rows
+    sign_mode: str = "majority"  # sign rows
 
     def phases(self, spec: CalibrationSpec) -> list[Phase]:
         edges = [0.0, *self.boundaries, 1.0]
@@ -51,15 +54,18 @@ class Config:
         """Canonical JSON: options that cannot matter (tau without ternary, error feedback
         without a low-bit route) are dropped, so equal keys mean equal training."""
         lowbit = any(r in LOWBIT_ROUTES for p in self.routes for r in p)
-        return json.dumps(
-            {
-                "routes": self.routes,
-                "boundaries": self.boundaries,
-                "tau": self.tau if self.uses("ternary") else None,
-                "ef": self.error_feedback if lowbit else None,
-            },
-            sort_keys=True,
-        )
+        key: dict[str, Any] = {
+            "routes": self.routes,
+            "boundaries": self.boundaries,
+            "tau": self.tau if self.uses("ternary") else None,
+            "ef": self.error_feedback if lowbit else None,
+        }
+        # Defaults are left out, so keys stored before these options existed still match.
+        if self.rounding != "nearest" and (self.uses("int8") or self.uses("int4")):
+            key["rounding"] = self.rounding
+        if self.sign_mode != "majority" and self.uses("sign"):
+            key["sign_mode"] = self.sign_mode
+        return json.dumps(key, sort_keys=True)
 
     def params(self, spec: CalibrationSpec) -> dict[str, Any]:
         """The Optuna parameters that encode this config (for `enqueue_trial`)."""
@@ -74,6 +80,10 @@ class Config:
             out["tau"] = self.tau
         if len(spec.error_feedback) > 1:
             out["error_feedback"] = self.error_feedback
+        if len(spec.rounding) > 1:
+            out["rounding"] = self.rounding
+        if len(spec.sign_mode) > 1:
+            out["sign_mode"] = self.sign_mode
         return out
 
     def labels(self, spec: CalibrationSpec) -> dict[str, str]:
@@ -108,7 +118,12 @@ def suggest(trial: optuna.trial.BaseTrial, spec: CalibrationSpec) -> Config:
     ef = spec.error_feedback[0]
     if len(spec.error_feedback) > 1:
         ef = bool(trial.suggest_categorical("error_feedback", list(spec.error_feedback)))
-    return Config(routes, tuple(bounds), tau, ef)
+    rounding, mode = spec.rounding[0], spec.sign_mode[0]
+    if len(spec.rounding) > 1:
+        rounding = str(trial.suggest_categorical("rounding", list(spec.rounding)))
+    if len(spec.sign_mode) > 1:
+        mode = str(trial.suggest_categorical("sign_mode", list(spec.sign_mode)))
+    return Config(routes, tuple(bounds), tau, ef, rounding, mode)
 
 
 def uniform_config(spec: CalibrationSpec, route_of: dict[str, str]) -> Config:
@@ -121,6 +136,8 @@ def uniform_config(spec: CalibrationSpec, route_of: dict[str, str]) -> Config:
         boundaries=tuple(b.lo for b in spec.boundaries),
         tau=tau,
         error_feedback=spec.error_feedback[0],
+        rounding=spec.rounding[0],
+        sign_mode=spec.sign_mode[0],
     )
 
 
@@ -178,6 +195,8 @@ def config_profile(
                     priority=priority,
                     route=route,
                     tau=config.tau if route == "ternary" else None,
+                    rounding=config.rounding if route in ("int8", "int4") else None,
+                    mode=config.sign_mode if route == "sign" else None,
                     error_feedback=config.error_feedback and lowbit,
                     reducer=spec.reducer if lowbit else "sharded",
                     traffic_fraction=ev.get("traffic_fraction"),

@@ -34,7 +34,7 @@ from typing import Any
 
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import phase_names
-from nfabric_cli.routes.spec import REDUCERS, ROUTE_NAMES
+from nfabric_cli.routes.spec import REDUCERS, ROUNDINGS, ROUTE_NAMES, SIGN_MODES
 from nfabric_cli.runtime.health import HealthThresholds
 from nfabric_cli.textfiles import read_toml
 
@@ -50,7 +50,7 @@ _TOP_KEYS = {
 }
 _REGION_KEYS = {"name", "selector", "routes"}
 _PHASE_KEYS = {"boundaries"}
-_ROUTE_KEYS = {"tau", "error_feedback", "reducer"}
+_ROUTE_KEYS = {"tau", "error_feedback", "reducer", "rounding", "sign_mode"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,8 @@ class CalibrationSpec:
     boundaries: tuple[Range, ...] = ()
     tau: Range = Range(0.5, 0.5)
     error_feedback: tuple[bool, ...] = (False,)
+    rounding: tuple[str, ...] = ("nearest",)  # int8/int4 rounding choices (searched if > 1)
+    sign_mode: tuple[str, ...] = ("majority",)  # sign reducer output choices (searched if > 1)
     reducer: str = "sharded"
     world_size: int = 4
     seed: int = 0
@@ -118,8 +120,11 @@ class CalibrationSpec:
         keep = asdict(self)
         for k in ("trials", "sampler", "pruner"):
             keep.pop(k)
-        if not keep["substrate"]:  # studies made before the key existed keep their key
-            keep.pop("substrate")
+        # studies made before these keys existed keep their key while the keys are defaults
+        for k, default in (("substrate", {}), ("rounding", ["nearest"]),
+                           ("sign_mode", ["majority"])):
+            if keep[k] == default or keep[k] == tuple(default):
+                keep.pop(k)
         text = json.dumps(keep, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -190,6 +195,8 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
         boundaries=tuple(_boundary(b, i) for i, b in enumerate(phases.get("boundaries", []))),
         tau=_range(routes.get("tau", 0.5), "routes.tau"),
         error_feedback=_ef(routes.get("error_feedback", False)),
+        rounding=_choices(routes.get("rounding", "nearest"), ROUNDINGS, "routes.rounding"),
+        sign_mode=_choices(routes.get("sign_mode", "majority"), SIGN_MODES, "routes.sign_mode"),
         reducer=_typed(routes.get("reducer", "sharded"), str, "routes.reducer"),
         health=dict(health),
         substrate=substrate_dict(data.get("substrate")),
@@ -327,3 +334,14 @@ def _ef(value: Any) -> tuple[bool, ...]:
     if isinstance(value, list) and value and all(isinstance(v, bool) for v in value):
         return tuple(dict.fromkeys(value))
     raise InputError(f"routes.error_feedback must be true, false or [false, true], got {value!r}")
+
+
+def _choices(value: Any, allowed: tuple[str, ...], key: str) -> tuple[str, ...]:
+    """A fixed option (a string) or the options to search (a list), each one of `allowed`."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(isinstance(v, str) for v in items):
+        raise InputError(f"{key} must be a name or a list of names, got {value!r}")
+    bad = [v for v in items if v not in allowed]
+    if bad:
+        raise InputError(f"{key}: unknown {bad[0]!r} (choose from {', '.join(allowed)})")
+    return tuple(dict.fromkeys(items))

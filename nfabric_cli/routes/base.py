@@ -18,6 +18,7 @@ Low-bit reduction, for every code route:
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,29 @@ from nfabric_cli.routes.comm import Comm, sum_in_rank_order
 from nfabric_cli.routes.packing import bits_for_levels, pack_uint, unpack_uint
 from nfabric_cli.routes.plan import CommOp, WireBytes, plan_wire_bytes
 from nfabric_cli.routes.spec import RouteSpec
+
+#: Element counts of the parameters a flat gradient holds, in order (None: one parameter).
+Segments = tuple[int, ...] | None
+#: Stochastic rounding's noise: the uniform draws themselves, a generator to draw them, or None.
+Noise = torch.Generator | torch.Tensor | None
+
+
+def rounding_noise(
+    spec: RouteSpec, seed: int, step: int, rank: int, names: Sequence[str], numels: Sequence[int]
+) -> torch.Tensor | None:
+    """Stochastic rounding's uniform noise for a group of parameters on `rank` at `step`
+    (None for every other route): each parameter's share is drawn from its own generator,
+    seeded from (seed, step, rank, name), so the noise an element gets does not depend on how
+    DDP buckets or the simulator groups parameters. The hook, error feedback's roundtrip and
+    the calibration simulator draw the same noise; the global RNG is left alone."""
+    if spec.rounding != "stochastic" or spec.name not in ("int8", "int4"):
+        return None
+    parts = []
+    for name, n in zip(names, numels, strict=True):
+        key = hashlib.blake2b(f"{seed}/{step}/{rank}/{name}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+        parts.append(torch.rand(n, generator=gen))
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
 def check_input(x: torch.Tensor) -> torch.Tensor:
@@ -100,15 +124,19 @@ class Route:
         """Single-process simulation: N workers' gradients in, what every rank receives out."""
         raise NotImplementedError
 
-    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         raise NotImplementedError
 
     def decode(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
 
-    def roundtrip(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> torch.Tensor:
-        """decode(encode(x)) with local scales: what error feedback subtracts."""
-        return self.decode(self.encode(x, segments))
+    def roundtrip(
+        self, x: torch.Tensor, segments: Segments = None, noise: Noise = None
+    ) -> torch.Tensor:
+        """decode(encode(x)) with local scales: what error feedback subtracts. `noise`:
+        stochastic rounding's uniform draws (int routes; see `rounding_noise`) or a generator
+        to draw them from; None: the global generator."""
+        return self.decode(self.encode(x, segments, noise))
 
     def check_world(self, world_size: int) -> None:
         if world_size < 1:
@@ -199,12 +227,12 @@ class CodeRoute(Route):
         return ops
 
     # -- local codec ---------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)
         scales = self.local_scales(x, layout)
-        return Payload(self.encode_codes(x, layout, scales, None), scales, x.numel(), segs)
+        return Payload(self.encode_codes(x, layout, scales, noise), scales, x.numel(), segs)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         layout = chunk_layout(payload.segments, self.spec.effective_chunk)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nfabric_cli.routes.base import Payload, Route, check_input
+from nfabric_cli.routes.base import Noise, Payload, Route, Segments, check_input
 from nfabric_cli.routes.chunks import check_segments
 from nfabric_cli.routes.comm import Comm, sum_in_rank_order
 from nfabric_cli.routes.plan import CommOp
@@ -57,7 +57,7 @@ class FloatRoute(Route):
         parts = [x.div(w).to(self.wire_dtype) for x in xs]
         return sum_in_rank_order(parts).to(xs[0].dtype)
 
-    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         x = check_input(x)
         segs = check_segments(x.numel(), segments)
         codes = x.to(self.wire_dtype).contiguous().view(torch.uint8)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from nfabric_cli.routes import kernels
-from nfabric_cli.routes.base import CodeRoute, Payload, check_input
+from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_input
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_uint, unpack_uint
 
@@ -38,17 +38,22 @@ class IntRoute(CodeRoute):
         return layout.reduce(x, absmax)
 
     def _codes(
-        self, x: torch.Tensor, layout: ChunkLayout, absmax: torch.Tensor, gen: torch.Generator | None
+        self,
+        x: torch.Tensor,
+        layout: ChunkLayout,
+        absmax: torch.Tensor,
+        gen: torch.Generator | torch.Tensor | None,
     ) -> torch.Tensor:
         inv = torch.where(absmax > 0, self.qmax / absmax, torch.zeros_like(absmax))
         k = kernels.native()
+        noise = None
+        if self.spec.rounding == "stochastic":  # `gen` may also be the noise, drawn already
+            noise = gen if isinstance(gen, torch.Tensor) else torch.rand(x.shape, generator=gen)
         if k is not None:
-            stochastic = self.spec.rounding == "stochastic"
-            noise = torch.rand(x.shape, generator=gen) if stochastic else None  # same draws
-            return k.quantize(x, layout, inv, self.qmax, noise)
+            return k.quantize(x, layout, inv, self.qmax, noise)  # the same draws as below
         q = layout.scale_into(x, inv, torch.empty_like(x))
-        if self.spec.rounding == "stochastic":
-            q.add_(torch.rand(q.shape, generator=gen)).floor_()
+        if noise is not None:
+            q.add_(noise).floor_()
         else:
             q.round_()
         return q.clamp_(-self.qmax, self.qmax).to(torch.int8)
@@ -60,12 +65,12 @@ class IntRoute(CodeRoute):
     def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
         return self._pack_codes(self._codes(x, layout, scales, gen))
 
-    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         """Nearest rounding: absmax and codes in one visit per chunk (same bytes as
         `CodeRoute.encode`). Stochastic rounding draws its noise first, so it takes that path."""
         k = kernels.native()
         if k is None or self.spec.rounding == "stochastic":
-            return super().encode(x, segments)
+            return super().encode(x, segments, noise)
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from nfabric_cli.routes import kernels
-from nfabric_cli.routes.base import CodeRoute, Payload, check_input
+from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_input
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_bool, unpack_bool
 
@@ -39,11 +39,11 @@ class SignRoute(CodeRoute):
         k = kernels.native()
         return k.sign_bits(x) if k is not None else pack_bool(x > 0)
 
-    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`)."""
         k = kernels.native()
         if k is None:
-            return super().encode(x, segments)
+            return super().encode(x, segments, noise)
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         scales, bits = k.sign_encode(x, chunk_layout(segs, self.spec.effective_chunk))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from nfabric_cli.routes import kernels
-from nfabric_cli.routes.base import CodeRoute, Payload, check_input
+from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_input
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_trits, unpack_trits
 
@@ -63,14 +63,14 @@ class TernaryRoute(CodeRoute):
             return k.ternary_gate(x, layout, self.spec.tau, packed=True)[2]
         return pack_trits((self._votes(x, layout) + 1).view(torch.uint8))
 
-    def encode(self, x: torch.Tensor, segments: tuple[int, ...] | None = None) -> Payload:
+    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         """Gate once for scales and codes (same bytes as `CodeRoute.encode`)."""
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)
         k = self._native(layout)
         if k is None:
-            return super().encode(x, segments)
+            return super().encode(x, segments, noise)
         total, count, codes = k.ternary_gate(x, layout, self.spec.tau, sums=True, packed=True)
         return Payload(codes, total / count.clamp_min(1.0), x.numel(), segs)
 

@@ -23,6 +23,7 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
+from nfabric_cli.routes.base import rounding_noise
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
@@ -232,9 +233,7 @@ class FabricState:
             flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             segs = tuple(p.numel() for p in parts)
             stats: dict[str, float] = {}
-            gen = None
-            if spec.rounding == "stochastic":
-                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 4099 + self.rank)
+            gen = rounding_noise(spec, self.seed, step, self.rank, [names[i] for i in idx], segs)
             local = flat.clone() if self.trace is not None else None
             t0 = time.perf_counter()
             out = route.reduce(flat, self.comm, segs, stats, gen)
@@ -247,8 +246,14 @@ class FabricState:
                 self.trace.record(step, phase, bucket, sum(s.numel() for s in slices), len(names),
                                   spec, segs, seconds, wb.sent, wb.received, local, group=gi)
             if spec.error_feedback and spec.lowbit:
+                # One roundtrip per group (chunks never span parameters: the per-parameter
+                # roundtrips, concatenated), drawing stochastic rounding's noise as sent.
+                whole = torch.cat(parts) if len(parts) > 1 else parts[0]
+                sent = route.roundtrip(whole, segs, gen)
+                off = 0
                 for i, comp in zip(idx, parts, strict=True):
-                    self.ef.update(names[i], comp, route.roundtrip(comp))
+                    self.ef.update(names[i], comp, sent[off : off + comp.numel()])
+                    off += comp.numel()
             off = 0
             for i in idx:
                 n = slices[i].numel()

@@ -21,7 +21,8 @@ STEPS, SEED = 4, 3
 
 
 def _bindings(model, world: int, health: dict | None = None, norms: str = "type:GroupNorm"):
-    """warmup (first step): int8 head, fp32 rest; then head fp32, norms ternary+EF, rest sign+EF."""
+    """warmup (first step): int8+EF head, fp32 rest; then head int8+EF, norms ternary+EF, rest
+    sign+EF; int8 with stochastic rounding (the hook and the simulator draw the same noise)."""
     spec = tiny_spec(world_size=world, steps=STEPS, eval_every=2, health=health or {},
                      regions=[
                          {"name": "head", "selector": "head.*", "routes": ["fp32", "int8"]},
@@ -29,7 +30,8 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
                           "routes": ["fp32", "ternary"]},
                          {"name": "rest", "selector": "*", "routes": ["fp32", "sign"]},
                      ])
-    config = Config((("int8", "fp32", "fp32"), ("fp32", "ternary", "sign")), (0.25,), 0.4, True)
+    config = Config((("int8", "fp32", "fp32"), ("int8", "ternary", "sign")), (0.25,), 0.4, True,
+                    rounding="stochastic")
     profile = config_profile(spec, config, {"world_size": world, "health": spec.health})
     return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
 
@@ -38,7 +40,7 @@ def _real_worker(rank: int, world: int) -> dict:
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     ddp = DDP(model)
-    state = attach(ddp, _bindings(model, world), total_steps=STEPS)
+    state = attach(ddp, _bindings(model, world), total_steps=STEPS, seed=SEED)
     opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
     for step in range(STEPS):
         loss = wl.loss(ddp, wl.train_batch(step, rank, world, SEED))

@@ -63,3 +63,25 @@ def test_config_profile_rows_and_options() -> None:
     assert rows[("head.*", "main")].tau is None and rows[("head.*", "main")].priority == 0
     assert rows[("*", "main")].traffic_fraction == 0.05 and rows[("*", "main")].trials == 3
     assert rows[("*", "warmup")].traffic_fraction is None
+
+
+def test_rounding_and_sign_mode_are_searched_where_the_spec_frees_them() -> None:
+    spec = tiny_spec(routes={"tau": 0.5, "error_feedback": True,
+                             "rounding": ["nearest", "stochastic"], "sign_mode": ["majority", "count"]})
+    config = Config((("int8", "sign"),) * 2, (0.3,), 0.5, True, "stochastic", "count")
+    params = config.params(spec)
+    assert params["rounding"] == "stochastic" and params["sign_mode"] == "count"
+    assert suggest(optuna.trial.FixedTrial(params), spec) == config
+    rows = {(r.region, r.phase): r for r in config_profile(spec, config).rows}
+    assert rows[("head.*", "main")].spec().rounding == "stochastic"
+    assert rows[("*", "main")].spec().mode == "count"
+    assert rows[("*", "main")].rounding is None and rows[("head.*", "main")].mode is None
+    # keys: defaults leave old keys alone; an option only counts where a route uses it
+    plain = Config((("int8", "sign"),) * 2, (0.3,), 0.5, True)
+    assert "rounding" not in plain.key() and "sign_mode" not in plain.key()
+    assert Config((("fp32", "sign"),) * 2, (0.3,), 0.5, True, "stochastic").key() == \
+        Config((("fp32", "sign"),) * 2, (0.3,), 0.5, True).key()
+    assert Config((("int8", "fp32"),) * 2, (0.3,), 0.5, True, sign_mode="count").key() == \
+        Config((("int8", "fp32"),) * 2, (0.3,), 0.5, True).key()
+    assert config.key() != Config(config.routes, (0.3,), 0.5, True).key()
+

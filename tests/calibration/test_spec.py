@@ -44,6 +44,10 @@ def test_search_key_ignores_budget_but_not_the_space() -> None:
     assert base.with_overrides(trials=50, sampler="random").search_key() == base.search_key()
     assert base.with_overrides(steps=8).search_key() != base.search_key()
     assert base.with_overrides(tolerance=0.2).search_key() != base.search_key()
+    # options added later keep the keys of studies made before them while at their defaults
+    assert base.with_overrides(rounding=("nearest",), sign_mode=("majority",)).search_key() == \
+        base.search_key()
+    assert base.with_overrides(rounding=("nearest", "stochastic")).search_key() != base.search_key()
 
 
 @pytest.mark.parametrize(
@@ -69,6 +73,9 @@ def test_search_key_ignores_budget_but_not_the_space() -> None:
         ({"phases": {"boundaries": [1.0]}}, r"boundaries\[0\]"),
         ({"routes": {"tau": [0.2, 1.0]}}, r"routes.tau must lie in \[0, 1\)"),
         ({"routes": {"error_feedback": "yes"}}, "error_feedback must be"),
+        ({"routes": {"rounding": "floor"}}, r"routes.rounding: unknown 'floor' \(choose from"),
+        ({"routes": {"sign_mode": ["majority", 3]}}, "routes.sign_mode must be a name or a list"),
+        ({"substrate": {"link_gbps": 0}}, "link_gbps must be > 0"),
         ({"health": {"loss_spike": 0.5}}, "health threshold loss_spike"),
         ({"health": {"nope": 1}}, "unknown health threshold"),
         ({"workload": "lm"}, "spec is for workload 'lm', not 'tiny'"),
