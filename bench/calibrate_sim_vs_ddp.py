@@ -1,13 +1,14 @@
 """Simulated N-worker trial vs a real N-rank DDP run of the same steps, side by side.
 
 Both train the same workload from the same seed on the same batches with the same profile
-(head fp32, everything else sign with error feedback, health monitor on). The real run spawns
+(head int8, everything else sign with error feedback, health monitor on). The real run spawns
 N gloo ranks (FileStore rendezvous) with the fabric hook; the simulated run is what
 `nfabric calibrate` does per trial, once in one process and once with the ranks' gradients
 spread over forked processes (one per CPU, the default). Printed: wall time of each, the ratio
 sim / real (whole run including process start-up, which a real trial pays, and training loop
-only), the compute floor (N ranks' forward and backward passes, timed alone in this run, over
-the CPUs: what no simulator that computes every rank's gradient can beat), and the largest
+only), the compute floor (N ranks' forward and backward passes per step, timed in this run in
+one forked process per CPU, all at once: what no simulator that computes every rank's
+gradient on this machine can beat), and the largest
 parameter difference between the simulated model and rank 0.
 
     OMP_NUM_THREADS=1 python -m bench.calibrate_sim_vs_ddp [--workload vision] [--world 4] [--steps 30]
@@ -94,7 +95,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--head-route", default="fp32",
+    parser.add_argument("--head-route", default="int8",
                         help="route of the head (the rest is sign+EF); with fp32 and N > 2, "
                              "gloo's all-reduce may sum in another order than the simulator")
     args = parser.parse_args()
@@ -117,7 +118,7 @@ def main() -> None:
           f"{args.head_route}, rest sign+EF, cpus {usable_cpus()}")
     print(f"real DDP  (N processes, total) {real_wall:8.2f} s")
     print(f"real DDP  (training loop only) {real_loop:8.2f} s")
-    print(f"compute floor (N fwd+bwd / cpus) {floor:6.2f} s   ratio floor/real loop "
+    print(f"compute floor (N fwd+bwd, parallel) {floor:5.2f} s   ratio floor/real loop "
           f"{floor / real_loop:.2f}x")
     for procs, (wall, sim) in sims.items():
         diff = max(float((p.detach() - real_params[n]).abs().max())
@@ -132,14 +133,31 @@ def main() -> None:
 
 
 def compute_floor(wl, world: int, steps: int, seed: int) -> float:  # noqa: ANN001
-    """Seconds for `steps` x `world` forward+backward passes on one CPU, over the CPUs."""
+    """Wall seconds for `steps` x `world` forward+backward passes spread over one forked process
+    per CPU (at most `world`), all running at once: the machine's real parallel throughput,
+    which shared or SMT cores keep below CPUs x one core's."""
+    import multiprocessing as mproc
+
     model = wl.build_model(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     batches = [wl.train_batch(s % 10, r, world, seed) for s in range(10) for r in range(world)]
+    procs = default_processes(world)
+
+    def work(share: int) -> None:
+        torch.set_num_threads(1)
+        for i in range(share):
+            torch.autograd.grad(wl.loss(model, batches[i % len(batches)]), params)
+
+    work(2)  # warm-up
+    shares = [len(range(p, steps * world, procs)) for p in range(procs)]
+    ctx = mproc.get_context("fork")
     t0 = time.perf_counter()
-    for i in range(steps * world):
-        torch.autograd.grad(wl.loss(model, batches[i % len(batches)]), params)
-    return (time.perf_counter() - t0) / min(world, usable_cpus())
+    children = [ctx.Process(target=work, args=(n,)) for n in shares]
+    for c in children:
+        c.start()
+    for c in children:
+        c.join()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -195,8 +195,11 @@ def config_profile(
                     priority=priority,
                     route=route,
                     tau=config.tau if route == "ternary" else None,
-                    rounding=config.rounding if route in ("int8", "int4") else None,
-                    mode=config.sign_mode if route == "sign" else None,
+                    # defaults stay unset, so profiles diff as they did before these options
+                    rounding=config.rounding
+                    if route in ("int8", "int4") and config.rounding != "nearest" else None,
+                    mode=config.sign_mode if route == "sign" and config.sign_mode != "majority"
+                    else None,
                     error_feedback=config.error_feedback and lowbit,
                     reducer=spec.reducer if lowbit else "sharded",
                     traffic_fraction=ev.get("traffic_fraction"),
