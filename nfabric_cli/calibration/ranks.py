@@ -19,6 +19,7 @@ import math
 import multiprocessing as mp
 import os
 import traceback
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -147,7 +148,13 @@ class RankGradients:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=self._serve, args=(child, p), daemon=True,
                                name=f"nfabric-sim-{p}")
-            proc.start()
+            with warnings.catch_warnings():
+                # Python >= 3.12 warns when a process with threads forks (a progress bar's
+                # refresh thread, say). The child only runs torch ops on its own tensors and
+                # talks over its pipe, so it takes no lock another thread may hold.
+                warnings.filterwarnings("ignore", "This process .* is multi-threaded",
+                                        DeprecationWarning)
+                proc.start()
             child.close()
             self.conns.append(parent)
             self.children.append(proc)
