@@ -23,7 +23,9 @@ from nfabric_cli.errors import InputError
 
 MTU = 9000
 LATENCY = "1s"
-_LO = Path("/sys/class/net/lo/statistics")
+#: One read of this file gives bytes and packets from one stats snapshot; reading sysfs
+#: counters one after the other can straddle a packet (a TCP ACK still in flight).
+_NET_DEV = Path("/proc/self/net/dev")
 
 
 def burst_bytes(mbit: float) -> int:
@@ -92,9 +94,13 @@ class ShapedLink:
 
 
 def read_lo_counters() -> dict[str, int]:
-    """This network namespace's loopback counters (read inside it): tx / rx bytes, packets."""
-    read = lambda name: int((_LO / name).read_text())  # noqa: E731
-    return {"tx": read("tx_bytes"), "rx": read("rx_bytes"), "packets": read("tx_packets")}
+    """This network namespace's loopback counters (read inside it): bytes and packets sent."""
+    for line in _NET_DEV.read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            f = [int(x) for x in fields.split()]
+            return {"tx": f[8], "packets": f[9]}
+    raise RuntimeError("no loopback in /proc/self/net/dev")
 
 
 def _run(cmd: list[str], what: str) -> None:

@@ -46,6 +46,5 @@ def test_claimed_bytes_match_the_shaped_loopback(tmp_path):
             name,
             link,
         )
-        assert link["measured_rx"] == link["measured_tx"], (name, link)  # loopback: both ways
     fp32 = s["arms"]["fp32"]["link_bytes"]
     assert fp32["measured_tx"] <= 1.02 * fp32["claimed"], fp32

@@ -31,11 +31,11 @@ def gathered():
         m = (lambda v: v) if rank == 0 else (lambda v: None)
         ranks.append([
             record("fp32", rank, sent=100, received=100, times=[9.0, 0.2, 0.4], metric=m(0.90),
-                   link={"tx": 700, "rx": 700} if rank == 0 else None),
+                   link={"tx": 700, "packets": 9} if rank == 0 else None),
             record("profile", rank, sent=4 + 2 * rank, received=6 - 2 * rank,
                    times=[5.0, 0.05 + rank * 0.01, 0.03], metric=m(0.895),
                    events=[{**EVENT, "rank": rank}, {**SKIP, "rank": rank}],
-                   link={"tx": 40, "rx": 40} if rank == 0 else None),
+                   link={"tx": 40, "packets": 2} if rank == 0 else None),
             record("static", rank, sent=3, received=3, times=[1.0, 1.0, 1.0], metric=m(float("nan"))),
         ])  # fmt: skip
     return ranks
@@ -62,8 +62,8 @@ def test_summary_numbers():
     assert prof["metric_delta"] == pytest.approx(-0.005)
     assert prof["fallbacks"] == 1  # the skip is an event, not a fallback
     assert static["metric"] is None and static["metric_delta"] is None  # diverged
-    assert prof["link_bytes"] == {"claimed": 30, "measured_tx": 40, "measured_rx": 40,
-                                  "packets": None, "ratio": pytest.approx(40 / 30)}  # fmt: skip
+    assert prof["link_bytes"] == {"claimed": 30, "measured_tx": 40, "packets": 2,
+                                  "ratio": pytest.approx(40 / 30)}  # fmt: skip
     assert [(e["step"], e["rank"], e["to"]) for e in s["events"]] == [
         (2, 0, "fp32"), (2, 0, "skipped"), (2, 1, "fp32"), (2, 1, "skipped"),
     ]  # fmt: skip
