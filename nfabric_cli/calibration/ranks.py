@@ -1,16 +1,20 @@
-"""Local gradients of the simulated ranks, computed in one process or in forked ones.
+"""The simulated ranks' step: local gradients and their aggregate, in one process or in forked
+ones.
 
 Each simulated rank computes ``workload.loss(model, train_batch(step, rank, W, seed))`` and its
 gradient with the ops a DDP rank runs, and draws from its own RNG stream (every rank starts
 from ``manual_seed(seed)``, as a real rank seeded that way does), so a rank's gradient is
-bit-identical however many processes compute them.
+bit-identical however many processes compute them. The gradients are then aggregated with the
+step's routes (`aggregate.py`), which is bit-identical however the parameters are split.
 
-With ``processes > 1`` (POSIX ``fork``), the parameters move to shared memory and P forked
-children each compute the ranks ``r ≡ p (mod P)`` into shared flat gradient buffers, one
-intra-op thread each; the parent aggregates and steps the optimizer in place, which the
-children read at the next step. The W simulated ranks then use the machine's cores as W real
-ranks would. A model with buffers (BatchNorm running statistics, which DDP broadcasts from
-rank 0 every step) is simulated in one process.
+With ``processes > 1`` (POSIX ``fork``), parameters, gradients and the aggregate live in shared
+memory and P forked children (one intra-op thread each) work in two phases per step: child p
+computes the ranks ``r ≡ p (mod P)``; after a barrier it aggregates its shard of the
+parameters over all ranks, keeping those parameters' error feedback. The parent steps the
+optimizer in place, which the children read at the next step. The W simulated ranks then use
+the machine's cores as W real ranks would, and so does the reduce. A model with buffers
+(BatchNorm running statistics, which DDP broadcasts from rank 0 every step) is simulated in
+one process.
 """
 
 from __future__ import annotations
@@ -18,15 +22,17 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import threading
 import traceback
 import warnings
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 from torch import nn
 
+from nfabric_cli.calibration.aggregate import Aggregator, Agreement, Plan, merge_agreement, shard
 from nfabric_cli.workloads.base import Workload
 
 #: Seconds a closing child may take to exit before it is terminated.
@@ -47,24 +53,28 @@ def default_processes(world_size: int) -> int:
 
 
 @dataclass
-class LocalStep:
-    """One step's local results, per rank: flat fp32 gradient per parameter (views of a
-    buffer that the next step overwrites; non-finite values zeroed), loss, and the gradient
-    norm of each parameter before zeroing (the hook's health statistics)."""
+class RanksStep:
+    """One step of every simulated rank: flat fp32 local gradient per parameter (views of a
+    buffer the next step overwrites; non-finite values zeroed), loss, the gradient norm of
+    each parameter before zeroing (the hook's health statistics), what every rank receives
+    per parameter (views of a buffer the next step overwrites), and the sign agreement."""
 
     grads: list[list[torch.Tensor]]
     losses: list[float]
     norms: list[list[float]]
+    agreed: list[torch.Tensor]
+    agreement: Agreement
 
 
-class RankGradients:
-    """Per step: every simulated rank's flat gradient (views per parameter) and local loss."""
+class SimulatedRanks:
+    """Per step: every simulated rank's gradient and loss, and their aggregate under a plan."""
 
     def __init__(
         self,
         workload: Workload,
         model: nn.Module,
         params: list[nn.Parameter],
+        names: list[str],
         world_size: int,
         seed: int,
         processes: int | None = None,
@@ -85,8 +95,14 @@ class RankGradients:
         self.rng = [start.clone() for _ in range(world_size)]
         self.buffers = [torch.zeros(total) for _ in range(world_size)]
         self.views = [list(torch.split(b, self.numels)) for b in self.buffers]
+        self.out = torch.zeros(total)
+        self.out_views = list(torch.split(self.out, self.numels))
+        self.shards = shard(self.numels, self.processes)
+        self.aggregators = [Aggregator(names, world_size, seed, owned) for owned in self.shards]
+        self._plans: dict[Plan, int] = {}
         self.conns: list[Connection] = []
         self.children: list[Any] = []
+        self.barrier: Any = None
         if self.processes > 1:
             self._fork()
 
@@ -116,34 +132,58 @@ class RankGradients:
         return float(loss.detach()), norms
 
     # -- the step ----------------------------------------------------------------------------
-    def compute(self, step: int) -> LocalStep:
-        """Every rank's gradient, loss and per-parameter gradient norms for `step`."""
+    def step(self, step: int, plan: Plan) -> RanksStep:
+        """Every rank's gradient, loss and norms for `step`, and their aggregate under `plan`."""
         if not self.conns:
             done = [self._rank_gradient(step, r) for r in range(self.world_size)]
-            return LocalStep(self.views, [d[0] for d in done], [d[1] for d in done])
-        for conn in self.conns:
-            conn.send(step)
+            agree = self.aggregators[0].run(step, plan, self.views, self.out_views)
+            return RanksStep(self.views, [d[0] for d in done], [d[1] for d in done],
+                             self.out_views, agree)
+        known = plan in self._plans
+        if not known:
+            self._plans[plan] = len(self._plans)
+        for conn in self.conns:  # a plan crosses the pipe once; then its number does
+            conn.send((step, self._plans[plan], None if known else plan))
         losses = [0.0] * self.world_size
         norms: list[list[float]] = [[] for _ in range(self.world_size)]
-        for p, conn in enumerate(self.conns):
-            try:
-                msg = conn.recv()
-            except EOFError:
-                code = self.children[p].exitcode
-                raise RuntimeError(
-                    f"simulated-rank process {p} exited (exit code {code}) at step {step}"
-                ) from None
-            if msg[0] == "error":
-                raise RuntimeError(f"simulated rank failed at step {step}: {msg[1]}\n{msg[2]}")
+        agreements = []
+        for msg in self._collect(step):
             for rank, (loss, rank_norms) in msg[1]:
                 losses[rank], norms[rank] = loss, rank_norms
-        return LocalStep(self.views, losses, norms)
+            agreements.append(msg[2])
+        return RanksStep(self.views, losses, norms, self.out_views, merge_agreement(agreements))
+
+    def _collect(self, step: int) -> list[Any]:
+        """Every child's reply to `step`, in child order; raises the first real failure (a
+        child that dies or raises breaks the barrier, so its siblings stop waiting)."""
+        replies: dict[int, Any] = {}
+        index = {id(c): p for p, c in enumerate(self.conns)}
+        pending = list(self.conns)
+        while pending:
+            for conn in wait(pending):
+                p = index[id(conn)]
+                pending.remove(conn)
+                try:
+                    replies[p] = conn.recv()
+                except EOFError:
+                    self.barrier.abort()
+                    self.children[p].join(JOIN_TIMEOUT_S)  # its pipe closes before it is reaped
+                    code = self.children[p].exitcode
+                    raise RuntimeError(
+                        f"simulated-rank process {p} exited (exit code {code}) at step {step}"
+                    ) from None
+        errors = [replies[p] for p in sorted(replies) if replies[p][0] == "error"]
+        if errors:
+            first = next((e for e in errors if e[1] != _BROKEN), errors[0])
+            raise RuntimeError(f"simulated rank failed at step {step}: {first[1]}\n{first[2]}")
+        return [replies[p] for p in sorted(replies)]
 
     # -- processes ---------------------------------------------------------------------------
     def _fork(self) -> None:
-        for t in (*self.params, *self.buffers):
+        for t in (*self.params, *self.buffers, self.out):
             t.detach().share_memory_()
         ctx = mp.get_context("fork")
+        self.barrier = ctx.Barrier(self.processes)
         for p in range(self.processes):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=self._serve, args=(child, p), daemon=True,
@@ -160,25 +200,42 @@ class RankGradients:
             self.children.append(proc)
 
     def _serve(self, conn: Connection, p: int) -> None:
-        """A child's loop: compute its ranks for each step received; None ends it."""
+        """A child's loop: for each (step, plan) received, its ranks' gradients, the barrier,
+        then its shard's aggregate; None ends it."""
         for other in self.conns:  # the pipes of earlier siblings are not ours
             other.close()
         torch.set_num_threads(1)
         ranks = range(p, self.world_size, self.processes)
+        plans: dict[int, Plan] = {}
         while True:
             try:
-                step = conn.recv()
+                msg = conn.recv()
             except EOFError:  # the parent is gone
                 return
-            if step is None:
+            if msg is None:
                 return
+            step, number, plan = msg
+            if plan is not None:
+                plans[number] = plan
             try:
-                conn.send(("ok", [(r, self._rank_gradient(step, r)) for r in ranks]))
+                done = [(r, self._rank_gradient(step, r)) for r in ranks]
             except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+                self.barrier.abort()
+                conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                continue
+            try:
+                self.barrier.wait()
+                agree = self.aggregators[p].run(step, plans[number], self.views, self.out_views)
+                conn.send(("ok", done, agree))
+            except threading.BrokenBarrierError:
+                conn.send(("error", _BROKEN, ""))
+            except Exception as exc:  # noqa: BLE001
                 conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
     def close(self) -> None:
         """Stop the children (idempotent)."""
+        if self.barrier is not None:
+            self.barrier.abort()  # a child waiting for a sibling that will never come
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -193,8 +250,12 @@ class RankGradients:
             conn.close()
         self.conns, self.children = [], []
 
-    def __enter__(self) -> RankGradients:
+    def __enter__(self) -> SimulatedRanks:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: What a child says when a sibling's failure broke the barrier (not the failure itself).
+_BROKEN = "a sibling process failed"

@@ -1,17 +1,15 @@
 """Simulated data-parallel training: W workers, one model, exactly what W DDP ranks with the
 fabric hook would compute.
 
-Per step: each simulated rank computes its gradient on its own batch
-(`train_batch(step, rank, W, seed)`, in one process or spread over forked ones: see
-`ranks.py`); the health statistics are gathered the way the hook
-agrees them (per-region gradient norm = sqrt of the summed squared local norms, sign agreement
-from the routes' `agree_sum / agree_n`, loss = mean of the ranks' losses, any non-finite value
-marks the step); every parameter is aggregated with the route in force for its region in this
-phase (the profile's, or fp32 while the health monitor holds the region or the capacity gate
-refuses its bucket: the gate's static verdicts, from the profile's substrate), with per-rank error
-feedback; a non-finite step is zeroed; then one optimizer and scheduler step. Aggregation is
-separable per parameter (chunks never span parameters), so reducing each (region, route) group
-over the whole model equals the hook's per-bucket groups. Mirrors `runtime/state.py`.
+Per step: the plan (route per parameter: the profile's, or fp32 while the health monitor
+holds its region or the capacity gate refuses its bucket; the gate's static verdicts, from
+the profile's substrate); each simulated rank's gradient on its own batch
+(`train_batch(step, rank, W, seed)`) and every parameter's aggregate under the plan with
+per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over forked
+ones); the health statistics gathered the way the hook agrees them (per-region gradient norm =
+sqrt of the summed squared local norms, sign agreement from the routes' `agree_sum /
+agree_n`, loss = mean of the ranks' losses, any non-finite value marks the step); a
+non-finite step is zeroed; then one optimizer and scheduler step. Mirrors `runtime/state.py`.
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ import torch
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
-from nfabric_cli.calibration.ranks import RankGradients
+from nfabric_cli.calibration.aggregate import Plan
+from nfabric_cli.calibration.ranks import SimulatedRanks
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.profile.phases import Phase
-from nfabric_cli.routes import FP32, ErrorFeedback, make_route
-from nfabric_cli.routes.base import rounding_noise
+from nfabric_cli.routes import FP32
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
@@ -82,7 +80,6 @@ class SimulatedDDP:
         self.optimizer, self.scheduler = workload.make_optimizer(
             self.model.parameters(), self.total_steps
         )
-        self.efs = [ErrorFeedback() for _ in range(world_size)]
         self.monitor_enabled = monitor
         scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
         self.scopes = scopes
@@ -93,12 +90,14 @@ class SimulatedDDP:
         self.gate = CapacityGate(bindings.meta.get("substrate"), world_size)
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
         self._planned: dict[str, StepBytes] = {}
-        self._routes_cache: dict[tuple[str, frozenset[str]], Callable[[str], RouteSpec]] = {}
+        self._plans: dict[tuple[str, frozenset[str]], Plan] = {}
         self.step = 0
         self.phase = bindings.phase_at(0, self.total_steps)
         self._enter_phase(self.phase, 0)
-        self.ranks = RankGradients(
-            workload, self.model, [p for _, p in self.params], world_size, seed, processes
+        self.names = [n for n, _ in self.params]
+        self.ranks = SimulatedRanks(
+            workload, self.model, [p for _, p in self.params], self.names, world_size, seed,
+            processes,
         )
 
     def close(self) -> None:
@@ -140,49 +139,53 @@ class SimulatedDDP:
         return sent / ref if ref else 1.0
 
     # -- one step --------------------------------------------------------------------------------
+    def _plan(self) -> tuple[Plan, tuple[str, frozenset[str]]]:
+        """This step's routes and scopes per parameter, and the key they are cached under (the
+        gate's verdicts are static here: no timings)."""
+        phase = self.phase.name
+        key = (phase, self._forced())
+        if key not in self._plans:
+            by_name = {n: self.effective(n) for n in self.names}
+            routes = gated(self.bindings, phase, by_name.__getitem__, self.gate)
+            self._plans[key] = Plan(
+                tuple(self.bindings.params[n].regions[phase] for n in self.names),
+                tuple(routes(n) for n in self.names),
+            )
+            self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes)
+        return self._plans[key], key
+
     def train_step(self) -> None:
-        step, phase = self.step, self.phase.name
-        local = self.ranks.compute(step)
-        grads, losses = local.grads, local.losses
-        names = [n for n, _ in self.params]
-        regions = [self.bindings.params[n].regions[phase] for n in names]
+        step = self.step
+        plan, key = self._plan()
+        self.tally.add(self._bytes_cache[key])
+        done = self.ranks.step(step, plan)
         # Health statistics, as the hook measures them before any encoding (a rank's
         # non-finite gradient was zeroed after its norm was taken: NaN never votes).
         norm2: dict[str, float] = {}
         nonfinite = False
-        for rank_norms in local.norms:
-            for region, norm in zip(regions, rank_norms, strict=True):
+        for rank_norms in done.norms:
+            for region, norm in zip(plan.regions, rank_norms, strict=True):
                 if not math.isfinite(norm):
                     nonfinite = True
                     continue
                 norm2[region] = norm2.get(region, 0.0) + norm * norm
-        nonfinite |= any(not math.isfinite(v) for v in losses)
-        finite_losses = [v for v in losses if math.isfinite(v)]
-        loss_mean = sum(finite_losses) / len(losses)
+        nonfinite |= any(not math.isfinite(v) for v in done.losses)
+        finite_losses = [v for v in done.losses if math.isfinite(v)]
+        loss_mean = sum(finite_losses) / len(done.losses)
 
-        key = (phase, self._forced())
-        if key not in self._routes_cache:  # the gate's verdicts are static here: no timings
-            by_name = {n: self.effective(n) for n in names}
-            self._routes_cache[key] = gated(self.bindings, phase, by_name.__getitem__, self.gate)
-        routes = self._routes_cache[key]
-        specs = [routes(n) for n in names]
-        if key not in self._bytes_cache:
-            self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes)
-        self.tally.add(self._bytes_cache[key])
-
-        agreed, agree = self._aggregate(names, regions, specs, grads)
+        agree = done.agreement
         agreement = {s: agree[s][0] / agree[s][1] for s in self.scopes if agree.get(s, (0, 0))[1] > 0}
         if self.monitor_enabled:
             norms = {s: math.sqrt(norm2.get(s, 0.0)) for s in self.scopes}
             stats = StepStats(step, loss_mean, nonfinite, norms, agreement)
             self.events += [ev.to_dict() for ev in self.monitor.check(stats)]
         if nonfinite:
-            for g in agreed:
+            for g in done.agreed:
                 g.zero_()
             self.skipped_steps.append(step)
             self.events.append({"step": step, "scope": "all", "from": "update", "to": "skipped",
                                 "reason": "nonfinite gradient or loss: update neutralised on every rank"})
-        for (_, p), g in zip(self.params, agreed, strict=True):
+        for (_, p), g in zip(self.params, done.agreed, strict=True):
             p.grad = g.view_as(p).to(p.dtype)
         self.optimizer.step()
         if self.scheduler is not None:
@@ -191,53 +194,6 @@ class SimulatedDDP:
         nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
         if nxt.name != self.phase.name:
             self._enter_phase(nxt, self.step)
-
-    def _aggregate(
-        self,
-        names: list[str],
-        regions: list[str],
-        specs: list[RouteSpec],
-        grads: list[list[torch.Tensor]],
-    ) -> tuple[list[torch.Tensor], dict[str, tuple[float, float]]]:
-        """What every rank receives per parameter, and (agree_sum, agree_n) per region."""
-        groups: dict[tuple[str, RouteSpec], list[int]] = {}
-        for i, spec in enumerate(specs):
-            groups.setdefault((regions[i] if spec.lowbit else "", spec), []).append(i)
-        out: list[torch.Tensor] = [torch.empty(0)] * len(names)
-        agree: dict[str, tuple[float, float]] = {}
-        for (region, spec), idx in groups.items():
-            route = make_route(spec)
-            label = spec.label()
-            per_rank = []
-            for rank, rank_grads in enumerate(grads):
-                if spec.error_feedback:
-                    parts = [self.efs[rank].compensate(names[i], label, rank_grads[i]) for i in idx]
-                else:
-                    parts = [rank_grads[i] for i in idx]
-                per_rank.append(parts)
-            flats = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in per_rank]
-            segs = tuple(grads[0][i].numel() for i in idx)
-            stats: dict[str, float] = {}
-            group = [names[i] for i in idx]
-            noise = [rounding_noise(spec, self.seed, self.step, r, group, segs)
-                     for r in range(self.world_size)]
-            result = route.simulate(flats, segs, stats, noise)
-            if spec.error_feedback and spec.lowbit:
-                # One roundtrip per rank and group, as the hook does it (same noise as sent).
-                for rank, (parts, flat) in enumerate(zip(per_rank, flats, strict=True)):
-                    sent = route.roundtrip(flat, segs, noise[rank])
-                    off = 0
-                    for i, comp in zip(idx, parts, strict=True):
-                        self.efs[rank].update(names[i], comp, sent[off : off + comp.numel()])
-                        off += comp.numel()
-            off = 0
-            for i, n in zip(idx, segs, strict=True):
-                out[i] = result[off : off + n]
-                off += n
-            if "agree_n" in stats:
-                s, n = agree.get(region, (0.0, 0.0))
-                agree[region] = (s + stats["agree_sum"], n + stats["agree_n"])
-        return out, agree
 
     def evaluate(self) -> float:
         return float(self.workload.evaluate(self.model))

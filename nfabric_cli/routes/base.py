@@ -272,12 +272,15 @@ class CodeRoute(Route):
 
     @staticmethod
     def _record_agreement(
-        agree: torch.Tensor | None, valid: int, stats: dict[str, float] | None
+        agree: torch.Tensor | None, valid: int, w: int, stats: dict[str, float] | None
     ) -> None:
+        """Add the vote margins |2c - W| (integers, so sums are exact in any grouping or
+        order) and W per element: agree_sum / agree_n is the mean agreement |2c - W| / W."""
         if stats is None or agree is None:
             return
-        stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(agree[:valid].sum())
-        stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid)
+        margins = torch.round(agree[:valid].double() * w).sum()
+        stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(margins)
+        stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid * w)
 
     def reduce(
         self,
@@ -307,14 +310,14 @@ class CodeRoute(Route):
             mine = comm.all_to_all(codes).view(w, padded // w)
             values, agree = self.combine(list(mine.unbind(0)), w)
             start = comm.rank * shard_elems
-            self._record_agreement(agree, max(0, min(shard_elems, n - start)), stats)
+            self._record_agreement(agree, max(0, min(shard_elems, n - start)), w, stats)
             packed = torch.cat(comm.all_gather(self._pack_result(values, w)))
         else:
             parts = comm.gather(codes)
             packed = torch.empty(result_nbytes, dtype=torch.uint8)
             if parts is not None:
                 values, agree = self.combine(parts, w)
-                self._record_agreement(agree, n, stats)
+                self._record_agreement(agree, n, w, stats)
                 packed = self._pack_result(values, w)
             comm.broadcast(packed)
         return self._decode_result(packed, n, w, agreed, layout)
@@ -348,5 +351,5 @@ class CodeRoute(Route):
             for x, s, g in zip(xs, code_scales, gens, strict=True)
         ]
         values, agree = self.combine(codes, w)
-        self._record_agreement(agree, n, stats)
+        self._record_agreement(agree, n, w, stats)
         return self.decode_values(values[:n], agreed, layout, w)

@@ -7,36 +7,87 @@ parameter changes route, since a residual of one codec means nothing to another.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
 class ErrorFeedback:
-    """Per-parameter residual memory."""
+    """Per-parameter residual memory.
 
-    __slots__ = ("_residual", "_route")
+    A route reduces a group of parameters as one flat tensor, so the group calls
+    (`compensate_flat`, `update_flat`) keep each group's residuals in one flat tensor too
+    (each parameter's residual a view of it): compensating a group the same parameters formed
+    at the last update is one add, not one per parameter. The values are the per-parameter
+    ones bit for bit (elementwise adds either way)."""
+
+    __slots__ = ("_flat", "_owner", "_residual", "_route")
 
     def __init__(self) -> None:
         self._residual: dict[str, torch.Tensor] = {}
         self._route: dict[str, str] = {}
+        self._owner: dict[str, tuple[str, ...]] = {}  # the group whose flat residual holds it
+        self._flat: dict[tuple[str, ...], torch.Tensor] = {}
 
     def compensate(self, name: str, route_label: str, grad: torch.Tensor) -> torch.Tensor:
         """Return grad + residual (a new tensor); resets the residual if the route changed."""
         if self._route.get(name) != route_label:
-            self._residual.pop(name, None)
+            self._drop(name)
             self._route[name] = route_label
         r = self._residual.get(name)
         return grad + r if r is not None else grad.clone()
 
     def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         """Store what compression lost locally: compensated - decode(encode(compensated))."""
+        self._drop(name)
         self._residual[name] = compensated - sent
+
+    def compensate_flat(
+        self, names: Sequence[str], route_label: str, grads: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """cat(grad + residual) over a group of parameters (a new tensor)."""
+        key = tuple(names)
+        flat = self._flat.get(key)
+        if flat is not None and all(
+            self._owner.get(n) == key and self._route.get(n) == route_label for n in names
+        ):
+            out = torch.cat(list(grads)) if len(grads) > 1 else grads[0].clone()
+            return out.add_(flat)
+        parts = [self.compensate(n, route_label, g) for n, g in zip(names, grads, strict=True)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def update_flat(
+        self,
+        names: Sequence[str],
+        compensated: torch.Tensor,
+        sent: torch.Tensor,
+        numels: Sequence[int],
+    ) -> None:
+        """`update` for a group compensated with `compensate_flat`: one subtraction."""
+        key = tuple(names)
+        residual = compensated - sent
+        for n in names:
+            self._drop(n)
+        for n, piece in zip(names, residual.split(list(numels)), strict=True):
+            self._residual[n] = piece
+            self._owner[n] = key
+        self._flat[key] = residual
+
+    def _drop(self, name: str) -> None:
+        """Forget `name`'s residual (and the flat tensor of the group that held it)."""
+        self._residual.pop(name, None)
+        owner = self._owner.pop(name, None)
+        if owner is not None:
+            self._flat.pop(owner, None)
 
     def reset(self, name: str | None = None) -> None:
         if name is None:
             self._residual.clear()
             self._route.clear()
+            self._owner.clear()
+            self._flat.clear()
         else:
-            self._residual.pop(name, None)
+            self._drop(name)
             self._route.pop(name, None)
 
     def residual(self, name: str) -> torch.Tensor | None:

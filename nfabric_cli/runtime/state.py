@@ -224,16 +224,17 @@ class FabricState:
         for gi, group in enumerate(groups):
             region, spec, idx = group.region, group.spec, group.index
             route = make_route(spec)
-            parts = []
-            for i in idx:
-                if spec.error_feedback:
-                    parts.append(self.ef.compensate(names[i], spec.label(), slices[i]))
-                else:
-                    parts.append(slices[i])
-            flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+            group_names = [names[i] for i in idx]
+            parts = [slices[i] for i in idx]
+            if spec.error_feedback:
+                flat = self.ef.compensate_flat(group_names, spec.label(), parts)
+            else:
+                flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             segs = tuple(p.numel() for p in parts)
+            lossy_ef = spec.error_feedback and spec.lowbit
+            compensated = flat.clone() if lossy_ef else None  # the reduce may work in place
             stats: dict[str, float] = {}
-            gen = rounding_noise(spec, self.seed, step, self.rank, [names[i] for i in idx], segs)
+            gen = rounding_noise(spec, self.seed, step, self.rank, group_names, segs)
             local = flat.clone() if self.trace is not None else None
             t0 = time.perf_counter()
             out = route.reduce(flat, self.comm, segs, stats, gen)
@@ -245,15 +246,11 @@ class FabricState:
             if self.trace is not None:
                 self.trace.record(step, phase, bucket, sum(s.numel() for s in slices), len(names),
                                   spec, segs, seconds, wb.sent, wb.received, local, group=gi)
-            if spec.error_feedback and spec.lowbit:
+            if compensated is not None:
                 # One roundtrip per group (chunks never span parameters: the per-parameter
                 # roundtrips, concatenated), drawing stochastic rounding's noise as sent.
-                whole = torch.cat(parts) if len(parts) > 1 else parts[0]
-                sent = route.roundtrip(whole, segs, gen)
-                off = 0
-                for i, comp in zip(idx, parts, strict=True):
-                    self.ef.update(names[i], comp, sent[off : off + comp.numel()])
-                    off += comp.numel()
+                sent = route.roundtrip(compensated, segs, gen)
+                self.ef.update_flat(group_names, compensated, sent, segs)
             off = 0
             for i in idx:
                 n = slices[i].numel()

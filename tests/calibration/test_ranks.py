@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -10,9 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nfabric_cli.binding import compile_profile
-from nfabric_cli.calibration.ranks import RankGradients, default_processes
+from nfabric_cli.calibration.aggregate import Plan
+from nfabric_cli.calibration.ranks import SimulatedRanks, default_processes
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
+from nfabric_cli.routes import FP32
 from tests.calibration.helpers import tiny_spec
 from tests.calibration.tiny import TinyNet, TinyWorkload
 
@@ -38,6 +41,16 @@ class FailingWorkload(TinyWorkload):
         if self.fail:
             raise ValueError("rank loss exploded")
         return super().loss(model, batch)
+
+
+def _ranks(wl: TinyWorkload, model: nn.Module, world: int, seed: int, processes: int):  # noqa: ANN202
+    names = [n for n, _ in model.named_parameters()]
+    return SimulatedRanks(wl, model, list(model.parameters()), names, world, seed, processes)
+
+
+def _fp32_plan(model: nn.Module) -> Plan:
+    n = len(list(model.parameters()))
+    return Plan(("all",) * n, (FP32,) * n)
 
 
 def _bindings(model: nn.Module, world: int):  # noqa: ANN202
@@ -69,12 +82,11 @@ def test_each_rank_draws_its_own_stream_from_the_seed() -> None:
     batch, two ranks draw the same dropout masks; the stream advances per rank."""
     wl = DropoutWorkload()
     model = wl.build_model(0)
-    params = list(model.parameters())
-    ranks = RankGradients(wl, model, params, 2, seed=5, processes=1)
+    ranks = _ranks(wl, model, 2, seed=5, processes=1)
     wl_batch = wl.train_batch
     try:
         wl.train_batch = lambda step, rank, w, seed: wl_batch(step, 0, w, seed)  # same batch
-        first = ranks.compute(0)
+        first = ranks.step(0, _fp32_plan(model))
         grads, losses = first.grads, first.losses
         assert losses[0] == losses[1]
         assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
@@ -82,7 +94,7 @@ def test_each_rank_draws_its_own_stream_from_the_seed() -> None:
         torch.manual_seed(5)
         expected = wl.loss(model, wl_batch(0, 0, 2, 5))
         assert losses[0] == float(expected.detach())
-        again = ranks.compute(0).losses  # the streams moved on: new masks
+        again = ranks.step(0, _fp32_plan(model)).losses  # the streams moved on: new masks
         assert again[0] != losses[0]
     finally:
         wl.train_batch = wl_batch
@@ -93,11 +105,39 @@ def test_a_failing_rank_raises_in_the_parent_and_the_children_exit() -> None:
     wl = FailingWorkload()
     wl.fail = True
     model = wl.build_model(0)
-    ranks = RankGradients(wl, model, list(model.parameters()), 4, seed=0, processes=2)
+    ranks = _ranks(wl, model, 4, seed=0, processes=2)
     assert len(ranks.children) == 2
     with pytest.raises(RuntimeError, match="simulated rank failed at step 0: "
                                            "ValueError: rank loss exploded"):
-        ranks.compute(0)
+        ranks.step(0, _fp32_plan(model))
+    ranks.close()
+    assert not mp.active_children()
+
+
+class OneRankFails(TinyWorkload):
+    """Rank 1 (in the second child) fails; `hard`: its process dies without a word."""
+
+    hard = False
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if torch.equal(batch[0], self.train_batch(0, 1, 4, 0)[0]):
+            if self.hard:
+                os._exit(3)
+            raise ValueError("rank 1 exploded")
+        return super().loss(model, batch)
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_one_failing_child_does_not_leave_its_sibling_at_the_barrier(hard: bool) -> None:
+    """The healthy child waits at the barrier for the failed one's gradients; the failure
+    breaks the barrier, the parent names the real cause, and every child exits."""
+    wl = OneRankFails()
+    wl.hard = hard
+    model = wl.build_model(0)
+    ranks = _ranks(wl, model, 4, seed=0, processes=2)
+    cause = "process 1 exited \\(exit code 3\\)" if hard else "ValueError: rank 1 exploded"
+    with pytest.raises(RuntimeError, match=cause):
+        ranks.step(0, _fp32_plan(model))
     ranks.close()
     assert not mp.active_children()
 
@@ -111,7 +151,7 @@ def test_models_with_buffers_stay_in_one_process() -> None:
 
     wl = BNWorkload()
     model = wl.build_model(0)
-    ranks = RankGradients(wl, model, list(model.parameters()), 4, seed=0, processes=2)
+    ranks = _ranks(wl, model, 4, seed=0, processes=2)
     assert ranks.processes == 1 and not ranks.children
     ranks.close()
 
@@ -120,7 +160,7 @@ def test_default_is_one_process_per_cpu_at_most_world_size() -> None:
     assert default_processes(1) == 1
     assert 1 <= default_processes(64) <= 64
     with pytest.raises(ValueError, match="processes must be >= 1"):
-        RankGradients(TinyWorkload(), TinyNet(), [], 2, 0, processes=0)
+        SimulatedRanks(TinyWorkload(), TinyNet(), [], [], 2, 0, processes=0)
 
 
 class NaNWorkload(TinyWorkload):

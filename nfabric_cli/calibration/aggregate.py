@@ -1,0 +1,117 @@
+"""What the simulated ranks receive: the hook's reduce per (region, route) group, with per-rank
+error feedback, for a set of parameters.
+
+A route's result for an element depends only on its chunk, and chunks never span parameters
+(scales, codes and sign votes are per chunk; stochastic-rounding noise is drawn per parameter),
+so any split of the parameters into groups gives the same values bit for bit: the hook's
+per-bucket groups, one group per (region, route) over the whole model, or the parameter shards
+that forked processes aggregate side by side (`shard`). Mirrors `runtime/state.py`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nfabric_cli.routes import ErrorFeedback, make_route
+from nfabric_cli.routes.base import Route, rounding_noise
+from nfabric_cli.routes.spec import RouteSpec
+
+#: (agree_sum, agree_n) per health scope: the sign routes' vote agreement.
+Agreement = dict[str, tuple[float, float]]
+
+#: Fixed work per parameter, in elements: a shard's cost is not only its size (per-parameter
+#: Python work: error feedback, slicing) and balancing on size alone leaves small tensors piled
+#: on one side.
+PER_PARAM_ELEMS = 1024
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step's decisions, per parameter (in the simulator's parameter order): the health
+    scope it reports to and the route it takes (fp32 where the monitor or the gate says so)."""
+
+    regions: tuple[str, ...]
+    specs: tuple[RouteSpec, ...]
+
+
+def shard(numels: Sequence[int], parts: int) -> list[list[int]]:
+    """Parameter indices split into `parts` sets of about equal aggregation work (largest
+    first onto the lightest set), each in index order."""
+    heap = [(0, p) for p in range(max(1, parts))]
+    sets: list[list[int]] = [[] for _ in heap]
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        load, p = heapq.heappop(heap)
+        sets[p].append(i)
+        heapq.heappush(heap, (load + numels[i] + PER_PARAM_ELEMS, p))
+    return [sorted(s) for s in sets]
+
+
+class Aggregator:
+    """Per-rank error feedback for the parameters it owns, and their aggregation."""
+
+    def __init__(
+        self, names: Sequence[str], world_size: int, seed: int, owned: Sequence[int]
+    ) -> None:
+        self.names, self.world_size, self.seed = list(names), world_size, seed
+        self.owned = list(owned)
+        self.efs = [ErrorFeedback() for _ in range(world_size)]
+        self._routes: dict[RouteSpec, Route] = {}
+
+    def _route(self, spec: RouteSpec) -> Route:
+        if spec not in self._routes:
+            self._routes[spec] = make_route(spec)
+        return self._routes[spec]
+
+    def run(
+        self,
+        step: int,
+        plan: Plan,
+        grads: Sequence[Sequence[torch.Tensor]],
+        out: Sequence[torch.Tensor],
+    ) -> Agreement:
+        """Aggregate the owned parameters of every rank's flat gradients `grads[rank][i]` into
+        `out[i]`; returns the sign agreement per scope. Error feedback compensates before the
+        reduce and keeps what each rank's own roundtrip lost, as the hook does."""
+        groups: dict[tuple[str, RouteSpec], list[int]] = {}
+        for i in self.owned:
+            spec = plan.specs[i]
+            groups.setdefault((plan.regions[i] if spec.lowbit else "", spec), []).append(i)
+        agree: Agreement = {}
+        for (region, spec), idx in groups.items():
+            route, label = self._route(spec), spec.label()
+            names = [self.names[i] for i in idx]
+            segs = tuple(out[i].numel() for i in idx)
+            if spec.error_feedback:
+                flats = [ef.compensate_flat(names, label, [g[i] for i in idx])
+                         for ef, g in zip(self.efs, grads, strict=True)]
+            else:
+                flats = [torch.cat([g[i] for i in idx]) if len(idx) > 1 else g[idx[0]]
+                         for g in grads]
+            noise = [rounding_noise(spec, self.seed, step, r, names, segs)
+                     for r in range(self.world_size)]
+            stats: dict[str, float] = {}
+            result = route.simulate(flats, segs, stats, noise)
+            if spec.error_feedback and spec.lowbit:
+                # One roundtrip per rank and group, as the hook does it (same noise as sent).
+                for ef, flat, nz in zip(self.efs, flats, noise, strict=True):
+                    ef.update_flat(names, flat, route.roundtrip(flat, segs, nz), segs)
+            for i, piece in zip(idx, result.split(segs), strict=True):
+                out[i].copy_(piece)
+            if "agree_n" in stats:
+                s, n = agree.get(region, (0.0, 0.0))
+                agree[region] = (s + stats["agree_sum"], n + stats["agree_n"])
+        return agree
+
+
+def merge_agreement(parts: Sequence[Agreement]) -> Agreement:
+    """Sum the per-scope (agree_sum, agree_n) of several shards."""
+    total: Agreement = {}
+    for part in parts:
+        for scope, (s, n) in part.items():
+            a, b = total.get(scope, (0.0, 0.0))
+            total[scope] = (a + s, b + n)
+    return total
