@@ -186,7 +186,7 @@ class SimulatedRanks:
         self.barrier = ctx.Barrier(self.processes)
         for p in range(self.processes):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=self._serve, args=(child, p), daemon=True,
+            proc = ctx.Process(target=self._serve, args=(child, parent, p), daemon=True,
                                name=f"nfabric-sim-{p}")
             with warnings.catch_warnings():
                 # Python >= 3.12 warns when a process with threads forks (a progress bar's
@@ -199,10 +199,12 @@ class SimulatedRanks:
             self.conns.append(parent)
             self.children.append(proc)
 
-    def _serve(self, conn: Connection, p: int) -> None:
+    def _serve(self, conn: Connection, parent_end: Connection, p: int) -> None:
         """A child's loop: for each (step, plan) received, its ranks' gradients, the barrier,
         then its shard's aggregate; None ends it."""
-        for other in self.conns:  # the pipes of earlier siblings are not ours
+        # Only the parent may hold the parent's ends (ours and earlier siblings'), or a parent
+        # killed outright would leave this child waiting forever instead of reading EOF.
+        for other in (*self.conns, parent_end):
             other.close()
         torch.set_num_threads(1)
         ranks = range(p, self.world_size, self.processes)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +186,40 @@ def test_a_nonfinite_rank_in_a_child_skips_the_step_everywhere() -> None:
         assert all(torch.isfinite(p).all() for p in run.model.parameters())
     for p, q in zip(runs[0].model.parameters(), runs[1].model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+_KILLED_PARENT = """
+import os, signal, sys
+from tests.calibration.tiny import TinyWorkload
+from nfabric_cli.calibration.ranks import SimulatedRanks
+wl = TinyWorkload()
+model = wl.build_model(0)
+names = [n for n, _ in model.named_parameters()]
+ranks = SimulatedRanks(wl, model, list(model.parameters()), names, 4, 0, processes=2)
+with open(sys.argv[1], "w") as f:
+    f.write(" ".join(str(c.pid) for c in ranks.children))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_children_exit_when_the_parent_is_killed_outright(tmp_path: Path) -> None:
+    """SIGKILL runs no cleanup: each child must see its pipe close (no other process may
+    hold the parent's end) and exit by itself."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "pids"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_PARENT, str(out)], cwd=root, timeout=120)
+    assert proc.returncode == -9
+    pids = [int(p) for p in out.read_text().split()]
+    assert len(pids) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has exited (its new parent reaps it)
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)]
