@@ -10,8 +10,7 @@ that forked processes aggregate side by side (`shard`). Mirrors `runtime/state.p
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +22,11 @@ from nfabric_cli.routes.spec import RouteSpec
 #: (agree_sum, agree_n) per health scope: the sign routes' vote agreement.
 Agreement = dict[str, tuple[float, float]]
 
-#: Fixed work per parameter, in elements: a shard's cost is not only its size (per-parameter
-#: Python work: error feedback, slicing) and balancing on size alone leaves small tensors piled
-#: on one side.
-PER_PARAM_ELEMS = 1024
+#: Fixed aggregation work, in elements of a sign route's work: per parameter (error feedback,
+#: slicing) and per (region, route) group (a route call, an encode, a roundtrip and error
+#: feedback per rank: on `vision` a shard holding one more group took 1.5x as long).
+PER_PARAM_ELEMS = 256
+PER_GROUP_ELEMS = 50_000
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,34 @@ class Plan:
     specs: tuple[RouteSpec, ...]
 
 
-def shard(numels: Sequence[int], parts: int) -> list[list[int]]:
-    """Parameter indices split into `parts` sets of about equal aggregation work (largest
-    first onto the lightest set), each in index order."""
-    heap = [(0, p) for p in range(max(1, parts))]
-    sets: list[list[int]] = [[] for _ in heap]
+def shard(
+    numels: Sequence[int], parts: int, groups: Sequence[Hashable] | None = None
+) -> list[list[int]]:
+    """Parameter indices split into `parts` sets of about equal aggregation work, each in
+    index order. `groups[i]`: a key shared by parameters likely reduced together (their
+    regions and routes): a set pays the fixed cost of each key it holds once. Greedy, largest
+    first onto the set it costs least, then single moves off the busiest set while they help."""
+    keys = list(groups) if groups is not None else [None] * len(numels)
+    sets: list[list[int]] = [[] for _ in range(max(1, parts))]
+
+    def load(members: list[int]) -> int:
+        held = {keys[i] for i in members}
+        return sum(numels[i] + PER_PARAM_ELEMS for i in members) + PER_GROUP_ELEMS * len(held)
+
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        load, p = heapq.heappop(heap)
-        sets[p].append(i)
-        heapq.heappush(heap, (load + numels[i] + PER_PARAM_ELEMS, p))
-    return [sorted(s) for s in sets]
+        best = min(range(len(sets)), key=lambda p: (load([*sets[p], i]), p))
+        sets[best].append(i)
+    for _ in range(4 * len(numels)):
+        loads = [load(m) for m in sets]
+        hi, lo = loads.index(max(loads)), loads.index(min(loads))
+        moves = [(max(load([j for j in sets[hi] if j != i]), load([*sets[lo], i])), i)
+                 for i in sets[hi]]
+        if hi == lo or not moves or min(moves)[0] >= loads[hi]:
+            break
+        i = min(moves)[1]
+        sets[hi].remove(i)
+        sets[lo].append(i)
+    return [sorted(m) for m in sets]
 
 
 class Aggregator:

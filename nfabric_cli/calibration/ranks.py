@@ -25,6 +25,7 @@ import os
 import threading
 import traceback
 import warnings
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -78,7 +79,9 @@ class SimulatedRanks:
         world_size: int,
         seed: int,
         processes: int | None = None,
+        groups: Sequence[Hashable] | None = None,
     ) -> None:
+        """`groups[i]`: what parameter i is reduced with (see `aggregate.shard`)."""
         self.workload, self.model, self.params = workload, model, params
         self.world_size, self.seed = world_size, seed
         self.numels = [p.numel() for p in params]
@@ -97,7 +100,7 @@ class SimulatedRanks:
         self.views = [list(torch.split(b, self.numels)) for b in self.buffers]
         self.out = torch.zeros(total)
         self.out_views = list(torch.split(self.out, self.numels))
-        self.shards = shard(self.numels, self.processes)
+        self.shards = shard(self.numels, self.processes, groups)
         self.aggregators = [Aggregator(names, world_size, seed, owned) for owned in self.shards]
         self._plans: dict[Plan, int] = {}
         self.conns: list[Connection] = []

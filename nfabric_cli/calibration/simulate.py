@@ -95,9 +95,11 @@ class SimulatedDDP:
         self.phase = bindings.phase_at(0, self.total_steps)
         self._enter_phase(self.phase, 0)
         self.names = [n for n, _ in self.params]
+        groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
+                  for b in (bindings.params[n] for n in self.names)]
         self.ranks = SimulatedRanks(
             workload, self.model, [p for _, p in self.params], self.names, world_size, seed,
-            processes,
+            processes, groups,
         )
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nfabric_cli.calibration.aggregate import (
+    PER_GROUP_ELEMS,
     PER_PARAM_ELEMS,
     Aggregator,
     Plan,
@@ -67,12 +68,22 @@ def test_one_parameter_equals_the_route_and_agreement_is_the_mean_margin() -> No
     assert agree["r"] == (float(margin.sum()), 2048.0 * W)
 
 
-def test_shard_balances_size_and_count() -> None:
-    numels = [36864, 18432, 9216, 9216, 2048, 640] + [64] * 10
-    parts = shard(numels, 2)
-    assert sorted(i for p in parts for i in p) == list(range(len(numels)))
-    loads = [sum(numels[i] + PER_PARAM_ELEMS for i in p) for p in parts]
+def _load(numels: list[int], keys: list[str], members: list[int]) -> int:
+    return (sum(numels[i] + PER_PARAM_ELEMS for i in members)
+            + PER_GROUP_ELEMS * len({keys[i] for i in members}))
+
+
+def test_shard_balances_size_count_and_groups() -> None:
+    numels = [36864, 18432, 9216, 9216, 2048, 640, 10] + [64] * 10
+    keys = ["body"] * 5 + ["head", "head"] + ["body"] * 10
+    plain, grouped = shard(numels, 2), shard(numels, 2, keys)
+    for parts in (plain, grouped):
+        assert sorted(i for p in parts for i in p) == list(range(len(numels)))
+        assert all(p == sorted(p) for p in parts)
+    assert {5, 6} <= set(grouped[0]) or {5, 6} <= set(grouped[1])  # the head stays together
+    worst = lambda parts: max(_load(numels, keys, p) for p in parts)  # noqa: E731
+    assert worst(grouped) < worst(plain)
+    loads = [_load(numels, keys, p) for p in grouped]
     assert max(loads) - min(loads) <= max(numels) // 2
-    assert all(p == sorted(p) for p in parts)
     assert shard(numels, 1) == [list(range(len(numels)))]
     assert shard([10, 10], 3) == [[0], [1], []]
