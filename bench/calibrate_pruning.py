@@ -16,31 +16,50 @@ within tolerance), so one order says little: `--seeds` repeats the comparison fo
 seeds (each its own model, data order and proposals) and pools the steps.
 
     OMP_NUM_THREADS=1 python -m bench.calibrate_pruning [--workload vision] [--trials 20]
-        [--steps 60] [--seeds 0,1,2,3,4] [--no-sweep]
+        [--steps 60] [--seeds 0,1,2,3,4] [--no-sweep] [--processes N]
+        [--hb-min-resource 1,2] [--hb-reduction-factor 2,3] [--hb-brackets 1,3]
+
+Several Hyperband shapes (the cross product of `--hb-min-resource`, `--hb-reduction-factor`
+and `--hb-brackets`; 'd' is the spec's default) are each run alone and with the bound against
+one unpruned study per seed. `--keep DIR` keeps every study (`DIR/seed<S>-arm<I>.db`).
+
+`--replay DIR` trains nothing: with the random sampler a pruned study proposes what the
+unpruned one did and each trial reports the same values until it is pruned (runs are
+deterministic), so it replays the kept unpruned studies (`seed<S>-arm0.db`) through
+`make_pruner` and the traffic bound, exactly as `run_study` decides (it reproduces the live
+arms' steps). `--trials N` replays the first N trials; `--names K` repeats every replay under
+K study names, since Optuna assigns trials to brackets by a hash of the study name and trial
+number (a live run uses one name, "bench"). Pooled figures add the missed bests: studies that
+ended on a worse best than the unpruned one, and the mean regret (objective lost).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import optuna
 from optuna.trial import TrialState
 
-from nfabric_cli.calibration.spec import resolve_spec
-from nfabric_cli.calibration.study import run_study
+from nfabric_cli.calibration.space import suggest
+from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec, resolve_spec
+from nfabric_cli.calibration.study import Calibrator, make_pruner, pruner_label, run_study
+from nfabric_cli.calibration.traffic import traffic_lower_bound
+from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.registry import get_workload
 
 
-def trajectory(study: optuna.Study) -> list[tuple[int, float | None, int]]:
-    """(trial, value or None for a failed trial, cumulative steps) in trial order."""
+def trajectory(trials: list[optuna.trial.FrozenTrial]) -> list[tuple[int, float | None, int]]:
+    """(trial, value or None for a pruned or failed trial, cumulative steps) in trial order."""
     out, spent = [], 0
-    for t in study.trials:
+    for t in trials:
         spent += int(t.user_attrs.get("steps_run", 0))
-        value = t.value if t.state in (TrialState.COMPLETE,) else None
-        out.append((t.number, value, spent))
+        out.append((t.number, t.value if t.state == TrialState.COMPLETE else None, spent))
     return out
 
 
@@ -65,33 +84,174 @@ def steps_to_reach(traj: list[tuple[int, float | None, int]], target: float) -> 
     return None
 
 
-ARMS = (("none", "none", False), ("hyperband", "hyperband", False),
-        ("hyperband+bound", "hyperband", True))
+@dataclass(frozen=True)
+class Arm:
+    """One study of the comparison: a pruner, the traffic bound on or off, Hyperband's shape
+    (None: the spec's default)."""
+
+    label: str
+    pruner: str
+    bound: bool
+    shape: tuple[int | None, int | None, int | None] = (None, None, None)  # min, rf, brackets
+
+    def overrides(self) -> dict[str, int | None]:
+        keys = ("hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets")
+        return dict(zip(keys, self.shape, strict=True))
 
 
-def compare(wl, base, seed: int, sweep: bool) -> dict[str, tuple[list, float, float, int]]:  # noqa: ANN001
-    """One seed: label -> (trajectory, best objective, wall seconds, pruned count)."""
+def make_arms(shapes: list[tuple[int | None, int | None, int | None]]) -> list[Arm]:
+    """The unpruned study, then Hyperband alone and with the bound for every shape asked for
+    (all against the one unpruned study per seed)."""
+    arms = [Arm("none", "none", False)]
+    for shape in shapes:
+        tag = "" if len(shapes) == 1 else "[" + ",".join(str(x or "d") for x in shape) + "]"
+        arms += [Arm(f"hyperband{tag}", "hyperband", False, shape),
+                 Arm(f"hyperband+bound{tag}", "hyperband", True, shape)]
+    return arms
+
+
+def compare(wl, base, seed: int, sweep: bool, arms: list[Arm],  # noqa: ANN001
+            processes: int | None, keep: Path | None) -> dict[str, tuple[list, float, float, int]]:
+    """One seed, trained: label -> (trajectory, best objective, wall seconds, pruned count).
+
+    Each arm has its own SQLite file and the same study name: Hyperband assigns trials to
+    brackets by a hash of the study name and trial number, so every arm of one shape sees the
+    same assignment. `keep`: a folder to keep the files in (else a temporary one)."""
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        url = f"sqlite:///{tmp}/bench.db"
+        folder = keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         reference = None
-        for label, pruner, bound in ARMS:
-            spec = base.with_overrides(pruner=pruner, seed=seed)
-            name = f"bench-{label}"
+        for i, arm in enumerate(arms):
+            spec = base.with_overrides(pruner=arm.pruner, seed=seed, **arm.overrides())
+            db = folder / f"seed{seed}-arm{i}.db"
+            db.unlink(missing_ok=True)
+            url = f"sqlite:///{db}"
             if reference is not None:  # share the FP32 reference: same spec, same numbers
-                study = optuna.create_study(study_name=name, storage=url)
+                study = optuna.create_study(study_name="bench", storage=url)
                 study.set_user_attr("workload", wl.name)
                 study.set_user_attr("search_key", spec.search_key())
                 study.set_user_attr("spec", {k: v for k, v in spec.to_dict().items()
-                                             if k not in ("trials", "sampler", "pruner")})
+                                             if k not in NOT_IN_SEARCH_KEY})
                 study.set_user_attr("reference", reference)
             t0 = time.perf_counter()
-            run = run_study(wl, spec, url, name, sweep=sweep, traffic_bound=bound)
+            run = run_study(wl, spec, url, "bench", sweep=sweep, traffic_bound=arm.bound,
+                            processes=processes)
             wall = time.perf_counter() - t0
             reference = run.reference
             pruned = len(run.study.get_trials(states=(TrialState.PRUNED,)))
-            results[label] = (trajectory(run.study), run.study.best_value, wall, pruned)
+            results[arm.label] = (trajectory(run.study.trials), run.study.best_value, wall, pruned)
     return results
+
+
+def replay(wl, base: CalibrationSpec, seed: int, arms: list[Arm], folder: Path,  # noqa: ANN001
+           names: list[str]) -> list[dict[str, tuple[list, float, float, int]]]:
+    """One seed, replayed from the kept unpruned study: one `compare`-like dict per name."""
+    spec = base.with_overrides(seed=seed)
+    kept = optuna.load_study(study_name="bench", storage=f"sqlite:///{folder}/seed{seed}-arm0.db")
+    trials = sorted(kept.get_trials(deepcopy=False), key=lambda t: t.number)[:spec.trials]
+    if len(trials) < spec.trials:
+        raise SystemExit(f"seed {seed}: the kept study has {len(trials)} trials, not {spec.trials}")
+    calibrator = Calibrator(wl, spec)
+    bounds = {}  # the traffic lower bound of every configuration, as _prune_by_bound prices it
+    for t in trials:
+        bindings = calibrator.bindings_for(suggest(optuna.trial.FixedTrial(t.params), spec))
+        gate = CapacityGate(bindings.meta.get("substrate"), spec.world_size)
+        bounds[t.number] = traffic_lower_bound(bindings, spec.world_size, spec.steps, gate)
+    none = trajectory(trials)
+    none_best = min(v for _, v, _ in none if v is not None)
+    out = []
+    for name in names:
+        results = {"none": (none, none_best, 0.0, 0)}
+        for arm in arms[1:]:
+            pruner = make_pruner(spec.with_overrides(pruner=arm.pruner, **arm.overrides()))
+            traj = replay_arm(trials, spec, pruner, bounds if arm.bound else None, name)
+            best = min(v for _, v, _ in traj if v is not None)
+            results[arm.label] = (traj, best, 0.0, sum(v is None for _, v, _ in traj))
+        out.append(results)
+    return out
+
+
+def replay_arm(trials: list[optuna.trial.FrozenTrial], spec: CalibrationSpec,
+               pruner: optuna.pruners.BasePruner, bounds: dict[int, float] | None,
+               name: str) -> list[tuple[int, float | None, int]]:
+    """The unpruned study's trials through `pruner` (and the bound), as Calibrator.objective
+    would run them: a repeated configuration reuses the first completed one for 0 steps."""
+    study = optuna.create_study(study_name=name, pruner=pruner)
+    curves = {t.user_attrs["key"]: t for t in trials if t.intermediate_values}
+    marks = spec.checkpoints()
+    done: dict[str, float] = {}
+    admissible: list[float] = []
+    traj, spent = [], 0
+    for t in trials:
+        trial, key = study.ask(), t.user_attrs["key"]
+        reused = t.user_attrs.get("reused_from") == "reference" or key in done
+        if reused:  # all fp32 (the reference) or a completed twin: no training
+            value = done.get(key, t.value)
+            if key not in done:
+                admissible.append(1.0)
+            study.tell(trial, value)
+            traj.append((t.number, value, spent))
+            continue
+        prunable = t.user_attrs.get("kind", "search") == "search"
+        if prunable and bounds is not None and admissible and \
+                bounds[t.number] > min(admissible) + 1e-12:
+            study.tell(trial, state=TrialState.PRUNED)
+            traj.append((t.number, None, spent))
+            continue
+        src, stopped = curves[key], None
+        for index in sorted(src.intermediate_values):
+            trial.report(src.intermediate_values[index], index)
+            # pruned at the last checkpoint, a trial has trained anyway: simulate_run
+            # completes it
+            if prunable and trial.should_prune() and marks[index - 1] < spec.steps:
+                stopped = marks[index - 1]
+                break
+        if stopped is not None:
+            spent += stopped
+            study.tell(trial, state=TrialState.PRUNED)
+            traj.append((t.number, None, spent))
+            continue
+        spent += spec.steps
+        study.tell(trial, src.value)
+        done[key] = src.value
+        if src.user_attrs.get("degradation", float("inf")) <= spec.tolerance:
+            admissible.append(src.user_attrs["traffic_fraction"])
+        traj.append((t.number, src.value, spent))
+    return traj
+
+
+def int_list(text: str) -> list[int | None]:
+    """'1,2' -> [1, 2]; 'd' -> [None] (the spec's default)."""
+    return [None if x.strip() == "d" else int(x) for x in text.split(",")]
+
+
+def report(label_seed: str, results: dict[str, tuple[list, float, float, int]], steps: int,
+           pooled: dict[str, list], verbose: bool) -> int:
+    """Print one seed's figures, add them to `pooled`; returns the seed's floor in steps."""
+    none_traj, none_best, _, _ = results["none"]
+    floor = record_floor(none_traj, none_best, steps)
+    if verbose:
+        print(f"{label_seed}: (floor for any pruner in this order: {floor} steps -> "
+              f"{floor / steps_to_reach(none_traj, none_best):.2f})")
+        for label, (traj, best, wall, pruned) in results.items():
+            print(f"  {label:>15}: best objective {best:.4f}, reached after "
+                  f"{steps_to_reach(traj, best)} steps, {traj[-1][2]} steps in all, "
+                  f"{pruned} pruned, {wall:.0f} s")
+    for label, (traj, best, _, _) in results.items():
+        target = none_best if steps_to_reach(traj, none_best) is not None else best
+        reach, base_reach = steps_to_reach(traj, target), steps_to_reach(none_traj, target)
+        missed = "" if target == none_best else " (missed the unpruned best: own best)"
+        row = pooled.setdefault(label, [0, 0, 0, 0, 0.0])  # reach, none's, total, missed, regret
+        row[0] += reach
+        row[1] += base_reach
+        row[2] += traj[-1][2]
+        row[3] += bool(missed)
+        row[4] += best - none_best
+        if label != "none" and verbose:
+            print(f"  {label}: steps to reach {target:.4f}: {reach} vs none {base_reach} -> "
+                  f"{reach / base_reach:.2f}{missed}; total steps {traj[-1][2] / none_traj[-1][2]:.2f}")
+    return floor
 
 
 def main() -> None:
@@ -105,47 +265,62 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true",
                         help="search alone: no sweep or seed trials (they often find the best "
                              "before the pruner matters)")
+    parser.add_argument("--hb-min-resource", type=int_list, default=[None],
+                        help="Hyperband min_resource in checkpoints, comma-separated to compare "
+                             "several against one unpruned study ('d': the default)")
+    parser.add_argument("--hb-reduction-factor", type=int_list, default=[None],
+                        help="Hyperband reduction factor(s), comma-separated ('d': default)")
+    parser.add_argument("--hb-brackets", type=int_list, default=[None],
+                        help="Hyperband bracket count(s), comma-separated ('d': default)")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="processes computing the simulated ranks' gradients (default: one "
+                             "per CPU); the results do not depend on it")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep every study's SQLite file in this folder (seed<S>-arm<I>.db)")
+    parser.add_argument("--replay", type=Path, default=None,
+                        help="train nothing: replay the unpruned studies kept in this folder")
+    parser.add_argument("--names", type=int, default=1,
+                        help="with --replay: study names to replay each seed under")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    if args.replay is not None and args.sampler != "random":
+        parser.error("--replay needs the random sampler (TPE proposes from what was pruned)")
 
     wl = get_workload(args.workload)
     base = resolve_spec(wl.name, wl.head_selector, wl.default_steps).with_overrides(
         steps=args.steps, eval_every=args.eval_every, trials=args.trials, sampler=args.sampler,
     )
+    arms = make_arms(list(itertools.product(args.hb_min_resource, args.hb_reduction_factor,
+                                            args.hb_brackets)))
+    shapes = {a.label: pruner_label(base.with_overrides(pruner="hyperband", **a.overrides()))
+              for a in arms if a.pruner == "hyperband"}
+    mode = f"replayed from {args.replay} under {args.names} name(s)" if args.replay else "trained"
     print(f"workload {wl.name}, {args.trials} trials x {args.steps} steps (checkpoint every "
           f"{args.eval_every}), sampler {args.sampler}, "
-          f"{'no sweep' if args.no_sweep else 'with sweep and seeds'}")
-    pooled = {label: [0, 0, 0] for label, _, _ in ARMS}  # steps to reach, none's, total
-    floor = 0
+          f"{'no sweep' if args.no_sweep else 'with sweep and seeds'}, {mode}")
+    for i, arm in enumerate(arms):
+        print(f"  arm{i} {arm.label}: {shapes.get(arm.label, 'no pruning')}"
+              f"{', traffic bound' if arm.bound else ''}")
+    pooled: dict[str, list] = {}
+    floor = studies = 0
+    names = ["bench"] + [f"bench-{i}" for i in range(1, args.names)]
     for seed in (int(x) for x in args.seeds.split(",")):
-        results = compare(wl, base, seed, not args.no_sweep)
-        none_traj, none_best, _, _ = results["none"]
-        seed_floor = record_floor(none_traj, none_best, args.steps)
-        floor += seed_floor
-        print(f"seed {seed}: (floor for any pruner in this order: {seed_floor} steps)")
-        for label, (traj, best, wall, pruned) in results.items():
-            total = traj[-1][2] if traj else 0
-            reach = steps_to_reach(traj, best)
-            print(f"  {label:>15}: best objective {best:.4f}, reached after {reach} steps, "
-                  f"{total} steps in all, {pruned} pruned, {wall:.0f} s")
-        for label, (traj, best, _, _) in results.items():
-            target = none_best if steps_to_reach(traj, none_best) is not None else best
-            reach, base_reach = steps_to_reach(traj, target), steps_to_reach(none_traj, target)
-            missed = "" if target == none_best else " (missed the unpruned best: own best)"
-            pooled[label][0] += reach
-            pooled[label][1] += base_reach
-            pooled[label][2] += traj[-1][2]
-            if label != "none":
-                print(f"  {label}: steps to reach {target:.4f}: {reach} vs none {base_reach} -> "
-                      f"{reach / base_reach:.2f}{missed}; total steps {traj[-1][2] / none_traj[-1][2]:.2f}")
-    total_none = pooled["none"][2]
-    print(f"pooled over seeds (floor for any pruner: {floor} steps -> "
-          f"{floor / pooled['none'][1]:.2f}):")
-    for label in ("hyperband", "hyperband+bound"):
-        reach, base_reach, total = pooled[label]
-        print(f"  {label}: steps to reach the same best {reach} vs none {base_reach} -> "
-              f"ratio {reach / base_reach:.2f}; total steps ratio {total / total_none:.2f}")
+        if args.replay is None:
+            runs = [compare(wl, base, seed, not args.no_sweep, arms, args.processes, args.keep)]
+        else:
+            runs = replay(wl, base, seed, arms, args.replay, names)
+        for results in runs:
+            floor += report(f"seed {seed}", results, args.steps, pooled, len(runs) == 1)
+            studies += 1
+    none = pooled["none"]
+    print(f"pooled over {studies} studies (floor for any pruner: {floor} steps -> "
+          f"{floor / none[1]:.2f}):")
+    for arm in arms[1:]:
+        reach, base_reach, total, missed, regret = pooled[arm.label]
+        print(f"  {arm.label}: steps to reach the same best {reach} vs none {base_reach} -> "
+              f"ratio {reach / base_reach:.2f}; total steps ratio {total / none[2]:.2f}; "
+              f"missed the best in {missed}, mean regret {regret / studies:.4f}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,13 @@ MAX_STEPS = 1_000_000
 _TOP_KEYS = {
     "workload", "world_size", "seed", "steps", "eval_every", "tolerance", "trials",
     "sampler", "pruner", "phases", "routes", "regions", "health", "substrate",
+    "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
 }
+# budget and search strategy: they change which trials run, never a trial's result
+NOT_IN_SEARCH_KEY: tuple[str, ...] = (
+    "trials", "sampler", "pruner",
+    "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
+)
 _REGION_KEYS = {"name", "selector", "routes"}
 _PHASE_KEYS = {"boundaries"}
 _ROUTE_KEYS = {"tau", "error_feedback", "reducer", "rounding", "sign_mode"}
@@ -86,6 +92,28 @@ class Range:
 
 
 @dataclass(frozen=True)
+class HyperbandShape:
+    """Hyperband over a trial's checkpoints. Bracket s first judges a trial at checkpoint
+    ``min_resource * reduction_factor**s`` and again every `reduction_factor` times later,
+    keeping the best 1/`reduction_factor` of the trials its bracket has judged there; more
+    brackets hedge against misleading early checkpoints at the cost of later first cuts."""
+
+    min_resource: int
+    reduction_factor: int
+    brackets: int
+    checkpoints: int  # a trial's checkpoints: the most resource it can use
+
+    @property
+    def max_brackets(self) -> int:
+        """Brackets whose first cut falls on a checkpoint (Optuna's count for max_resource =
+        checkpoints), at least 1."""
+        count, first = 0, self.min_resource
+        while first <= self.checkpoints:
+            count, first = count + 1, first * self.reduction_factor
+        return max(count, 1)
+
+
+@dataclass(frozen=True)
 class CalibrationSpec:
     workload: str
     regions: tuple[Region, ...]
@@ -103,6 +131,10 @@ class CalibrationSpec:
     trials: int = 20
     sampler: str = "tpe"
     pruner: str = "hyperband"
+    # Hyperband's shape (see HyperbandShape); None: the default
+    hyperband_min_resource: int | None = None
+    hyperband_reduction_factor: int | None = None
+    hyperband_brackets: int | None = None
     health: dict[str, Any] = field(default_factory=dict)
     substrate: dict[str, Any] = field(default_factory=dict)  # a Substrate's dict; {}: none
 
@@ -115,10 +147,21 @@ class CalibrationSpec:
         marks = list(range(self.eval_every, self.steps, self.eval_every))
         return tuple([*marks, self.steps])
 
+    def hyperband_shape(self) -> HyperbandShape:
+        """The Hyperband pruner's shape: the spec's keys, else the default: the first cut
+        halfway through a trial, reduction factor 2, every bracket that fits. Earlier cuts
+        judge on checkpoints where cheap configurations that end out of tolerance still look
+        best, and in studies of 8-16 trials pruned the winner (docs/calibration.md)."""
+        n_marks = len(self.checkpoints())
+        lowest = self.hyperband_min_resource or max(1, n_marks // 2)
+        factor = self.hyperband_reduction_factor or 2
+        most = HyperbandShape(lowest, factor, 1, n_marks).max_brackets
+        return HyperbandShape(lowest, factor, self.hyperband_brackets or most, n_marks)
+
     def search_key(self) -> str:
         """Hash of everything that decides a trial's result: a resumed study must match it."""
         keep = asdict(self)
-        for k in ("trials", "sampler", "pruner"):
+        for k in NOT_IN_SEARCH_KEY:
             keep.pop(k)
         # studies made before these keys existed keep their key while the keys are defaults
         for k, default in (("substrate", {}), ("rounding", ["nearest"]),
@@ -186,7 +229,9 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
     HealthThresholds.from_dict(health)  # unknown or out-of-range thresholds fail here
     kw: dict[str, Any] = {}
     for key, kind in (("world_size", int), ("seed", int), ("steps", int), ("eval_every", int),
-                      ("trials", int), ("tolerance", float), ("sampler", str), ("pruner", str)):
+                      ("trials", int), ("tolerance", float), ("sampler", str), ("pruner", str),
+                      ("hyperband_min_resource", int), ("hyperband_reduction_factor", int),
+                      ("hyperband_brackets", int)):
         if key in data:
             kw[key] = _typed(data[key], kind, key)
     spec = CalibrationSpec(
@@ -225,6 +270,21 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
         raise InputError(f"unknown sampler {spec.sampler!r} (choose from {', '.join(SAMPLERS)})")
     if spec.pruner not in PRUNERS:
         raise InputError(f"unknown pruner {spec.pruner!r} (choose from {', '.join(PRUNERS)})")
+    n_marks = len(spec.checkpoints())
+    if spec.hyperband_min_resource is not None and not 1 <= spec.hyperband_min_resource <= n_marks:
+        raise InputError(f"hyperband_min_resource must be in [1, {n_marks}] (checkpoints per "
+                         f"trial), got {spec.hyperband_min_resource}")
+    if spec.hyperband_reduction_factor is not None and spec.hyperband_reduction_factor < 2:
+        raise InputError(
+            f"hyperband_reduction_factor must be an int >= 2, got {spec.hyperband_reduction_factor}"
+        )
+    shape = spec.hyperband_shape()
+    if spec.hyperband_brackets is not None and not 1 <= spec.hyperband_brackets <= shape.max_brackets:
+        raise InputError(
+            f"hyperband_brackets must be in [1, {shape.max_brackets}] for min_resource "
+            f"{shape.min_resource}, reduction factor {shape.reduction_factor} and {n_marks} "
+            f"checkpoints, got {spec.hyperband_brackets}"
+        )
     if spec.reducer not in REDUCERS:
         raise InputError(f"unknown reducer {spec.reducer!r} (choose from {', '.join(REDUCERS)})")
     if not (0 <= spec.tau.lo <= spec.tau.hi < 1):

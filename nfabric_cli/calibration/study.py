@@ -40,7 +40,7 @@ from nfabric_cli.calibration.space import (
     suggest,
     sweep_configs,
 )
-from nfabric_cli.calibration.spec import CalibrationSpec
+from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec
 from nfabric_cli.calibration.storage import load_or_create, open_storage
 from nfabric_cli.calibration.traffic import traffic_lower_bound
 from nfabric_cli.runtime.gate import CapacityGate
@@ -113,14 +113,29 @@ def make_pruner(spec: CalibrationSpec) -> optuna.pruners.BasePruner:
     if spec.sampler == "nsga2" or spec.pruner == "none":
         return optuna.pruners.NopPruner()
     if spec.pruner == "hyperband":
+        shape = spec.hyperband_shape()
+        # Optuna counts brackets from max_resource alone (its rungs never look at it): fewer
+        # brackets than the checkpoints allow are asked for with the largest max_resource
+        # that gives that count
+        top = shape.checkpoints
+        if shape.brackets < shape.max_brackets:
+            top = shape.min_resource * shape.reduction_factor**shape.brackets - 1
         return optuna.pruners.HyperbandPruner(
-            min_resource=1, max_resource=len(spec.checkpoints()), reduction_factor=3
+            min_resource=shape.min_resource, max_resource=top,
+            reduction_factor=shape.reduction_factor,
         )
     return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
 
 
 def pruner_label(spec: CalibrationSpec) -> str:
-    return "none (multi-objective)" if spec.sampler == "nsga2" else spec.pruner
+    """The pruner as the profile's provenance records it (Hyperband with its shape)."""
+    if spec.sampler == "nsga2":
+        return "none (multi-objective)"
+    if spec.pruner == "hyperband":
+        s = spec.hyperband_shape()
+        return (f"hyperband(min_resource={s.min_resource}, reduction_factor={s.reduction_factor}, "
+                f"brackets={s.brackets}, checkpoints={s.checkpoints})")
+    return spec.pruner
 
 
 class Calibrator:
@@ -352,7 +367,7 @@ def run_study(
     calibrator = Calibrator(workload, spec, sink, sweep, traffic_bound, processes)
     storage = open_storage(storage_url)
     name = study_name or default_study_name(spec, workload.name)
-    spec_dict = {k: v for k, v in spec.to_dict().items() if k not in ("trials", "sampler", "pruner")}
+    spec_dict = {k: v for k, v in spec.to_dict().items() if k not in NOT_IN_SEARCH_KEY}
     attrs = {"workload": workload.name, "search_key": spec.search_key(), "spec": spec_dict}
     n_obj = 2 if calibrator.multi else 1
     study, resumed = load_or_create(

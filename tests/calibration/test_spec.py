@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nfabric_cli.calibration.spec import Range, load_spec, parse_spec, resolve_spec
+from nfabric_cli.calibration.spec import HyperbandShape, Range, load_spec, parse_spec, resolve_spec
 from nfabric_cli.errors import InputError
 from tests.calibration.helpers import tiny_spec, tiny_spec_dict, toml_text
 
@@ -51,6 +51,35 @@ def test_search_key_ignores_budget_but_not_the_space() -> None:
 
 
 @pytest.mark.parametrize(
+    ("steps", "every", "shape"),
+    [(60, 5, (6, 2, 2, 12)), (150, 15, (5, 2, 2, 10)), (6, 2, (1, 2, 2, 3)),
+     (10, 2, (2, 2, 2, 5)), (5, 5, (1, 2, 1, 1))],
+)
+def test_default_hyperband_shape_cuts_first_halfway(steps: int, every: int, shape: tuple) -> None:
+    """min_resource = half the checkpoints, reduction factor 2, every bracket that fits."""
+    assert tiny_spec(steps=steps, eval_every=every).hyperband_shape() == HyperbandShape(*shape)
+
+
+def test_hyperband_shape_keys_parse_and_stay_out_of_the_search_key(tmp_path: Path) -> None:
+    spec = tiny_spec(hyperband_min_resource=2, hyperband_reduction_factor=2)
+    assert (spec.hyperband_min_resource, spec.hyperband_reduction_factor) == (2, 2)
+    assert spec.hyperband_shape() == HyperbandShape(2, 2, 1, 3)
+    assert tiny_spec(hyperband_brackets=1).hyperband_shape() == HyperbandShape(1, 2, 1, 3)
+    long = tiny_spec(steps=60, eval_every=5, hyperband_min_resource=1)  # 12 checkpoints
+    assert long.hyperband_shape().max_brackets == 4  # first cuts at 1, 2, 4, 8
+    # the shape decides which trials train to the end, never what a trial measures
+    assert spec.search_key() == tiny_spec().search_key()
+    assert tiny_spec().with_overrides(hyperband_reduction_factor=4, hyperband_brackets=1) \
+        .search_key() == tiny_spec().search_key()
+    path = tmp_path / "tiny.toml"
+    path.write_text(toml_text(tiny_spec_dict(hyperband_min_resource=3)))
+    assert load_spec(path, "tiny").hyperband_min_resource == 3
+    # checked again after overrides: fewer checkpoints than the spec's min_resource
+    with pytest.raises(InputError, match=r"hyperband_min_resource must be in \[1, 1\]"):
+        tiny_spec(hyperband_min_resource=2).with_overrides(eval_every=6)
+
+
+@pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"regions": [{"name": "a", "selector": "*", "routes": ["fp32", "sign2"]}]},
@@ -79,6 +108,15 @@ def test_search_key_ignores_budget_but_not_the_space() -> None:
         ({"health": {"loss_spike": 0.5}}, "health threshold loss_spike"),
         ({"health": {"nope": 1}}, "unknown health threshold"),
         ({"workload": "lm"}, "spec is for workload 'lm', not 'tiny'"),
+        ({"hyperband_min_resource": 0},
+         r"hyperband_min_resource must be in \[1, 3\] \(checkpoints per trial\), got 0"),
+        ({"hyperband_min_resource": 4}, r"hyperband_min_resource must be in \[1, 3\]"),
+        ({"hyperband_min_resource": 1.5}, "hyperband_min_resource must be int, got 1.5"),
+        ({"hyperband_reduction_factor": 1}, "hyperband_reduction_factor must be an int >= 2, got 1"),
+        ({"hyperband_reduction_factor": True}, "hyperband_reduction_factor must be int, got True"),
+        ({"hyperband_brackets": 0}, r"hyperband_brackets must be in \[1, 2\] for min_resource 1, "
+                                    r"reduction factor 2 and 3 checkpoints, got 0"),
+        ({"hyperband_brackets": 2, "hyperband_min_resource": 2}, r"hyperband_brackets must be in \[1, 1\]"),
     ],
 )
 def test_bad_specs_raise_one_line(change: dict, message: str) -> None:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from nfabric_cli.app import app
 from nfabric_cli.calibration import ProgressSink, calibrate, run_study
-from nfabric_cli.calibration.study import objective_value
+from nfabric_cli.calibration.study import make_pruner, objective_value, pruner_label
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.workloads.registry import get_workload
@@ -63,7 +63,8 @@ def test_tiny_study_end_to_end_writes_a_valid_profile(tmp_path: Path) -> None:
     for key in ("sampler", "pruner", "seed", "trials", "pruned", "budget", "reference_metric",
                 "data_fingerprint", "packages"):
         assert key in prov, key
-    assert (prov["sampler"], prov["pruner"], prov["seed"], prov["trials"]) == ("tpe", "hyperband", 0, 4)
+    assert (prov["sampler"], prov["seed"], prov["trials"]) == ("tpe", 0, 4)
+    assert prov["pruner"] == "hyperband(min_resource=1, reduction_factor=2, brackets=2, checkpoints=3)"
     assert prov["data_fingerprint"] == wl.data_fingerprint()
     assert prov["budget"]["train_steps_spent"] == out.steps_spent > 0
     assert meta["world_size"] == 2 and meta["workload"] == "tiny"
@@ -137,6 +138,44 @@ def test_nsga2_reports_a_pareto_front(tmp_path: Path) -> None:
     assert out.pruned == 0
 
 
+def test_make_pruner_builds_hyperband_with_the_spec_shape() -> None:
+    spec = tiny_spec(steps=24, eval_every=2, hyperband_min_resource=2, hyperband_reduction_factor=2)
+    pruner = make_pruner(spec)
+    assert isinstance(pruner, optuna.pruners.HyperbandPruner)
+    assert (pruner._min_resource, pruner._max_resource, pruner._reduction_factor) == (2, 12, 2)
+    assert pruner_label(spec) == \
+        "hyperband(min_resource=2, reduction_factor=2, brackets=3, checkpoints=12)"
+    assert _brackets(pruner) == 3  # first cuts at checkpoints 2, 4, 8
+    for brackets in (1, 2):
+        capped = make_pruner(spec.with_overrides(hyperband_brackets=brackets))
+        assert (capped._min_resource, capped._reduction_factor) == (2, 2)
+        assert _brackets(capped) == brackets
+    assert isinstance(make_pruner(spec.with_overrides(pruner="median")), optuna.pruners.MedianPruner)
+    assert pruner_label(spec.with_overrides(pruner="median")) == "median"
+    assert isinstance(make_pruner(spec.with_overrides(pruner="none")), optuna.pruners.NopPruner)
+    nsga2 = spec.with_overrides(sampler="nsga2")
+    assert isinstance(make_pruner(nsga2), optuna.pruners.NopPruner)
+    assert pruner_label(nsga2) == "none (multi-objective)"
+
+
+def _brackets(pruner: optuna.pruners.HyperbandPruner) -> int:
+    """The bracket count Optuna settles on (it is set at the first pruning question)."""
+    study = optuna.create_study(pruner=pruner)
+    trial = study.ask()
+    trial.report(1.0, 1)
+    trial.should_prune()
+    return pruner._n_brackets
+
+
+def test_resume_with_another_hyperband_shape_is_the_same_study(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/s.db"
+    run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
+    shaped = tiny_spec(trials=1, hyperband_min_resource=2, hyperband_reduction_factor=2)
+    run = run_study(get_workload(TINY), shaped, url, "x")
+    assert run.resumed and len(_finished(run.study)) == 2
+    assert "hyperband_min_resource" not in run.study.user_attrs["spec"]
+
+
 def test_study_of_another_workload_or_spec_is_refused(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/s.db"
     run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
@@ -184,6 +223,15 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], me
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.output
+
+
+def test_cli_bad_hyperband_shape_in_the_spec_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(hyperband_reduction_factor=1)))
+    res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db")
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.output
+    assert "hyperband_reduction_factor must be an int >= 2, got 1" in lines[0]
 
 
 def test_cli_unknown_region_and_other_workload_study_exit_2(tmp_path: Path) -> None:
@@ -260,3 +308,19 @@ def test_a_config_whose_traffic_bound_cannot_win_is_pruned_untrained(tmp_path: P
     assert last.state == TrialState.PRUNED and last.user_attrs["steps_run"] == 0
     assert last.user_attrs["traffic_bound"] > best
     assert run.study.trials[-1].intermediate_values == {}
+
+
+def test_bench_replay_spends_exactly_the_steps_of_live_pruned_studies(tmp_path: Path) -> None:
+    """bench.calibrate_pruning --replay judges shapes without training: it must reproduce what
+    run_study does with the pruner and the traffic bound, trial by trial."""
+    from bench.calibrate_pruning import compare, make_arms, replay
+
+    wl = get_workload(TINY)
+    base = tiny_spec(steps=6, eval_every=1, trials=6, sampler="random", tolerance=0.01)
+    arms = make_arms([(1, 2, None), (None, None, None)])
+    live = compare(wl, base, 0, False, arms, 1, tmp_path)
+    (replayed,) = replay(wl, base, 0, arms, tmp_path, ["bench"])
+    assert sum(pruned for _, _, _, pruned in live.values()) > 0  # the pruners did act
+    for label, (traj, best, _, pruned) in live.items():
+        assert replayed[label][0] == traj, label
+        assert (replayed[label][1], replayed[label][3]) == (best, pruned), label
