@@ -12,12 +12,14 @@ gradient on this machine can beat), and the largest
 parameter difference between the simulated model and rank 0.
 
     OMP_NUM_THREADS=1 python -m bench.calibrate_sim_vs_ddp [--workload vision] [--world 4] [--steps 30]
+        [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 
@@ -95,6 +97,10 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="rounds of (real, simulated, floor), run back to back; this VM's "
+                             "speed drifts by 30 %% over minutes, so each round's ratio compares "
+                             "neighbours and the median is reported")
     parser.add_argument("--head-route", default="int8",
                         help="route of the head (the rest is sign+EF); with fp32 and N > 2, "
                              "gloo's all-reduce may sum in another order than the simulator")
@@ -102,34 +108,49 @@ def main() -> None:
     torch.set_num_threads(1)
 
     wl = get_workload(args.workload)  # loaded once per study, like the real ranks each do
+    many = default_processes(args.world)
+    counts = sorted({1, many})
+    rows: list[dict] = []
     sims = {}
-    for procs in sorted({1, default_processes(args.world)}):
-        t0 = time.perf_counter()
-        model = wl.build_model(args.seed)
-        bindings = bindings_for(args.workload, model, args.world, args.steps, args.head_route)
-        sim = simulate_run(wl, bindings, args.world, args.steps, args.seed, processes=procs)
-        sims[procs] = (time.perf_counter() - t0, sim)
-    floor = compute_floor(wl, args.world, args.steps, args.seed)
+    for _ in range(max(1, args.repeats)):
+        row = {}
+        row["real_wall"], row["real_loop"], real_params = real_run(
+            args.workload, args.world, args.steps, args.seed, args.head_route
+        )
+        for procs in counts:
+            t0 = time.perf_counter()
+            model = wl.build_model(args.seed)
+            bindings = bindings_for(args.workload, model, args.world, args.steps, args.head_route)
+            sim = simulate_run(wl, bindings, args.world, args.steps, args.seed, processes=procs)
+            row[procs] = time.perf_counter() - t0
+            sims[procs] = sim
+        row["floor"] = compute_floor(wl, args.world, args.steps, args.seed)
+        rows.append(row)
+        print(f"  round: real loop {row['real_loop']:.2f} s (total {row['real_wall']:.2f} s), "
+              + ", ".join(f"sim {p} proc {row[p]:.2f} s ({row[p] / row['real_loop']:.2f}x)"
+                          for p in counts)
+              + f", floor {row['floor']:.2f} s ({row['floor'] / row['real_loop']:.2f}x)")
 
-    real_wall, real_loop, real_params = real_run(
-        args.workload, args.world, args.steps, args.seed, args.head_route
-    )
+    med = statistics.median
+    real_loop, real_wall = med(r["real_loop"] for r in rows), med(r["real_wall"] for r in rows)
     print(f"workload {args.workload}, N = {args.world}, {args.steps} steps, head "
-          f"{args.head_route}, rest sign+EF, cpus {usable_cpus()}")
+          f"{args.head_route}, rest sign+EF, cpus {usable_cpus()}, {len(rows)} rounds (medians)")
     print(f"real DDP  (N processes, total) {real_wall:8.2f} s")
     print(f"real DDP  (training loop only) {real_loop:8.2f} s")
-    print(f"compute floor (N fwd+bwd, parallel) {floor:5.2f} s   ratio floor/real loop "
-          f"{floor / real_loop:.2f}x")
-    for procs, (wall, sim) in sims.items():
+    floor_ratio = med(r["floor"] / r["real_loop"] for r in rows)
+    print(f"compute floor (N fwd+bwd, parallel) {med(r['floor'] for r in rows):5.2f} s   "
+          f"ratio floor/real loop {floor_ratio:.2f}x")
+    for procs in counts:
         diff = max(float((p.detach() - real_params[n]).abs().max())
-                   for n, p in sim.model.named_parameters())
-        print(f"simulated trial, {procs} process(es) {wall:8.2f} s   sim/real total "
-              f"{wall / real_wall:.2f}x, sim/real loop {wall / real_loop:.2f}x, "
+                   for n, p in sims[procs].model.named_parameters())
+        print(f"simulated trial, {procs} process(es) {med(r[procs] for r in rows):8.2f} s   "
+              f"sim/real total {med(r[procs] / r['real_wall'] for r in rows):.2f}x, "
+              f"sim/real loop {med(r[procs] / r['real_loop'] for r in rows):.2f}x, "
               f"max |param sim - rank0| {diff:.3g}")
-    one, many = sims[1][1], sims[max(sims)][1]
+    one, last = sims[1], sims[many]
     same = all(torch.equal(p, q)
-               for p, q in zip(one.model.parameters(), many.model.parameters(), strict=True))
-    print(f"1 process vs {max(sims)}: bit-identical parameters: {same}")
+               for p, q in zip(one.model.parameters(), last.model.parameters(), strict=True))
+    print(f"1 process vs {many}: bit-identical parameters: {same}")
 
 
 def compute_floor(wl, world: int, steps: int, seed: int) -> float:  # noqa: ANN001
