@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from nfabric_cli.calibration.hyperband import HyperbandShape
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import phase_names
 from nfabric_cli.routes.spec import REDUCERS, ROUNDINGS, ROUTE_NAMES, SIGN_MODES
@@ -89,28 +90,6 @@ class Range:
     @property
     def fixed(self) -> bool:
         return self.lo == self.hi
-
-
-@dataclass(frozen=True)
-class HyperbandShape:
-    """Hyperband over a trial's checkpoints. Bracket s first judges a trial at checkpoint
-    ``min_resource * reduction_factor**s`` and again every `reduction_factor` times later,
-    keeping the best 1/`reduction_factor` of the trials its bracket has judged there; more
-    brackets hedge against misleading early checkpoints at the cost of later first cuts."""
-
-    min_resource: int
-    reduction_factor: int
-    brackets: int
-    checkpoints: int  # a trial's checkpoints: the most resource it can use
-
-    @property
-    def max_brackets(self) -> int:
-        """Brackets whose first cut falls on a checkpoint (Optuna's count for max_resource =
-        checkpoints), at least 1."""
-        count, first = 0, self.min_resource
-        while first <= self.checkpoints:
-            count, first = count + 1, first * self.reduction_factor
-        return max(count, 1)
 
 
 @dataclass(frozen=True)

@@ -113,17 +113,7 @@ def make_pruner(spec: CalibrationSpec) -> optuna.pruners.BasePruner:
     if spec.sampler == "nsga2" or spec.pruner == "none":
         return optuna.pruners.NopPruner()
     if spec.pruner == "hyperband":
-        shape = spec.hyperband_shape()
-        # Optuna counts brackets from max_resource alone (its rungs never look at it): fewer
-        # brackets than the checkpoints allow are asked for with the largest max_resource
-        # that gives that count
-        top = shape.checkpoints
-        if shape.brackets < shape.max_brackets:
-            top = shape.min_resource * shape.reduction_factor**shape.brackets - 1
-        return optuna.pruners.HyperbandPruner(
-            min_resource=shape.min_resource, max_resource=top,
-            reduction_factor=shape.reduction_factor,
-        )
+        return spec.hyperband_shape().pruner()
     return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
 
 
@@ -132,9 +122,7 @@ def pruner_label(spec: CalibrationSpec) -> str:
     if spec.sampler == "nsga2":
         return "none (multi-objective)"
     if spec.pruner == "hyperband":
-        s = spec.hyperband_shape()
-        return (f"hyperband(min_resource={s.min_resource}, reduction_factor={s.reduction_factor}, "
-                f"brackets={s.brackets}, checkpoints={s.checkpoints})")
+        return spec.hyperband_shape().label()
     return spec.pruner
 
 

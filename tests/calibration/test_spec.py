@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from nfabric_cli.calibration.spec import HyperbandShape, Range, load_spec, parse_spec, resolve_spec
+from nfabric_cli.calibration.hyperband import HyperbandShape
+from nfabric_cli.calibration.spec import Range, load_spec, parse_spec, resolve_spec
 from nfabric_cli.errors import InputError
 from tests.calibration.helpers import tiny_spec, tiny_spec_dict, toml_text
 
