@@ -26,6 +26,7 @@ LATENCY = "1s"
 #: One read of this file gives bytes and packets from one stats snapshot; reading sysfs
 #: counters one after the other can straddle a packet (a TCP ACK still in flight).
 _NET_DEV = Path("/proc/self/net/dev")
+_SNMP = Path("/proc/self/net/snmp")
 
 
 def burst_bytes(mbit: float) -> int:
@@ -94,13 +95,22 @@ class ShapedLink:
 
 
 def read_lo_counters() -> dict[str, int]:
-    """This network namespace's loopback counters (read inside it): bytes and packets sent."""
+    """This network namespace's loopback counters (read inside it): bytes and packets sent,
+    and TCP segments retransmitted (their bytes cross the link again, unclaimed)."""
     for line in _NET_DEV.read_text().splitlines():
         name, _, fields = line.partition(":")
         if name.strip() == "lo":
             f = [int(x) for x in fields.split()]
-            return {"tx": f[8], "packets": f[9]}
+            return {"tx": f[8], "packets": f[9], "retransmits": _tcp_retransmits()}
     raise RuntimeError("no loopback in /proc/self/net/dev")
+
+
+def _tcp_retransmits() -> int:
+    """`RetransSegs` of this namespace's TCP statistics (0 where the file says nothing)."""
+    rows = [line.split() for line in _SNMP.read_text().splitlines() if line.startswith("Tcp:")]
+    if len(rows) == 2 and "RetransSegs" in rows[0]:
+        return int(rows[1][rows[0].index("RetransSegs")])
+    return 0
 
 
 def _run(cmd: list[str], what: str) -> None:

@@ -73,6 +73,7 @@ def link_bytes(recs: list[dict[str, Any]]) -> dict[str, Any] | None:
         "claimed": claimed,
         "measured_tx": link["tx"],
         "packets": link.get("packets"),
+        "retransmits": link.get("retransmits"),
         "ratio": link["tx"] / claimed if claimed else None,
     }
 

@@ -19,6 +19,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=RE
 #: here (MTU 9000): 92-100 bytes per packet in every arm, which is +0.6 % on bulk fp32 traffic
 #: and +25 % on the sign arm's few, small messages (bench/validate_link.py prints both).
 PER_PACKET = 128
+#: A retransmitted TCP segment crosses the loopback again: up to one 64 KiB GSO segment (plus
+#: headers) that no rank claims.
+PER_RETRANSMIT = 65536 + PER_PACKET
 
 
 def namespaces() -> set[str]:
@@ -42,9 +45,10 @@ def test_claimed_bytes_match_the_shaped_loopback(tmp_path):
         link = arm["link_bytes"]
         claimed = link["claimed"]
         assert claimed == arm["bytes_per_step"] * s["steps"] * s["world_size"] / 2, (name, link)
-        assert claimed <= link["measured_tx"] <= claimed + PER_PACKET * link["packets"], (
+        again = PER_RETRANSMIT * link["retransmits"]
+        assert claimed <= link["measured_tx"] <= claimed + PER_PACKET * link["packets"] + again, (
             name,
             link,
         )
     fp32 = s["arms"]["fp32"]["link_bytes"]
-    assert fp32["measured_tx"] <= 1.02 * fp32["claimed"], fp32
+    assert fp32["measured_tx"] <= 1.02 * fp32["claimed"] + PER_RETRANSMIT * fp32["retransmits"], fp32

@@ -35,7 +35,7 @@ def gathered():
             record("profile", rank, sent=4 + 2 * rank, received=6 - 2 * rank,
                    times=[5.0, 0.05 + rank * 0.01, 0.03], metric=m(0.895),
                    events=[{**EVENT, "rank": rank}, {**SKIP, "rank": rank}],
-                   link={"tx": 40, "packets": 2} if rank == 0 else None),
+                   link={"tx": 40, "packets": 2, "retransmits": 1} if rank == 0 else None),
             record("static", rank, sent=3, received=3, times=[1.0, 1.0, 1.0], metric=m(float("nan"))),
         ])  # fmt: skip
     return ranks
@@ -63,7 +63,7 @@ def test_summary_numbers():
     assert prof["fallbacks"] == 1  # the skip is an event, not a fallback
     assert static["metric"] is None and static["metric_delta"] is None  # diverged
     assert prof["link_bytes"] == {"claimed": 30, "measured_tx": 40, "packets": 2,
-                                  "ratio": pytest.approx(40 / 30)}  # fmt: skip
+                                  "retransmits": 1, "ratio": pytest.approx(40 / 30)}  # fmt: skip
     assert [(e["step"], e["rank"], e["to"]) for e in s["events"]] == [
         (2, 0, "fp32"), (2, 0, "skipped"), (2, 1, "fp32"), (2, 1, "skipped"),
     ]  # fmt: skip
