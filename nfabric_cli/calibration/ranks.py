@@ -1,19 +1,27 @@
-"""The simulated ranks' step: local gradients and their aggregate, in one process or in forked
-ones.
+"""The simulated ranks' step: local gradients, their aggregate and the optimizer step, in one
+process or in forked ones.
 
 Each simulated rank computes ``workload.loss(model, train_batch(step, rank, W, seed))`` and its
 gradient with the ops a DDP rank runs, and draws from its own RNG stream (every rank starts
 from ``manual_seed(seed)``, as a real rank seeded that way does), so a rank's gradient is
 bit-identical however many processes compute them. The gradients are then aggregated with the
-step's routes (`aggregate.py`), which is bit-identical however the parameters are split.
+step's routes (`aggregate.py`), which is bit-identical however the parameters are split, a
+step with a non-finite loss or gradient on any rank is neutralised (zero gradients), and the
+optimizer and scheduler step.
 
 With ``processes > 1`` (POSIX ``fork``), parameters, gradients and the aggregate live in shared
-memory and P forked children (one intra-op thread each) work in two phases per step: child p
-computes the ranks ``r ≡ p (mod P)``; after a barrier it aggregates its shard of the
-parameters over all ranks, keeping those parameters' error feedback. The parent steps the
-optimizer in place, which the children read at the next step. The W simulated ranks then use
-the machine's cores as W real ranks would, and so does the reduce. A model with buffers
-(BatchNorm running statistics, which DDP broadcasts from rank 0 every step) is simulated in
+memory and P forked children (one intra-op thread each) share the work as W real ranks share
+the machine's cores: child p computes the ranks ``r = p (mod P)``; after a barrier it
+aggregates its shard of the parameters over all ranks (keeping those parameters' error
+feedback) and steps the optimizer on that shard (its forked copy of the optimizer, with
+gradients set on the shard alone: the optimizers in `PER_PARAMETER` update each parameter
+from its own gradient and state only, so the shards' steps are the optimizer's step bit for
+bit); after a second barrier every parameter is updated and the child goes straight on to
+the next step's gradients, which depend on no decision of the parent (only the aggregate
+needs the step's plan). The parent's own work per step (the health monitor, a checkpoint's
+evaluation) thus overlaps the children's next forward and backward passes. The parameters
+must change only through `step`. A model with buffers (BatchNorm running statistics, which DDP
+broadcasts from rank 0 every step) or an optimizer outside `PER_PARAMETER` is simulated in
 one process.
 """
 
@@ -53,22 +61,40 @@ def default_processes(world_size: int) -> int:
     return max(1, min(world_size, usable_cpus()))
 
 
+#: Optimizers whose step updates each parameter from its own gradient and state alone (for
+#: a parameter without a gradient it does nothing), so stepping disjoint shards of the
+#: parameters gives the whole step's result. Exact types: a subclass may couple parameters.
+PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
+)
+
+
 @dataclass
 class RanksStep:
-    """One step of every simulated rank: flat fp32 local gradient per parameter (views of a
-    buffer the next step overwrites; non-finite values zeroed), loss, the gradient norm of
-    each parameter before zeroing (the hook's health statistics), what every rank receives
-    per parameter (views of a buffer the next step overwrites), and the sign agreement."""
+    """One step of every simulated rank: loss, the gradient norm of each parameter (the hook's
+    health statistics, taken before non-finite values are zeroed), whether any of them was
+    not finite (the step was then neutralised: zero gradients on every rank), and the sign
+    agreement."""
 
-    grads: list[list[torch.Tensor]]
     losses: list[float]
     norms: list[list[float]]
-    agreed: list[torch.Tensor]
+    nonfinite: bool
     agreement: Agreement
 
 
+def _finite(loss: float, norms: Sequence[float]) -> bool:
+    return math.isfinite(loss) and all(math.isfinite(n) for n in norms)
+
+
 class SimulatedRanks:
-    """Per step: every simulated rank's gradient and loss, and their aggregate under a plan."""
+    """Per step: every simulated rank's gradient and loss, their aggregate under a plan, and
+    the optimizer step (none without an optimizer).
+
+    `views[rank][i]`: rank's flat gradient of parameter i, and `out_views[i]`: what every rank
+    received, at the last step (with forked children the gradients may already be the next
+    step's)."""
 
     def __init__(
         self,
@@ -80,10 +106,14 @@ class SimulatedRanks:
         seed: int,
         processes: int | None = None,
         groups: Sequence[Hashable] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
     ) -> None:
-        """`groups[i]`: what parameter i is reduced with (see `aggregate.shard`)."""
+        """`groups[i]`: what parameter i is reduced with (see `aggregate.shard`); `optimizer`
+        (and `scheduler`, stepped once per step): built over `params` (or a superset)."""
         self.workload, self.model, self.params = workload, model, params
         self.world_size, self.seed = world_size, seed
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.numels = [p.numel() for p in params]
         total = sum(self.numels)
         wanted = default_processes(world_size) if processes is None else int(processes)
@@ -91,7 +121,9 @@ class SimulatedRanks:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.processes = min(wanted, world_size)
         if self.processes > 1 and (
-            "fork" not in mp.get_all_start_methods() or any(True for _ in model.buffers())
+            "fork" not in mp.get_all_start_methods()
+            or any(True for _ in model.buffers())
+            or (optimizer is not None and type(optimizer) not in PER_PARAMETER)
         ):
             self.processes = 1
         start = torch.Generator().manual_seed(int(seed)).get_state()
@@ -100,6 +132,7 @@ class SimulatedRanks:
         self.views = [list(torch.split(b, self.numels)) for b in self.buffers]
         self.out = torch.zeros(total)
         self.out_views = list(torch.split(self.out, self.numels))
+        self.bad = torch.zeros(world_size, dtype=torch.bool)  # per rank: non-finite this step
         self.shards = shard(self.numels, self.processes, groups)
         self.aggregators = [Aggregator(names, world_size, seed, owned) for owned in self.shards]
         self._plans: dict[Plan, int] = {}
@@ -112,8 +145,9 @@ class SimulatedRanks:
     # -- one rank ----------------------------------------------------------------------------
     def _rank_gradient(self, step: int, rank: int) -> tuple[float, list[float]]:
         """Rank `rank`'s gradient of step `step` into its buffer; returns its loss and the
-        gradient norm of each parameter. A non-finite gradient is zeroed after its norm is
-        taken (NaN never reaches a codec; the step is neutralised anyway)."""
+        gradient norm of each parameter, and marks the rank in `bad` if any is not finite.
+        A non-finite gradient is zeroed after its norm is taken (NaN never reaches a codec;
+        the step is neutralised anyway)."""
         saved = torch.get_rng_state()
         torch.set_rng_state(self.rng[rank])
         try:
@@ -130,18 +164,38 @@ class SimulatedRanks:
             else:
                 view.copy_(g.detach().reshape(-1))
             norms.append(float(torch.linalg.vector_norm(view)))
+        value = float(loss.detach())
+        finite = _finite(value, norms)
+        self.bad[rank] = not finite
         if not all(math.isfinite(n) for n in norms):
             self.buffers[rank].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        return float(loss.detach()), norms
+        return value, norms
+
+    def _update(self, owned: Sequence[int], nonfinite: bool) -> None:
+        """The optimizer (and scheduler) step on the parameters `owned`, from the aggregate;
+        a neutralised step updates from zero gradients, as every real rank then does."""
+        if nonfinite:
+            for i in owned:
+                self.out_views[i].zero_()
+        if self.optimizer is None:
+            return
+        mine = set(owned)
+        for i, p in enumerate(self.params):
+            p.grad = self.out_views[i].view_as(p) if i in mine else None
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
 
     # -- the step ----------------------------------------------------------------------------
     def step(self, step: int, plan: Plan) -> RanksStep:
-        """Every rank's gradient, loss and norms for `step`, and their aggregate under `plan`."""
+        """Train `step` under `plan`: every rank's gradient, loss and norms, their aggregate
+        and the optimizer step."""
         if not self.conns:
             done = [self._rank_gradient(step, r) for r in range(self.world_size)]
             agree = self.aggregators[0].run(step, plan, self.views, self.out_views)
-            return RanksStep(self.views, [d[0] for d in done], [d[1] for d in done],
-                             self.out_views, agree)
+            nonfinite = bool(self.bad.any())
+            self._update(self.shards[0], nonfinite)
+            return RanksStep([d[0] for d in done], [d[1] for d in done], nonfinite, agree)
         known = plan in self._plans
         if not known:
             self._plans[plan] = len(self._plans)
@@ -154,7 +208,8 @@ class SimulatedRanks:
             for rank, (loss, rank_norms) in msg[1]:
                 losses[rank], norms[rank] = loss, rank_norms
             agreements.append(msg[2])
-        return RanksStep(self.views, losses, norms, self.out_views, merge_agreement(agreements))
+        nonfinite = not all(_finite(v, n) for v, n in zip(losses, norms, strict=True))
+        return RanksStep(losses, norms, nonfinite, merge_agreement(agreements))
 
     def _collect(self, step: int) -> list[Any]:
         """Every child's reply to `step`, in child order; raises the first real failure (a
@@ -183,7 +238,7 @@ class SimulatedRanks:
 
     # -- processes ---------------------------------------------------------------------------
     def _fork(self) -> None:
-        for t in (*self.params, *self.buffers, self.out):
+        for t in (*self.params, *self.buffers, self.out, self.bad):
             t.detach().share_memory_()
         ctx = mp.get_context("fork")
         self.barrier = ctx.Barrier(self.processes)
@@ -202,9 +257,25 @@ class SimulatedRanks:
             self.conns.append(parent)
             self.children.append(proc)
 
+    def _gradients(self, ranks: range, step: int) -> tuple[Any, ...]:
+        """A child's first phase: its ranks' gradients of `step`, then the barrier after which
+        every rank's are in place. ("ready", [(rank, (loss, norms))]) or ("error", what, tb);
+        a failure breaks the barrier, so the siblings do not wait for it."""
+        try:
+            done = [(r, self._rank_gradient(step, r)) for r in ranks]
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+            self.barrier.abort()
+            return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        try:
+            self.barrier.wait()
+        except threading.BrokenBarrierError:
+            return ("error", _BROKEN, "")
+        return ("ready", done)
+
     def _serve(self, conn: Connection, parent_end: Connection, p: int) -> None:
-        """A child's loop: for each (step, plan) received, its ranks' gradients, the barrier,
-        then its shard's aggregate; None ends it."""
+        """A child's loop: for each (step, plan) received, its ranks' gradients (usually
+        computed ahead), its shard's aggregate and optimizer step, the reply, a barrier, then
+        the next step's gradients ahead of its plan; None ends it."""
         # Only the parent may hold the parent's ends (ours and earlier siblings'), or a parent
         # killed outright would leave this child waiting forever instead of reading EOF.
         for other in (*self.conns, parent_end):
@@ -212,6 +283,7 @@ class SimulatedRanks:
         torch.set_num_threads(1)
         ranks = range(p, self.world_size, self.processes)
         plans: dict[int, Plan] = {}
+        ahead: tuple[int, tuple[Any, ...], list[torch.Tensor]] | None = None
         while True:
             try:
                 msg = conn.recv()
@@ -222,20 +294,36 @@ class SimulatedRanks:
             step, number, plan = msg
             if plan is not None:
                 plans[number] = plan
+            if ahead is not None and ahead[0] == step:
+                outcome = ahead[1]
+            elif ahead is not None and ahead[1][0] == "error":  # the barrier is broken
+                what = ahead[1][1]
+                outcome = ("error", what if what == _BROKEN
+                           else f"while computing step {ahead[0]} ahead: {what}", ahead[1][2])
+            else:
+                if ahead is not None:  # another step than the next was asked for
+                    for r, state in zip(ranks, ahead[2], strict=True):
+                        self.rng[r] = state
+                outcome = self._gradients(ranks, step)
+            ahead = None
+            if outcome[0] == "error":
+                conn.send(outcome)
+                continue
             try:
-                done = [(r, self._rank_gradient(step, r)) for r in ranks]
-            except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+                agree = self.aggregators[p].run(step, plans[number], self.views, self.out_views)
+                self._update(self.shards[p], bool(self.bad.any()))
+            except Exception as exc:  # noqa: BLE001
                 self.barrier.abort()
                 conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
                 continue
+            conn.send(("ok", outcome[1], agree))
             try:
-                self.barrier.wait()
-                agree = self.aggregators[p].run(step, plans[number], self.views, self.out_views)
-                conn.send(("ok", done, agree))
+                self.barrier.wait()  # every shard is updated and every gradient read
             except threading.BrokenBarrierError:
-                conn.send(("error", _BROKEN, ""))
-            except Exception as exc:  # noqa: BLE001
-                conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                ahead = (step + 1, ("error", _BROKEN, ""), [])
+                continue
+            states = [self.rng[r].clone() for r in ranks]
+            ahead = (step + 1, self._gradients(ranks, step + 1), states)
 
     def close(self) -> None:
         """Stop the children (idempotent)."""

@@ -4,12 +4,13 @@ fabric hook would compute.
 Per step: the plan (route per parameter: the profile's, or fp32 while the health monitor
 holds its region or the capacity gate refuses its bucket; the gate's static verdicts, from
 the profile's substrate); each simulated rank's gradient on its own batch
-(`train_batch(step, rank, W, seed)`) and every parameter's aggregate under the plan with
-per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over forked
-ones); the health statistics gathered the way the hook agrees them (per-region gradient norm =
-sqrt of the summed squared local norms, sign agreement from the routes' `agree_sum /
-agree_n`, loss = mean of the ranks' losses, any non-finite value marks the step); a
-non-finite step is zeroed; then one optimizer and scheduler step. Mirrors `runtime/state.py`.
+(`train_batch(step, rank, W, seed)`), every parameter's aggregate under the plan with
+per-rank error feedback, zeroed when any rank's loss or gradient is not finite, and one
+optimizer and scheduler step (`ranks.py`, `aggregate.py`: in one process or spread over
+forked ones); then the health statistics gathered the way the hook agrees them (per-region
+gradient norm = sqrt of the summed squared local norms, sign agreement from the routes'
+`agree_sum / agree_n`, loss = mean of the ranks' losses, any non-finite value marks the
+step), which decide the next steps' plans. Mirrors `runtime/state.py`.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class SimulatedDDP:
                   for b in (bindings.params[n] for n in self.names)]
         self.ranks = SimulatedRanks(
             workload, self.model, [p for _, p in self.params], self.names, world_size, seed,
-            processes, groups,
+            processes, groups, self.optimizer, self.scheduler,
         )
 
     def close(self) -> None:
@@ -160,18 +161,14 @@ class SimulatedDDP:
         step = self.step
         plan, key = self._plan()
         self.tally.add(self._bytes_cache[key])
-        done = self.ranks.step(step, plan)
+        done = self.ranks.step(step, plan)  # gradients, aggregate, optimizer step
         # Health statistics, as the hook measures them before any encoding (a rank's
         # non-finite gradient was zeroed after its norm was taken: NaN never votes).
         norm2: dict[str, float] = {}
-        nonfinite = False
         for rank_norms in done.norms:
             for region, norm in zip(plan.regions, rank_norms, strict=True):
-                if not math.isfinite(norm):
-                    nonfinite = True
-                    continue
-                norm2[region] = norm2.get(region, 0.0) + norm * norm
-        nonfinite |= any(not math.isfinite(v) for v in done.losses)
+                if math.isfinite(norm):
+                    norm2[region] = norm2.get(region, 0.0) + norm * norm
         finite_losses = [v for v in done.losses if math.isfinite(v)]
         loss_mean = sum(finite_losses) / len(done.losses)
 
@@ -179,19 +176,12 @@ class SimulatedDDP:
         agreement = {s: agree[s][0] / agree[s][1] for s in self.scopes if agree.get(s, (0, 0))[1] > 0}
         if self.monitor_enabled:
             norms = {s: math.sqrt(norm2.get(s, 0.0)) for s in self.scopes}
-            stats = StepStats(step, loss_mean, nonfinite, norms, agreement)
+            stats = StepStats(step, loss_mean, done.nonfinite, norms, agreement)
             self.events += [ev.to_dict() for ev in self.monitor.check(stats)]
-        if nonfinite:
-            for g in done.agreed:
-                g.zero_()
+        if done.nonfinite:
             self.skipped_steps.append(step)
             self.events.append({"step": step, "scope": "all", "from": "update", "to": "skipped",
                                 "reason": "nonfinite gradient or loss: update neutralised on every rank"})
-        for (_, p), g in zip(self.params, done.agreed, strict=True):
-            p.grad = g.view_as(p).to(p.dtype)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
         self.step = step + 1
         nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
         if nxt.name != self.phase.name:

@@ -91,7 +91,7 @@ def test_each_rank_draws_its_own_stream_from_the_seed() -> None:
     try:
         wl.train_batch = lambda step, rank, w, seed: wl_batch(step, 0, w, seed)  # same batch
         first = ranks.step(0, _fp32_plan(model))
-        grads, losses = first.grads, first.losses
+        grads, losses = [[g.clone() for g in r] for r in ranks.views], first.losses
         assert losses[0] == losses[1]
         assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1], strict=True))
         assert first.norms[0] == [float(g.norm()) for g in grads[0]]
@@ -223,3 +223,93 @@ def test_children_exit_when_the_parent_is_killed_outright(tmp_path: Path) -> Non
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if alive(p)]
+
+
+class AdamWorkload(DropoutWorkload):
+    def make_optimizer(self, params, total_steps: int):  # noqa: ANN001
+        opt = torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+        return opt, None
+
+
+def test_forked_children_step_adamw_shards_bit_for_bit() -> None:
+    """Each child steps its copy of the optimizer on its shard alone: AdamW's per-parameter
+    state (moments, step count) must give the whole step's result."""
+    wl = AdamWorkload()
+    one, two = _run(wl, 4, 1), _run(wl, 4, 2)
+    for (name, p), q in zip(one.model.named_parameters(), two.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert one.curve == two.curve
+
+
+def _stepping(wl: TinyWorkload, processes: int, steps: list[int]) -> tuple[list, nn.Module]:
+    model = wl.build_model(0)
+    opt, sched = wl.make_optimizer(model.parameters(), 10)
+    names = [n for n, _ in model.named_parameters()]
+    ranks = SimulatedRanks(wl, model, list(model.parameters()), names, 4, 0, processes,
+                           optimizer=opt, scheduler=sched)
+    try:
+        losses = [ranks.step(s, _fp32_plan(model)).losses for s in steps]
+    finally:
+        ranks.close()
+    return losses, model
+
+
+def test_a_step_other_than_the_next_recomputes_what_was_computed_ahead() -> None:
+    """After step s the children compute step s+1's gradients ahead of its plan; asked for
+    another step, they rewind the ranks' RNG streams and compute that one, as one process
+    does."""
+    order = [0, 1, 1, 5, 2, 3]
+    (one, m1), (two, m2) = (_stepping(DropoutWorkload(), p, order) for p in (1, 2))
+    assert one == two
+    assert one[1] != one[2]  # the streams moved on between the two step-1 calls
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+class FailsAtStep(TinyWorkload):
+    """Every rank's loss raises from step `at` on."""
+
+    at = 3
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if torch.equal(batch[0], self.train_batch(self.at, 0, 4, 0)[0]):
+            raise ValueError(f"loss exploded at step {self.at}")
+        return super().loss(model, batch)
+
+
+def test_a_failure_computed_ahead_is_reported_for_its_step_only() -> None:
+    """Step 3's gradients fail while the children compute them ahead, after step 2: a run that
+    stops at step 2 never hears of it; asking for step 3 raises it."""
+    wl = FailsAtStep()
+    model = wl.build_model(0)
+    ranks = _ranks(wl, model, 4, seed=0, processes=2)
+    for s in range(3):
+        ranks.step(s, _fp32_plan(model))
+    with pytest.raises(RuntimeError, match="failed at step 3: ValueError: loss exploded at step 3"):
+        ranks.step(3, _fp32_plan(model))
+    ranks.close()
+    assert not mp.active_children()
+    ranks = _ranks(wl, model, 4, seed=0, processes=2)
+    for s in range(3):
+        ranks.step(s, _fp32_plan(model))
+    ranks.close()  # no error: nobody asked for step 3
+    assert not mp.active_children()
+
+
+class CoupledSGD(torch.optim.SGD):
+    """A subclass may couple parameters (say, clip by the global norm): not sharded."""
+
+
+def test_an_optimizer_not_known_per_parameter_keeps_one_process() -> None:
+    wl = TinyWorkload()
+    model = wl.build_model(0)
+    names = [n for n, _ in model.named_parameters()]
+    params = list(model.parameters())
+    coupled = SimulatedRanks(wl, model, params, names, 4, 0, 2,
+                             optimizer=CoupledSGD(params, lr=0.1))
+    assert coupled.processes == 1 and not coupled.children
+    coupled.close()
+    plain = SimulatedRanks(wl, model, params, names, 4, 0, 2,
+                           optimizer=torch.optim.SGD(params, lr=0.1))
+    assert plain.processes == 2
+    plain.close()
