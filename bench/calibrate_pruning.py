@@ -18,16 +18,21 @@ seeds (each its own model, data order and proposals) and pools the steps.
     OMP_NUM_THREADS=1 python -m bench.calibrate_pruning [--workload vision] [--trials 20]
         [--steps 60] [--seeds 0,1,2,3,4] [--no-sweep] [--processes N]
         [--hb-min-resource 1,2] [--hb-reduction-factor 2,3] [--hb-brackets 1,3]
+        [--intermediate slack,strict]
 
 Several Hyperband shapes (the cross product of `--hb-min-resource`, `--hb-reduction-factor`
-and `--hb-brackets`; 'd' is the spec's default) are each run alone and with the bound against
-one unpruned study per seed. `--keep DIR` keeps every study (`DIR/seed<S>-arm<I>.db`).
+and `--hb-brackets`; 'd' is the spec's default) and checkpoint formulas (`--intermediate`,
+names of `objective.INTERMEDIATE`) are each run alone and with the bound against one unpruned
+study per seed. `--keep DIR` keeps every study (`DIR/seed<S>-arm<I>.db`); `--unpruned-only`
+trains only the unpruned one (what `--replay` needs).
 
 `--replay DIR` trains nothing: with the random sampler a pruned study proposes what the
 unpruned one did and each trial reports the same values until it is pruned (runs are
 deterministic), so it replays the kept unpruned studies (`seed<S>-arm0.db`) through
 `make_pruner` and the traffic bound, exactly as `run_study` decides (it reproduces the live
-arms' steps). `--trials N` replays the first N trials; `--names K` repeats every replay under
+arms' steps). The values a trial reports are recomputed with each arm's formula from its raw
+checkpoints (the `checkpoints` user attr: step, metric, projected traffic); a study kept
+before that attr existed replays its stored values, for the default formula only. `--trials N` replays the first N trials; `--names K` repeats every replay under
 K study names, since Optuna assigns trials to brackets by a hash of the study name and trial
 number (a live run uses one name, "bench"). Pooled figures add the missed bests: studies that
 ended on a worse best than the unpruned one, and the mean regret (objective lost).
@@ -46,6 +51,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
+from nfabric_cli.calibration.objective import DEFAULT_INTERMEDIATE, INTERMEDIATE, intermediate_value
 from nfabric_cli.calibration.space import suggest
 from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec, resolve_spec
 from nfabric_cli.calibration.study import Calibrator, make_pruner, pruner_label, run_study
@@ -87,26 +93,30 @@ def steps_to_reach(traj: list[tuple[int, float | None, int]], target: float) -> 
 @dataclass(frozen=True)
 class Arm:
     """One study of the comparison: a pruner, the traffic bound on or off, Hyperband's shape
-    (None: the spec's default)."""
+    (None: the spec's default), the checkpoint formula (a name in `objective.INTERMEDIATE`)."""
 
     label: str
     pruner: str
     bound: bool
     shape: tuple[int | None, int | None, int | None] = (None, None, None)  # min, rf, brackets
+    intermediate: str = DEFAULT_INTERMEDIATE
 
     def overrides(self) -> dict[str, int | None]:
         keys = ("hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets")
         return dict(zip(keys, self.shape, strict=True))
 
 
-def make_arms(shapes: list[tuple[int | None, int | None, int | None]]) -> list[Arm]:
-    """The unpruned study, then Hyperband alone and with the bound for every shape asked for
-    (all against the one unpruned study per seed)."""
+def make_arms(shapes: list[tuple[int | None, int | None, int | None]],
+              formulas: tuple[str, ...] = (DEFAULT_INTERMEDIATE,)) -> list[Arm]:
+    """The unpruned study, then Hyperband alone and with the bound for every formula and
+    shape asked for (all against the one unpruned study per seed)."""
     arms = [Arm("none", "none", False)]
-    for shape in shapes:
+    for formula, shape in itertools.product(formulas, shapes):
         tag = "" if len(shapes) == 1 else "[" + ",".join(str(x or "d") for x in shape) + "]"
-        arms += [Arm(f"hyperband{tag}", "hyperband", False, shape),
-                 Arm(f"hyperband+bound{tag}", "hyperband", True, shape)]
+        if formulas != (DEFAULT_INTERMEDIATE,):
+            tag += f"/{formula}"
+        arms += [Arm(f"hyperband{tag}", "hyperband", False, shape, formula),
+                 Arm(f"hyperband+bound{tag}", "hyperband", True, shape, formula)]
     return arms
 
 
@@ -136,7 +146,7 @@ def compare(wl, base, seed: int, sweep: bool, arms: list[Arm],  # noqa: ANN001
                 study.set_user_attr("reference", reference)
             t0 = time.perf_counter()
             run = run_study(wl, spec, url, "bench", sweep=sweep, traffic_bound=arm.bound,
-                            processes=processes)
+                            processes=processes, intermediate=arm.intermediate)
             wall = time.perf_counter() - t0
             reference = run.reference
             pruned = len(run.study.get_trials(states=(TrialState.PRUNED,)))
@@ -153,6 +163,9 @@ def replay(wl, base: CalibrationSpec, seed: int, arms: list[Arm], folder: Path, 
     if len(trials) < spec.trials:
         raise SystemExit(f"seed {seed}: the kept study has {len(trials)} trials, not {spec.trials}")
     calibrator = Calibrator(wl, spec)
+    calibrator.reference = kept.user_attrs["reference"]
+    values = {f: reported_values(trials, calibrator, f, seed)
+              for f in {a.intermediate for a in arms[1:]}}
     bounds = {}  # the traffic lower bound of every configuration, as _prune_by_bound prices it
     for t in trials:
         bindings = calibrator.bindings_for(suggest(optuna.trial.FixedTrial(t.params), spec))
@@ -165,18 +178,45 @@ def replay(wl, base: CalibrationSpec, seed: int, arms: list[Arm], folder: Path, 
         results = {"none": (none, none_best, 0.0, 0)}
         for arm in arms[1:]:
             pruner = make_pruner(spec.with_overrides(pruner=arm.pruner, **arm.overrides()))
-            traj = replay_arm(trials, spec, pruner, bounds if arm.bound else None, name)
+            traj = replay_arm(trials, spec, pruner, bounds if arm.bound else None, name,
+                              values[arm.intermediate])
             best = min(v for _, v, _ in traj if v is not None)
             results[arm.label] = (traj, best, 0.0, sum(v is None for _, v, _ in traj))
         out.append(results)
     return out
 
 
+def reported_values(trials: list[optuna.trial.FrozenTrial], calibrator: Calibrator,
+                    formula: str, seed: int) -> dict[int, dict[int, float]]:
+    """Trial number -> {checkpoint index: value} that `formula` makes `Calibrator.objective`
+    report, from the trials' raw checkpoints; the stored values for a study kept without them
+    (the default formula only: it is what those studies reported)."""
+    marks = calibrator.spec.checkpoints()
+    out = {}
+    for t in trials:
+        if not t.intermediate_values:
+            continue
+        if "checkpoints" not in t.user_attrs:
+            if formula != DEFAULT_INTERMEDIATE:
+                raise SystemExit(f"seed {seed}: trial {t.number} has no raw checkpoints (kept "
+                                 f"before they were recorded): only --intermediate "
+                                 f"{DEFAULT_INTERMEDIATE} can replay it")
+            out[t.number] = dict(t.intermediate_values)
+            continue
+        out[t.number] = {
+            marks.index(step) + 1: intermediate_value(
+                traffic, calibrator.degr(metric, step), calibrator.spec.tolerance,
+                calibrator.slack(step), step == marks[-1], formula)
+            for step, metric, traffic in t.user_attrs["checkpoints"]}
+    return out
+
+
 def replay_arm(trials: list[optuna.trial.FrozenTrial], spec: CalibrationSpec,
                pruner: optuna.pruners.BasePruner, bounds: dict[int, float] | None,
-               name: str) -> list[tuple[int, float | None, int]]:
+               name: str, values: dict[int, dict[int, float]]) -> list[tuple[int, float | None, int]]:
     """The unpruned study's trials through `pruner` (and the bound), as Calibrator.objective
-    would run them: a repeated configuration reuses the first completed one for 0 steps."""
+    would run them, each reporting `values` (see `reported_values`): a repeated configuration
+    reuses the first completed one for 0 steps."""
     study = optuna.create_study(study_name=name, pruner=pruner)
     curves = {t.user_attrs["key"]: t for t in trials if t.intermediate_values}
     marks = spec.checkpoints()
@@ -200,8 +240,8 @@ def replay_arm(trials: list[optuna.trial.FrozenTrial], spec: CalibrationSpec,
             traj.append((t.number, None, spent))
             continue
         src, stopped = curves[key], None
-        for index in sorted(src.intermediate_values):
-            trial.report(src.intermediate_values[index], index)
+        for index, value in sorted(values[src.number].items()):
+            trial.report(value, index)
             # pruned at the last checkpoint, a trial has trained anyway: simulate_run
             # completes it
             if prunable and trial.should_prune() and marks[index - 1] < spec.steps:
@@ -277,6 +317,11 @@ def main() -> None:
                              "per CPU); the results do not depend on it")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep every study's SQLite file in this folder (seed<S>-arm<I>.db)")
+    parser.add_argument("--intermediate", default=DEFAULT_INTERMEDIATE,
+                        help="checkpoint formula(s), comma-separated to compare several: "
+                             + ", ".join(INTERMEDIATE))
+    parser.add_argument("--unpruned-only", action="store_true",
+                        help="train only the unpruned study (to --keep it for --replay)")
     parser.add_argument("--replay", type=Path, default=None,
                         help="train nothing: replay the unpruned studies kept in this folder")
     parser.add_argument("--names", type=int, default=1,
@@ -291,8 +336,13 @@ def main() -> None:
     base = resolve_spec(wl.name, wl.head_selector, wl.default_steps).with_overrides(
         steps=args.steps, eval_every=args.eval_every, trials=args.trials, sampler=args.sampler,
     )
+    formulas = tuple(args.intermediate.split(","))
+    if not set(formulas) <= set(INTERMEDIATE):
+        parser.error(f"--intermediate: one of {', '.join(INTERMEDIATE)}, got {args.intermediate}")
     arms = make_arms(list(itertools.product(args.hb_min_resource, args.hb_reduction_factor,
-                                            args.hb_brackets)))
+                                            args.hb_brackets)), formulas)
+    if args.unpruned_only:
+        arms = arms[:1]
     shapes = {a.label: pruner_label(base.with_overrides(pruner="hyperband", **a.overrides()))
               for a in arms if a.pruner == "hyperband"}
     mode = f"replayed from {args.replay} under {args.names} name(s)" if args.replay else "trained"
@@ -300,7 +350,8 @@ def main() -> None:
           f"{args.eval_every}), sampler {args.sampler}, "
           f"{'no sweep' if args.no_sweep else 'with sweep and seeds'}, {mode}")
     for i, arm in enumerate(arms):
-        print(f"  arm{i} {arm.label}: {shapes.get(arm.label, 'no pruning')}"
+        formula = f", {arm.intermediate} at checkpoints" if arm.pruner != "none" else ""
+        print(f"  arm{i} {arm.label}: {shapes.get(arm.label, 'no pruning')}{formula}"
               f"{', traffic bound' if arm.bound else ''}")
     pooled: dict[str, list] = {}
     floor = studies = 0

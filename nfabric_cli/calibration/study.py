@@ -3,13 +3,10 @@
 Objective (one value, so pruners work): the trial's measured traffic fraction when its metric
 stays within tolerance of the FP32 reference, else ``1 + traffic + excess / tolerance``, so
 every out-of-tolerance trial ranks behind every admissible one (the all-fp32 profile scores
-1.0). Each checkpoint reports the same formula with the projected traffic (measured so far, plus the
-profile's planned routes for the steps left: traffic is known before accuracy is), against
-the reference curve at that step, with the tolerance widened by what the reference still gains after it
-(early checkpoints are noisy); that is what Hyperband and the median pruner compare. Before a
-search trial trains, it is pruned if its traffic lower bound already loses to the best
-admissible trial. With ``--sampler nsga2`` the study has
-two objectives (traffic, metric degradation) for a Pareto front; Optuna cannot prune those.
+1.0; `objective.py`). Each checkpoint reports `intermediate_value`, what Hyperband and the median pruner
+compare. Before a search trial trains, it is pruned if its traffic lower bound already loses to
+the best admissible trial. With ``--sampler nsga2`` the study has two objectives (traffic,
+metric degradation) for a Pareto front; Optuna cannot prune those.
 
 Order of trials: the reference runs outside the study (its curve is stored in the study's user
 attrs, so a resumed study reuses it); the sweep configurations (each region alone on its
@@ -31,6 +28,14 @@ from optuna.trial import TrialState
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.calibration.objective import (
+    DEFAULT_INTERMEDIATE,
+    INTERMEDIATE,
+    PENALTY_CAP,
+    degradation,
+    intermediate_value,
+    objective_value,
+)
 from nfabric_cli.calibration.simulate import SimResult, simulate_run
 from nfabric_cli.calibration.space import (
     Config,
@@ -47,7 +52,6 @@ from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.base import Workload
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
-PENALTY_CAP = 1e3
 
 
 class ProgressSink:
@@ -72,20 +76,6 @@ class StudyRun:
     new_trials: int
     multi_objective: bool
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def degradation(metric: float, reference: float, higher_is_better: bool) -> float:
-    """How much worse than the reference (positive = worse), in metric units."""
-    if math.isnan(metric):
-        return math.inf
-    return reference - metric if higher_is_better else metric - reference
-
-
-def objective_value(traffic: float, degr: float, tolerance: float, slack: float = 0.0) -> float:
-    """`traffic` within `tolerance + slack`, else 1 + traffic + the excess in tolerances."""
-    if degr <= tolerance + slack:
-        return traffic
-    return 1.0 + traffic + min(PENALTY_CAP, (degr - tolerance - slack) / tolerance)
 
 
 def default_study_name(spec: CalibrationSpec, workload: str) -> str:
@@ -137,9 +127,13 @@ class Calibrator:
         sweep: bool = True,
         traffic_bound: bool = True,
         processes: int | None = None,
+        intermediate: str = DEFAULT_INTERMEDIATE,
     ) -> None:
         self.workload = workload
         self.processes = processes
+        if intermediate not in INTERMEDIATE:
+            raise ValueError(f"intermediate: one of {', '.join(INTERMEDIATE)}, got {intermediate!r}")
+        self.intermediate = intermediate
         self.sweep = sweep
         self.traffic_bound = traffic_bound
         self.spec = spec
@@ -232,15 +226,19 @@ class Calibrator:
         if prunable and self.traffic_bound:
             self._prune_by_bound(trial, bindings)
         marks = self.spec.checkpoints()
+        seen: list[list[float]] = []
 
         def on_checkpoint(step: int, metric: float, traffic: float) -> bool:
             d = self.degr(metric, step)
+            seen.append([step, metric, traffic])  # raw, so a bench can replay other formulas
+            trial.set_user_attr("checkpoints", seen)
             trial.set_user_attr("steps_run", step)
             trial.set_user_attr("last", {"step": step, "metric": metric, "traffic_fraction": traffic,
                                          "degradation": d})
             if self.multi:
                 return True
-            value = objective_value(traffic, d, self.spec.tolerance, self.slack(step))
+            value = intermediate_value(traffic, d, self.spec.tolerance, self.slack(step),
+                                       step == marks[-1], self.intermediate)
             trial.report(value, marks.index(step) + 1)
             return not (prunable and trial.should_prune())
 
@@ -285,7 +283,8 @@ class Calibrator:
                 return None
             src = same[0].user_attrs
             attrs = {k: src[k] for k in ("traffic_fraction", "metric", "degradation", "curve",
-                                         "row_traffic", "fallbacks", "skipped_steps") if k in src}
+                                         "checkpoints", "row_traffic", "fallbacks",
+                                         "skipped_steps") if k in src}
             attrs["reused_from"] = same[0].number
         for k, v in attrs.items():
             trial.set_user_attr(k, v)
@@ -346,13 +345,14 @@ def run_study(
     sweep: bool = True,
     traffic_bound: bool = True,
     processes: int | None = None,
+    intermediate: str = DEFAULT_INTERMEDIATE,
 ) -> StudyRun:
     """Reference, sweep and `spec.trials` more trials in the named study (created or resumed).
 
     `sweep=False` leaves out the sweep and its seeds, `traffic_bound=False` the pruning of
-    trials whose traffic lower bound cannot win (both for benchmarks). `processes`: see
-    `simulate_run`."""
-    calibrator = Calibrator(workload, spec, sink, sweep, traffic_bound, processes)
+    trials whose traffic lower bound cannot win, `intermediate` picks another checkpoint
+    formula from `INTERMEDIATE` (all three for benchmarks). `processes`: see `simulate_run`."""
+    calibrator = Calibrator(workload, spec, sink, sweep, traffic_bound, processes, intermediate)
     storage = open_storage(storage_url)
     name = study_name or default_study_name(spec, workload.name)
     spec_dict = {k: v for k, v in spec.to_dict().items() if k not in NOT_IN_SEARCH_KEY}

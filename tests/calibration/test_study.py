@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from nfabric_cli.app import app
 from nfabric_cli.calibration import ProgressSink, calibrate, run_study
-from nfabric_cli.calibration.study import make_pruner, objective_value, pruner_label
+from nfabric_cli.calibration.objective import INTERMEDIATE, intermediate_value, objective_value
+from nfabric_cli.calibration.study import Calibrator, make_pruner, pruner_label
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.workloads.registry import get_workload
@@ -40,6 +41,53 @@ def test_objective_ranks_every_miss_behind_every_admissible_trial() -> None:
     # at a checkpoint, what the reference still gains widens the tolerance
     assert objective_value(0.05, 0.03, 0.02, slack=0.01) == 0.05
     assert objective_value(0.05, 0.05, 0.02, slack=0.01) == pytest.approx(1.0 + 0.05 + 1.0)
+
+
+def test_intermediate_values_at_early_and_last_checkpoints() -> None:
+    # traffic 0.05, 0.03 behind the reference at this step, tolerance 0.02, slack 0.04
+    early = {f: intermediate_value(0.05, 0.03, 0.02, 0.04, False, f) for f in INTERMEDIATE}
+    assert early == pytest.approx({
+        "slack": 0.05,  # within 0.02 + 0.04
+        "half-slack": 0.05,  # within 0.02 + 0.02
+        "strict": 1.0 + 0.05 + 0.5,  # 0.01 beyond 0.02: half a tolerance
+        "gap": 0.05 + 0.95 * 0.03 / 0.06,  # admissible, but the gap costs: still < 1
+        "traffic": 0.05,
+    })
+    assert intermediate_value(0.05, -0.01, 0.02, 0.04, False, "gap") == 0.05  # ahead: no cost
+    assert intermediate_value(0.05, 0.10, 0.02, 0.04, False, "gap") == pytest.approx(3.05)
+    assert intermediate_value(0.05, 0.07, 0.02, 0.04, False, "half-slack") == pytest.approx(2.55)
+    # the last checkpoint reports exactly the objective, whatever the formula or slack
+    for formula in INTERMEDIATE:
+        for degr in (-0.01, 0.01, 0.02, 0.03, 0.5):
+            last = intermediate_value(0.05, degr, 0.02, 0.04, True, formula)
+            assert last == objective_value(0.05, degr, 0.02), (formula, degr)
+    assert intermediate_value(0.05, 0.03, 0.02, 0.04, True) == pytest.approx(1.55)
+    with pytest.raises(ValueError, match="intermediate: one of slack, half-slack, .*got 'nope'"):
+        Calibrator(get_workload(TINY), tiny_spec(), intermediate="nope")
+
+
+def test_trials_record_their_raw_checkpoints(tmp_path: Path) -> None:
+    """The `checkpoints` user attr (step, metric, projected traffic) is what the reported
+    values were computed from, so a bench can recompute them with another formula."""
+    wl = get_workload(TINY)
+    spec = tiny_spec(trials=3, pruner="none")
+    run = run_study(wl, spec, f"sqlite:///{tmp_path}/s.db", "c", sweep=False)
+    calibrator = Calibrator(wl, spec)
+    calibrator.reference = run.reference
+    marks = spec.checkpoints()
+    trained = [t for t in run.study.trials if "reused_from" not in t.user_attrs]
+    assert trained
+    for t in trained:
+        cps = t.user_attrs["checkpoints"]
+        assert [c[0] for c in cps] == list(marks) == [2, 4, 6]
+        assert [[s, m] for s, m, _ in cps] == t.user_attrs["curve"]
+        assert cps[-1][2] == t.user_attrs["traffic_fraction"]
+        assert 0 < min(c[2] for c in cps) <= 1
+        again = {marks.index(s) + 1: intermediate_value(
+            tr, calibrator.degr(m, s), spec.tolerance, calibrator.slack(s), s == 6)
+            for s, m, tr in cps}
+        assert t.intermediate_values == again
+        assert t.intermediate_values[3] == t.value
 
 
 def test_tiny_study_end_to_end_writes_a_valid_profile(tmp_path: Path) -> None:
@@ -313,14 +361,34 @@ def test_a_config_whose_traffic_bound_cannot_win_is_pruned_untrained(tmp_path: P
 def test_bench_replay_spends_exactly_the_steps_of_live_pruned_studies(tmp_path: Path) -> None:
     """bench.calibrate_pruning --replay judges shapes without training: it must reproduce what
     run_study does with the pruner and the traffic bound, trial by trial."""
-    from bench.calibrate_pruning import compare, make_arms, replay
+    from bench.calibrate_pruning import compare, make_arms, replay, reported_values
 
     wl = get_workload(TINY)
     base = tiny_spec(steps=6, eval_every=1, trials=6, sampler="random", tolerance=0.01)
-    arms = make_arms([(1, 2, None), (None, None, None)])
+    # one shape with the strict formula, recomputed from the kept study's raw checkpoints
+    arms = make_arms([(1, 2, None)], ("strict",)) + make_arms([(None, None, None)])[1:]
+    assert [a.label for a in arms] == ["none", "hyperband/strict", "hyperband+bound/strict",
+                                       "hyperband", "hyperband+bound"]
     live = compare(wl, base, 0, False, arms, 1, tmp_path)
     (replayed,) = replay(wl, base, 0, arms, tmp_path, ["bench"])
     assert sum(pruned for _, _, _, pruned in live.values()) > 0  # the pruners did act
     for label, (traj, best, _, pruned) in live.items():
         assert replayed[label][0] == traj, label
         assert (replayed[label][1], replayed[label][3]) == (best, pruned), label
+
+    kept = optuna.load_study(study_name="bench", storage=f"sqlite:///{tmp_path}/seed0-arm0.db")
+    trials = kept.get_trials()
+    calibrator = Calibrator(wl, base)
+    calibrator.reference = kept.user_attrs["reference"]
+    strict = reported_values(trials, calibrator, "strict", 0)
+    slack = reported_values(trials, calibrator, "slack", 0)
+    assert slack == {t.number: t.intermediate_values for t in trials if t.intermediate_values}
+    assert strict != slack  # the formulas differ on these trials ...
+    assert all(strict[n][6] == slack[n][6] for n in slack)  # ... but never at the last one
+    # a study kept before the raw checkpoints existed: its stored values, default formula only
+    old = optuna.trial.create_trial(value=0.5, intermediate_values={1: 0.5, 2: 0.5},
+                                    user_attrs={"key": "k"})
+    old.number = 3
+    assert reported_values([old], calibrator, "slack", 7) == {3: {1: 0.5, 2: 0.5}}
+    with pytest.raises(SystemExit, match="seed 7: trial 3 has no raw checkpoints"):
+        reported_values([old], calibrator, "strict", 7)
