@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import signal
 import threading
 import traceback
 import warnings
@@ -280,6 +281,9 @@ class SimulatedRanks:
         # killed outright would leave this child waiting forever instead of reading EOF.
         for other in (*self.conns, parent_end):
             other.close()
+        # Ctrl-C reaches the whole process group: the parent handles it and stops us (a
+        # child's KeyboardInterrupt would only print a traceback over the one-line message).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         torch.set_num_threads(1)
         ranks = range(p, self.world_size, self.processes)
         plans: dict[int, Plan] = {}

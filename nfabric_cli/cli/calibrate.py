@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,25 @@ from rich.table import Table
 
 from nfabric_cli.cli.common import console, err_console, handle_errors, print_json
 from nfabric_cli.errors import InputError
+
+
+class QuietInterrupt(logging.Filter):
+    """Drops Optuna's report of a trial stopped by Ctrl-C (a traceback, then "failed with
+    value None"): the one-line "interrupted" says it, the storage keeps the trial as failed
+    and a rerun resumes the study. Other failures are still reported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupted: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[0] if record.exc_info else None
+        message = record.getMessage()
+        trial = message.split(" ")[1] if message.startswith("Trial ") else ""
+        if exc is not None and issubclass(exc, KeyboardInterrupt):
+            self.interrupted.add(trial)
+            return False
+        return not (trial in self.interrupted and " failed with value " in message)
 
 
 def register(app: typer.Typer) -> None:
@@ -51,6 +71,9 @@ def calibrate_cmd(
     from nfabric_cli.workloads.registry import get_workload
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optimize_log = logging.getLogger("optuna.study._optimize")
+    if not any(isinstance(f, QuietInterrupt) for f in optimize_log.filters):
+        optimize_log.addFilter(QuietInterrupt())
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     if processes is not None and processes < 1:
         raise InputError(f"--processes must be >= 1, got {processes}")

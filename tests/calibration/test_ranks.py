@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -202,6 +203,14 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has exited (its new parent reaps it)
+
+
 def test_children_exit_when_the_parent_is_killed_outright(tmp_path: Path) -> None:
     """SIGKILL runs no cleanup: each child must see its pipe close (no other process may
     hold the parent's end) and exit by itself."""
@@ -212,17 +221,10 @@ def test_children_exit_when_the_parent_is_killed_outright(tmp_path: Path) -> Non
     pids = [int(p) for p in out.read_text().split()]
     assert len(pids) == 2
 
-    def alive(pid: int) -> bool:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-        except FileNotFoundError:
-            return False
-        return state != "Z"  # a zombie has exited (its new parent reaps it)
-
     deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [p for p in pids if alive(p)]
+    assert not [p for p in pids if _alive(p)]
 
 
 class AdamWorkload(DropoutWorkload):
@@ -313,3 +315,59 @@ def test_an_optimizer_not_known_per_parameter_keeps_one_process() -> None:
                            optimizer=torch.optim.SGD(params, lr=0.1))
     assert plain.processes == 2
     plain.close()
+
+
+_INTERRUPTED = """
+import sys, time
+import torch
+from tests.calibration.tiny import TinyWorkload
+from nfabric_cli.calibration.aggregate import Plan
+from nfabric_cli.calibration.ranks import SimulatedRanks
+from nfabric_cli.routes import FP32
+
+class Slow(TinyWorkload):
+    def loss(self, model, batch):
+        time.sleep(0.01)  # the children are mid-step whenever the signal comes
+        return super().loss(model, batch)
+
+wl = Slow()
+model = wl.build_model(0)
+names = [n for n, _ in model.named_parameters()]
+ranks = SimulatedRanks(wl, model, list(model.parameters()), names, 4, 0, processes=2)
+plan = Plan(("all",) * len(names), (FP32,) * len(names))
+with open(sys.argv[1], "w") as f:
+    f.write(" ".join(str(c.pid) for c in ranks.children))
+try:
+    step = 0
+    while True:
+        ranks.step(step, plan)
+        step += 1
+except KeyboardInterrupt:
+    ranks.close()
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_to_the_process_group_stops_the_parent_alone_and_it_stops_the_children(
+    tmp_path: Path,
+) -> None:
+    """A terminal's Ctrl-C signals every process in the foreground group: the children
+    ignore it (no KeyboardInterrupt traceback of theirs), the parent's handler closes them."""
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "pids"
+    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(out)], cwd=root,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # a few steps in
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == "interrupted", err
+    deadline = time.monotonic() + 10
+    pids = [int(p) for p in out.read_text().split()]
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _alive(p)]

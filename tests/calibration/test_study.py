@@ -392,3 +392,32 @@ def test_bench_replay_spends_exactly_the_steps_of_live_pruned_studies(tmp_path: 
     assert reported_values([old], calibrator, "slack", 7) == {3: {1: 0.5, 2: 0.5}}
     with pytest.raises(SystemExit, match="seed 7: trial 3 has no raw checkpoints"):
         reported_values([old], calibrator, "strict", 7)
+
+
+def test_ctrl_c_in_a_trial_is_not_reported_twice() -> None:
+    """Optuna logs a failed trial with its traceback; for Ctrl-C the CLI's one line says it,
+    so the CLI's filter drops that report and its "failed with value None" follow-up, and
+    lets any other failure through."""
+    import logging
+    import sys
+
+    from nfabric_cli.cli.calibrate import QuietInterrupt
+
+    def record(message: str, exc: BaseException | None) -> logging.LogRecord:
+        info = None
+        if exc is not None:
+            try:
+                raise exc
+            except BaseException:  # noqa: BLE001 - building exc_info
+                info = sys.exc_info()
+        return logging.LogRecord("optuna.study._optimize", logging.WARNING, __file__, 1,
+                                 message, None, info)
+
+    quiet = QuietInterrupt()
+    assert not quiet.filter(record("Trial 3 failed with parameters: {} because of the "
+                                   "following error: KeyboardInterrupt().", KeyboardInterrupt()))
+    assert not quiet.filter(record("Trial 3 failed with value None.", None))
+    assert quiet.filter(record("Trial 4 failed with parameters: {} because of the following "
+                               "error: ValueError('x').", ValueError("x")))
+    assert quiet.filter(record("Trial 4 failed with value None.", None))
+    assert quiet.filter(record("Trial 5 finished with value: 0.1", None))
