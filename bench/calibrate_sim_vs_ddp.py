@@ -8,7 +8,8 @@ spread over forked processes (one per CPU, the default). Printed: wall time of e
 sim / real (whole run including process start-up, which a real trial pays, and training loop
 only), the compute floor (N ranks' forward and backward passes per step, timed in this run in
 one forked process per CPU, all at once: what no simulator that computes every rank's
-gradient on this machine can beat), and the largest
+gradient on this machine can beat; sim/floor compares like with like, one busy process
+per CPU on each side, where the real run has N), and the largest
 parameter difference between the simulated model and rank 0.
 
     OMP_NUM_THREADS=1 python -m bench.calibrate_sim_vs_ddp [--workload vision] [--world 4] [--steps 30]
@@ -146,6 +147,7 @@ def main() -> None:
         print(f"simulated trial, {procs} process(es) {med(r[procs] for r in rows):8.2f} s   "
               f"sim/real total {med(r[procs] / r['real_wall'] for r in rows):.2f}x, "
               f"sim/real loop {med(r[procs] / r['real_loop'] for r in rows):.2f}x, "
+              f"sim/floor {med(r[procs] / r['floor'] for r in rows):.2f}x, "
               f"max |param sim - rank0| {diff:.3g}")
     one, last = sims[1], sims[many]
     same = all(torch.equal(p, q)
