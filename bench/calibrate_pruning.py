@@ -31,11 +31,13 @@ unpruned one did and each trial reports the same values until it is pruned (runs
 deterministic), so it replays the kept unpruned studies (`seed<S>-arm0.db`) through
 `make_pruner` and the traffic bound, exactly as `run_study` decides (it reproduces the live
 arms' steps). The values a trial reports are recomputed with each arm's formula from its raw
-checkpoints (the `checkpoints` user attr: step, metric, projected traffic); a study kept
-before that attr existed replays its stored values, for the default formula only. `--trials N` replays the first N trials; `--names K` repeats every replay under
-K study names, since Optuna assigns trials to brackets by a hash of the study name and trial
-number (a live run uses one name, "bench"). Pooled figures add the missed bests: studies that
-ended on a worse best than the unpruned one, and the mean regret (objective lost).
+checkpoints (the `checkpoints` user attr: step, metric, projected traffic, training loss); a
+study kept before that attr existed replays its stored values, for the default formula only,
+and `loss` needs studies kept with the training loss. `--trials N` replays the first N
+trials; `--names K` repeats every replay under K study names, since Optuna assigns trials to
+brackets by a hash of the study name and trial number (a live run uses one name, "bench").
+Pooled figures add the missed bests: studies that ended on a worse best than the unpruned
+one, and the mean regret (objective lost).
 """
 
 from __future__ import annotations
@@ -203,11 +205,15 @@ def reported_values(trials: list[optuna.trial.FrozenTrial], calibrator: Calibrat
                                  f"{DEFAULT_INTERMEDIATE} can replay it")
             out[t.number] = dict(t.intermediate_values)
             continue
+        if formula == "loss" and any(len(c) < 4 for c in t.user_attrs["checkpoints"]):
+            raise SystemExit(f"seed {seed}: trial {t.number} has no training losses (kept before "
+                             f"they were recorded): --intermediate loss cannot replay it")
         out[t.number] = {
             marks.index(step) + 1: intermediate_value(
                 traffic, calibrator.degr(metric, step), calibrator.spec.tolerance,
-                calibrator.slack(step), step == marks[-1], formula)
-            for step, metric, traffic in t.user_attrs["checkpoints"]}
+                calibrator.slack(step), step == marks[-1], formula,
+                calibrator.loss_degr(step, rest[0] if rest else None))
+            for step, metric, traffic, *rest in t.user_attrs["checkpoints"]}
     return out
 
 

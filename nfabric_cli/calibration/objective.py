@@ -38,20 +38,50 @@ def gap_value(traffic: float, degr: float, tolerance: float, slack: float) -> fl
     return objective_value(traffic, degr, tolerance, slack)
 
 
-#: Checkpoint formulas before the last: (traffic, degradation at the step, tolerance, slack)
-#: -> value. calibrate uses "slack"; `bench.calibrate_pruning --intermediate` compares them.
-INTERMEDIATE: dict[str, Callable[[float, float, float, float], float]] = {
-    "slack": objective_value,  # tolerance widened by what the reference still gains
-    "half-slack": lambda t, d, tol, s: objective_value(t, d, tol, s / 2),
-    "strict": lambda t, d, tol, s: objective_value(t, d, tol),  # no widening
-    "gap": gap_value,  # widened, and the gap within it costs
-    "traffic": lambda t, d, tol, s: t,  # projected traffic alone: accuracy counts at the end
+def loss_scale(curve: list[list[float]], loss_curve: list[list[float]],
+               higher_is_better: bool) -> float | None:
+    """Metric units per unit of training loss, from the reference run: how much its metric
+    improved between its first and last checkpoints over how much its training loss (mean over
+    each checkpoint's window) fell. Converts a trial's paired training-loss gap into a
+    predicted degradation. None when the reference's loss did not fall or its metric did not
+    improve (no usable scale)."""
+    if len(curve) < 2 or len(loss_curve) != len(curve):
+        return None
+    gain = -degradation(curve[-1][1], curve[0][1], higher_is_better)
+    fall = loss_curve[0][1] - loss_curve[-1][1]
+    if not (math.isfinite(gain) and math.isfinite(fall)) or gain <= 0 or fall <= 0:
+        return None
+    return gain / fall
+
+
+def loss_value(traffic: float, degr: float, tolerance: float, slack: float,
+               loss_degr: float | None) -> float:
+    """`objective_value` on the degradation the paired training-loss gap predicts (no
+    widening: the gap of a failing trial grows, it does not close); the widened metric
+    formula where there is no prediction (no loss recorded, or no `loss_scale`)."""
+    if loss_degr is None:
+        return objective_value(traffic, degr, tolerance, slack)
+    return objective_value(traffic, loss_degr, tolerance)
+
+
+#: Checkpoint formulas before the last: (traffic, degradation at the step, tolerance, slack,
+#: loss-predicted degradation or None) -> value. calibrate uses "slack";
+#: `bench.calibrate_pruning --intermediate` compares them.
+INTERMEDIATE: dict[str, Callable[[float, float, float, float, float | None], float]] = {
+    # tolerance widened by what the reference still gains
+    "slack": lambda t, d, tol, s, ld: objective_value(t, d, tol, s),
+    "half-slack": lambda t, d, tol, s, ld: objective_value(t, d, tol, s / 2),
+    "strict": lambda t, d, tol, s, ld: objective_value(t, d, tol),  # no widening
+    "gap": lambda t, d, tol, s, ld: gap_value(t, d, tol, s),  # widened, and the gap within costs
+    "traffic": lambda t, d, tol, s, ld: t,  # projected traffic alone: accuracy counts at the end
+    "loss": loss_value,  # the training loss's prediction instead of the metric's gap
 }
 DEFAULT_INTERMEDIATE = "slack"
 
 
 def intermediate_value(traffic: float, degr: float, tolerance: float, slack: float,
-                       last: bool, formula: str = DEFAULT_INTERMEDIATE) -> float:
+                       last: bool, formula: str = DEFAULT_INTERMEDIATE,
+                       loss_degr: float | None = None) -> float:
     """The value a trial reports at a checkpoint: `traffic` is the projected traffic (measured
     so far plus the planned routes for the steps left: known long before accuracy is), `degr`
     the gap to the reference curve at that step, `slack` what the reference still gains after
@@ -62,4 +92,4 @@ def intermediate_value(traffic: float, degr: float, tolerance: float, slack: flo
     evaluation noise (docs/calibration.md, "Objective and pruning")."""
     if last:
         return objective_value(traffic, degr, tolerance)
-    return INTERMEDIATE[formula](traffic, degr, tolerance, slack)
+    return INTERMEDIATE[formula](traffic, degr, tolerance, slack, loss_degr)

@@ -35,8 +35,9 @@ from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStat
 from nfabric_cli.workloads.base import Workload
 
 #: Called after each checkpoint with (step, metric, projected traffic fraction of the whole
-#: run: measured so far plus the profile's planned routes for the steps left); False stops it.
-CheckpointFn = Callable[[int, float, float], bool]
+#: run: measured so far plus the profile's planned routes for the steps left, mean training
+#: loss over the steps since the previous checkpoint); False stops it.
+CheckpointFn = Callable[[int, float, float, float], bool]
 
 
 @dataclass
@@ -51,6 +52,10 @@ class SimResult:
     skipped_steps: list[int] = field(default_factory=list)
     stopped: bool = False  # the checkpoint callback asked to stop (a pruned trial)
     model: torch.nn.Module | None = field(default=None, repr=False)  # the trained model
+    #: (steps done, mean training loss of the ranks over the steps since the previous
+    #: checkpoint) at each checkpoint reached: paired with the reference's (same batches), a
+    #: smoother early signal than the metric
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def metric(self) -> float:
@@ -87,6 +92,7 @@ class SimulatedDDP:
         self.monitor = HealthMonitor(scopes, HealthThresholds.from_dict(bindings.meta.get("health") or {}))
         self.events: list[dict[str, Any]] = []
         self.skipped_steps: list[int] = []
+        self.losses: list[float] = []  # per step: the ranks' mean loss (NaN when none finite)
         self.tally = TrafficTally()
         self.gate = CapacityGate(bindings.meta.get("substrate"), world_size)
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
@@ -171,6 +177,7 @@ class SimulatedDDP:
                     norm2[region] = norm2.get(region, 0.0) + norm * norm
         finite_losses = [v for v in done.losses if math.isfinite(v)]
         loss_mean = sum(finite_losses) / len(done.losses)
+        self.losses.append(loss_mean if finite_losses else math.nan)
 
         agree = done.agreement
         agreement = {s: agree[s][0] / agree[s][1] for s in self.scopes if agree.get(s, (0, 0))[1] > 0}
@@ -211,6 +218,7 @@ def simulate_run(
     """
     marks = set(checkpoints)
     curve: list[tuple[int, float]] = []
+    loss_curve: list[tuple[int, float]] = []
     stopped = False
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -223,8 +231,11 @@ def simulate_run(
                 if sim.step in marks:
                     metric = sim.evaluate()
                     curve.append((sim.step, metric))
+                    since = curve[-2][0] if len(curve) > 1 else 0
+                    window = sim.losses[since:sim.step]
+                    loss_curve.append((sim.step, sum(window) / len(window)))
                     if on_checkpoint is not None and not on_checkpoint(
-                        sim.step, metric, sim.projected_fraction()
+                        sim.step, metric, sim.projected_fraction(), loss_curve[-1][1]
                     ):
                         stopped = sim.step < steps
                         break
@@ -239,4 +250,5 @@ def simulate_run(
         skipped_steps=sim.skipped_steps,
         stopped=stopped,
         model=sim.model,
+        loss_curve=loss_curve,
     )

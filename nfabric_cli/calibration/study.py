@@ -34,6 +34,7 @@ from nfabric_cli.calibration.objective import (
     PENALTY_CAP,
     degradation,
     intermediate_value,
+    loss_scale,
     objective_value,
 )
 from nfabric_cli.calibration.simulate import SimResult, simulate_run
@@ -187,7 +188,7 @@ class Calibrator:
         self.sink.trial_started(None, "reference", self.spec.steps)
         result = self.simulate(fp32_config(self.spec))
         ref = {"curve": [list(c) for c in result.curve], "metric": result.metric,
-               "steps_run": result.steps_run}
+               "steps_run": result.steps_run, "loss_curve": [list(c) for c in result.loss_curve]}
         self.sink.trial_finished({"number": None, "kind": "reference", "state": "COMPLETE",
                                   "traffic_fraction": 1.0, "metric": result.metric,
                                   "degradation": 0.0})
@@ -205,6 +206,17 @@ class Calibrator:
         curve = dict((int(s), m) for s, m in self.reference["curve"])
         return max(0.0, degradation(curve[step], self.reference["metric"],
                                     self.workload.higher_is_better))
+
+    def loss_degr(self, step: int, loss: float | None) -> float | None:
+        """The degradation a trial's training loss predicts at a checkpoint: its window's mean
+        loss minus the reference's over the same steps (the same batches, so data noise
+        cancels), in metric units by `loss_scale`. None without a loss or a scale."""
+        ref = dict((int(s), v) for s, v in self.reference.get("loss_curve", []))
+        scale = loss_scale(self.reference["curve"], self.reference.get("loss_curve", []),
+                           self.workload.higher_is_better)
+        if loss is None or scale is None or step not in ref or not math.isfinite(loss):
+            return None
+        return scale * (loss - ref[step])
 
     def values(self, traffic: float, degr: float) -> float | tuple[float, float]:
         if self.multi:
@@ -228,9 +240,9 @@ class Calibrator:
         marks = self.spec.checkpoints()
         seen: list[list[float]] = []
 
-        def on_checkpoint(step: int, metric: float, traffic: float) -> bool:
+        def on_checkpoint(step: int, metric: float, traffic: float, loss: float) -> bool:
             d = self.degr(metric, step)
-            seen.append([step, metric, traffic])  # raw, so a bench can replay other formulas
+            seen.append([step, metric, traffic, loss])  # raw: a bench replays other formulas
             trial.set_user_attr("checkpoints", seen)
             trial.set_user_attr("steps_run", step)
             trial.set_user_attr("last", {"step": step, "metric": metric, "traffic_fraction": traffic,
@@ -238,7 +250,8 @@ class Calibrator:
             if self.multi:
                 return True
             value = intermediate_value(traffic, d, self.spec.tolerance, self.slack(step),
-                                       step == marks[-1], self.intermediate)
+                                       step == marks[-1], self.intermediate,
+                                       self.loss_degr(step, loss))
             trial.report(value, marks.index(step) + 1)
             return not (prunable and trial.should_prune())
 

@@ -119,13 +119,27 @@ def test_checkpoint_callback_stops_a_run_early() -> None:
     bindings = _bindings(model, 2, norms="type:LayerNorm")
     seen = []
 
-    def stop(step: int, metric: float, traffic: float) -> bool:
+    def stop(step: int, metric: float, traffic: float, loss: float) -> bool:
         seen.append((step, traffic))
         return False
 
     res = simulate_run(wl, bindings, 2, STEPS, 0, checkpoints=(2, STEPS), on_checkpoint=stop)
     assert res.stopped and res.steps_run == 2 and [s for s, _ in seen] == [2]
     assert 0 < seen[0][1] < 1
+
+
+def test_loss_curve_is_the_mean_training_loss_since_the_last_checkpoint() -> None:
+    """Each checkpoint's loss is the ranks' mean loss averaged over the steps since the one
+    before: a run evaluated every step gives the per-step losses, and evaluating does not
+    change training, so the windows of a run evaluated every other step are their means."""
+    wl = get_workload(TINY)
+    bindings = _bindings(wl.build_model(0), 2, norms="type:LayerNorm")
+    every = simulate_run(wl, bindings, 2, STEPS, 0, checkpoints=(1, 2, 3, 4)).loss_curve
+    pairs = simulate_run(wl, bindings, 2, STEPS, 0, checkpoints=(2, 4)).loss_curve
+    per_step = [loss for _, loss in every]
+    assert [s for s, _ in every] == [1, 2, 3, 4] and all(math.isfinite(v) for v in per_step)
+    assert len(set(per_step)) > 1
+    assert pairs == [(2, (per_step[0] + per_step[1]) / 2), (4, (per_step[2] + per_step[3]) / 2)]
 
 
 def test_traffic_lower_bound_is_the_cheapest_fallback_mix() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import optuna
@@ -12,7 +13,12 @@ from typer.testing import CliRunner
 
 from nfabric_cli.app import app
 from nfabric_cli.calibration import ProgressSink, calibrate, run_study
-from nfabric_cli.calibration.objective import INTERMEDIATE, intermediate_value, objective_value
+from nfabric_cli.calibration.objective import (
+    INTERMEDIATE,
+    intermediate_value,
+    loss_scale,
+    objective_value,
+)
 from nfabric_cli.calibration.study import Calibrator, make_pruner, pruner_label
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
@@ -52,7 +58,12 @@ def test_intermediate_values_at_early_and_last_checkpoints() -> None:
         "strict": 1.0 + 0.05 + 0.5,  # 0.01 beyond 0.02: half a tolerance
         "gap": 0.05 + 0.95 * 0.03 / 0.06,  # admissible, but the gap costs: still < 1
         "traffic": 0.05,
+        "loss": 0.05,  # no loss prediction: the slack formula
     })
+    # the loss formula judges the predicted degradation without widening
+    assert intermediate_value(0.05, 0.03, 0.02, 0.04, False, "loss", 0.01) == 0.05
+    assert intermediate_value(0.05, -0.5, 0.02, 0.04, False, "loss", 0.03) == pytest.approx(1.55)
+    assert intermediate_value(0.05, -0.5, 0.02, 0.04, True, "loss", 0.03) == 0.05  # last: metric
     assert intermediate_value(0.05, -0.01, 0.02, 0.04, False, "gap") == 0.05  # ahead: no cost
     assert intermediate_value(0.05, 0.10, 0.02, 0.04, False, "gap") == pytest.approx(3.05)
     assert intermediate_value(0.05, 0.07, 0.02, 0.04, False, "half-slack") == pytest.approx(2.55)
@@ -66,9 +77,21 @@ def test_intermediate_values_at_early_and_last_checkpoints() -> None:
         Calibrator(get_workload(TINY), tiny_spec(), intermediate="nope")
 
 
+def test_loss_scale_is_metric_gained_per_unit_of_loss_lost() -> None:
+    curve, losses = [[5, 0.5], [10, 0.8], [15, 0.9]], [[5, 2.0], [10, 1.2], [15, 1.0]]
+    assert loss_scale(curve, losses, True) == pytest.approx(0.4 / 1.0)  # accuracy per nat
+    # a loss metric: the metric falls with the loss
+    assert loss_scale([[5, 2.1], [15, 1.6]], [[5, 2.0], [15, 1.5]], False) == pytest.approx(1.0)
+    assert loss_scale(curve, [[5, 1.0], [10, 1.2], [15, 1.1]], True) is None  # loss rose
+    assert loss_scale([[5, 0.9], [15, 0.8]], [[5, 2.0], [15, 1.0]], True) is None  # metric fell
+    assert loss_scale(curve, [], True) is None  # a reference kept without its losses
+    assert loss_scale(curve[:1], losses[:1], True) is None
+
+
 def test_trials_record_their_raw_checkpoints(tmp_path: Path) -> None:
-    """The `checkpoints` user attr (step, metric, projected traffic) is what the reported
-    values were computed from, so a bench can recompute them with another formula."""
+    """The `checkpoints` user attr (step, metric, projected traffic, window training loss) is
+    what the reported values were computed from, so a bench can recompute them with another
+    formula; the reference keeps its window losses too."""
     wl = get_workload(TINY)
     spec = tiny_spec(trials=3, pruner="none")
     run = run_study(wl, spec, f"sqlite:///{tmp_path}/s.db", "c", sweep=False)
@@ -80,14 +103,22 @@ def test_trials_record_their_raw_checkpoints(tmp_path: Path) -> None:
     for t in trained:
         cps = t.user_attrs["checkpoints"]
         assert [c[0] for c in cps] == list(marks) == [2, 4, 6]
-        assert [[s, m] for s, m, _ in cps] == t.user_attrs["curve"]
+        assert [[s, m] for s, m, _, _ in cps] == t.user_attrs["curve"]
         assert cps[-1][2] == t.user_attrs["traffic_fraction"]
         assert 0 < min(c[2] for c in cps) <= 1
         again = {marks.index(s) + 1: intermediate_value(
             tr, calibrator.degr(m, s), spec.tolerance, calibrator.slack(s), s == 6)
-            for s, m, tr in cps}
+            for s, m, tr, _ in cps}
         assert t.intermediate_values == again
         assert t.intermediate_values[3] == t.value
+        ref_loss = dict(run.reference["loss_curve"])
+        scale = loss_scale(run.reference["curve"], run.reference["loss_curve"], wl.higher_is_better)
+        assert scale is not None and scale > 0  # the tiny reference learns
+        for s, _, _, loss in cps:
+            assert math.isfinite(loss) and math.isfinite(ref_loss[s])
+            assert calibrator.loss_degr(s, loss) == pytest.approx(scale * (loss - ref_loss[s]))
+        assert calibrator.loss_degr(2, None) is None
+    assert [s for s, _ in run.reference["loss_curve"]] == list(marks)
 
 
 def test_tiny_study_end_to_end_writes_a_valid_profile(tmp_path: Path) -> None:
