@@ -27,6 +27,7 @@ from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration.aggregate import Plan
 from nfabric_cli.calibration.ranks import SimulatedRanks
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
+from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32
 from nfabric_cli.routes.spec import RouteSpec
@@ -220,11 +221,12 @@ def simulate_run(
     curve: list[tuple[int, float]] = []
     loss_curve: list[tuple[int, float]] = []
     stopped = False
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), deferred_sigint() as interrupt:
         torch.manual_seed(seed)
         sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor, processes)
         try:
             while sim.step < steps:
+                interrupt.check()  # Ctrl-C stops the run here, between steps
                 sim.train_step()
                 if on_step is not None:
                     on_step(sim.step)

@@ -323,6 +323,7 @@ import torch
 from tests.calibration.tiny import TinyWorkload
 from nfabric_cli.calibration.aggregate import Plan
 from nfabric_cli.calibration.ranks import SimulatedRanks
+from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.routes import FP32
 
 class Slow(TinyWorkload):
@@ -338,10 +339,12 @@ plan = Plan(("all",) * len(names), (FP32,) * len(names))
 with open(sys.argv[1], "w") as f:
     f.write(" ".join(str(c.pid) for c in ranks.children))
 try:
-    step = 0
-    while True:
-        ranks.step(step, plan)
-        step += 1
+    with deferred_sigint() as interrupt:  # as simulate_run loops
+        step = 0
+        while True:
+            interrupt.check()
+            ranks.step(step, plan)
+            step += 1
 except KeyboardInterrupt:
     ranks.close()
     print("interrupted", file=sys.stderr)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -126,6 +129,24 @@ def test_checkpoint_callback_stops_a_run_early() -> None:
     res = simulate_run(wl, bindings, 2, STEPS, 0, checkpoints=(2, STEPS), on_checkpoint=stop)
     assert res.stopped and res.steps_run == 2 and [s for s, _ in seen] == [2]
     assert 0 < seen[0][1] < 1
+
+
+def test_ctrl_c_stops_a_run_between_steps() -> None:
+    """SIGINT during a step is raised before the next one (not inside whatever Python was
+    running, where a finaliser could swallow it), and the handler is restored."""
+    wl = get_workload(TINY)
+    bindings = _bindings(wl.build_model(0), 2, norms="type:LayerNorm")
+    seen = []
+
+    def on_step(step: int) -> None:
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        seen.append(step)  # the default handler would raise before this
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate_run(wl, bindings, 2, STEPS, 0, on_step=on_step, processes=1)
+    assert seen == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_loss_curve_is_the_mean_training_loss_since_the_last_checkpoint() -> None:
