@@ -11,6 +11,15 @@ import pytest
 from nfabric_cli.interrupt import deferred_sigint
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Python's default SIGINT handling, as under a terminal: a runner started in the
+    background (`cmd &`, nohup) passes SIGINT on ignored, and then there is nothing to defer."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _sigint() -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
@@ -43,6 +52,14 @@ def test_a_sigint_still_pending_at_the_end_is_raised_not_lost() -> None:
         _sigint()
     with deferred_sigint() as interrupt:  # and the next block starts clean
         interrupt.check()
+
+
+def test_an_ignored_sigint_stays_ignored() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with deferred_sigint() as interrupt:
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        _sigint()
+        interrupt.check()  # nothing was deferred
 
 
 def test_outside_the_main_thread_or_under_another_handler_nothing_changes() -> None:

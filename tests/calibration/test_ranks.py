@@ -318,7 +318,10 @@ def test_an_optimizer_not_known_per_parameter_keeps_one_process() -> None:
 
 
 _INTERRUPTED = """
-import sys, time
+import signal, sys, time
+# Ctrl-C raises, as under a terminal (a test runner started with `&` or nohup passes SIGINT
+# on ignored, and this process would never stop)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
 from tests.calibration.tiny import TinyWorkload
 from nfabric_cli.calibration.aggregate import Plan
