@@ -364,12 +364,17 @@ def test_ctrl_c_to_the_process_group_stops_the_parent_alone_and_it_stops_the_chi
     out = tmp_path / "pids"
     proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED, str(out)], cwd=root,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(1.0)  # a few steps in
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # a few steps in
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:  # a failed run must not leave its loop spinning
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert proc.returncode == 130, err
     assert err.strip() == "interrupted", err
     deadline = time.monotonic() + 10
