@@ -1,8 +1,10 @@
 """The reference profiles committed under `profiles/` are what `nfabric calibrate W` makes
-today from the committed spec: they bind to the built-in workload's model, name its data, and
-record the spec and Hyperband shape they were searched with. A change to a workload's model,
-data or `calibrate/<W>.toml` fails here until the profile is recalibrated (the example CI job,
-examples/ci/profile-check.yml, recalibrates and diffs against these files)."""
+today from the committed spec: they bind to the built-in workload's model and record the spec
+and Hyperband shape they were searched with. A change to a workload's model or to
+`calibrate/<W>.toml` fails here until the profile is recalibrated (the example CI job,
+examples/ci/profile-check.yml, recalibrates and diffs against these files). The data
+fingerprint is recorded but not held: `lm` trains on the interpreter's own `pydoc_data`
+text, which changes with every CPython release."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def test_latest_reference_profile_is_current(name: str) -> None:
     assert prov["spec"] == spec.to_dict(), f"{path.name} was calibrated from another spec"
     assert prov["pruner"] == pruner_label(spec)
     assert prov["sampler"] == spec.sampler and prov["seed"] == spec.seed
-    assert prov["data_fingerprint"] == wl.data_fingerprint()
+    assert len(prov["data_fingerprint"]) == 64
     assert not str(prov["git_revision"]).endswith("+dirty")
     assert abs(meta["target"]["reference"] - prov["reference_metric"]) == 0.0
 
