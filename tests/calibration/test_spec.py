@@ -157,3 +157,24 @@ def test_resolve_spec_falls_back_to_head_vs_rest(tmp_path: Path, monkeypatch) ->
     spec = resolve_spec("plugin_wl", "out.*", 50)
     assert [(r.name, r.selector) for r in spec.regions] == [("head", "out.*"), ("rest", "*")]
     assert (spec.steps, spec.eval_every) == (50, 10)
+
+
+def _toml_blocks(path: Path) -> list[str]:
+    text = path.read_text()
+    return [b.split("```", 1)[0] for b in text.split("```toml\n")[1:]]
+
+
+def test_readme_spec_is_the_shipped_vision_spec(tmp_path: Path) -> None:
+    """The README's spec example parses, and says exactly what calibrate/vision.toml does."""
+    [block] = [b for b in _toml_blocks(REPO / "README.md") if "[[regions]]" in b]
+    (tmp_path / "readme.toml").write_text(block)
+    assert load_spec(tmp_path / "readme.toml", "vision") == \
+        load_spec(REPO / "calibrate" / "vision.toml", "vision")
+
+
+def test_docs_spec_example_parses(tmp_path: Path) -> None:
+    [block] = [b for b in _toml_blocks(REPO / "docs" / "calibration.md") if "[[regions]]" in b]
+    (tmp_path / "docs.toml").write_text(block)
+    spec = load_spec(tmp_path / "docs.toml", "vision")
+    assert [r.name for r in spec.regions] == ["head", "backbone"]
+    assert spec.substrate["link_gbps"] == 10.0
