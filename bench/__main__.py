@@ -19,6 +19,7 @@ QUICK = [
 LONG = [
     ("teardown: 30 runs of a multi-collective hook, abnormal exits (goal 0)", [sys.executable, "-m", "bench.teardown", "30"]),
     ("calibration: Hyperband vs no pruning, steps to the same best (goal <= 40 %)", [sys.executable, "-m", "bench.calibrate_pruning"]),
+    ("calibration: 1 vs 2 workers on one study, SQLite vs PostgreSQL", [sys.executable, "-m", "bench.calibrate_workers"]),
     ("validation: static vs profile vs fp32 on lm and vision, 4 ranks", [sys.executable, "-m", "bench.validate_figures"]),
     ("validation: step time behind shaped links vs PyTorch hooks (root)", [sys.executable, "-m", "bench.validate_link"]),
     ("capacity: cost-model error on shaped links, fit by replay (root)", [sys.executable, "-m", "bench.capacity_model_error"]),

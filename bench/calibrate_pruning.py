@@ -56,7 +56,8 @@ from optuna.trial import TrialState
 from nfabric_cli.calibration.objective import DEFAULT_INTERMEDIATE, INTERMEDIATE, intermediate_value
 from nfabric_cli.calibration.space import suggest
 from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec, resolve_spec
-from nfabric_cli.calibration.study import Calibrator, make_pruner, pruner_label, run_study
+from nfabric_cli.calibration.strategy import make_pruner, pruner_label
+from nfabric_cli.calibration.study import Calibrator, run_study
 from nfabric_cli.calibration.traffic import traffic_lower_bound
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.registry import get_workload

@@ -21,8 +21,11 @@ def _umask() -> int:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temp path beside `path`; on success rename it over `path`, else delete it."""
+def atomic_path(path: str | os.PathLike[str], exclusive: bool = False) -> Iterator[Path]:
+    """Yield a temp path beside `path`; on success rename it over `path`, else delete it.
+
+    `exclusive`: never replace an existing `path` (FileExistsError instead): the temp file is
+    hard-linked to its name, which fails if another writer got there first."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -32,7 +35,11 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
-        os.replace(tmp_path, target)
+        if exclusive:
+            os.link(tmp_path, target)
+            tmp_path.unlink()
+        else:
+            os.replace(tmp_path, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()

@@ -28,17 +28,20 @@ def calibrate(
     sink: ProgressSink | None = None,
     callbacks: Sequence[Callable[[optuna.Study, optuna.trial.FrozenTrial], None]] = (),
     processes: int | None = None,
+    write: bool = True,
 ) -> tuple[StudyRun, Outcome]:
-    """Run (or resume) the study and write the winning profile under `out/<workload>/`.
+    """Run (or resume, or join) the study and write the winning profile under
+    `out/<workload>/` if this worker is the one to (`publish.py`; never with `write=False`).
 
     `processes`: processes computing the simulated ranks' gradients (default one per CPU, at
     most the world size); results do not depend on it."""
     from nfabric_cli.binding.fingerprint import model_fingerprint
+    from nfabric_cli.calibration.publish import publish
 
     run = run_study(workload, spec, storage, study_name, sink, callbacks, processes=processes)
     fingerprint = model_fingerprint(workload.build_model(spec.seed))
-    outcome = build_outcome(run, out, storage, run.study.study_name, fingerprint)
-    return run, outcome
+    return run, publish(run, lambda: build_outcome(run, storage, run.study.study_name,
+                                                   fingerprint), out, write)
 
 
 __all__ = [

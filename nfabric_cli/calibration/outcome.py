@@ -17,8 +17,8 @@ from optuna.trial import FrozenTrial, TrialState
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param, suggest
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.storage import redact
-from nfabric_cli.calibration.study import StudyRun, pruner_label
-from nfabric_cli.profile import next_profile_path, write_profile
+from nfabric_cli.calibration.strategy import pruner_label
+from nfabric_cli.calibration.study import StudyRun
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.provenance import base_provenance
 from nfabric_cli.runtime.health import HealthThresholds
@@ -29,7 +29,7 @@ class Outcome:
     """What `nfabric calibrate` reports and writes."""
 
     profile: OperatingProfile
-    path: Path
+    path: Path | None  # None until written (`publish.py`); another worker's path if it wrote
     png: Path | None
     trials: int  # finished (complete + pruned) trials in the study
     pruned: int
@@ -37,6 +37,8 @@ class Outcome:
     pareto: list[dict[str, Any]]
     steps_spent: int  # simulated training steps over the study, reference included
     new_trials: int
+    written_by: str | None = None  # the worker that wrote the profile (`host:pid`)
+    note: str | None = None  # why this worker did not write it, when it did not
 
 
 def config_of(trial: FrozenTrial, spec: CalibrationSpec) -> Config:
@@ -49,13 +51,18 @@ def completed(study: optuna.Study) -> list[FrozenTrial]:
             if "traffic_fraction" in t.user_attrs]
 
 
-def pick_winner(run: StudyRun) -> FrozenTrial | None:
-    tol = run.spec.tolerance
-    ok = [t for t in completed(run.study) if t.user_attrs["degradation"] <= tol]
+def best_admissible(study: optuna.Study, tolerance: float) -> FrozenTrial | None:
+    """The completed trial of lowest traffic within tolerance (ties: less degradation, then
+    the earlier trial), or None."""
+    ok = [t for t in completed(study) if t.user_attrs["degradation"] <= tolerance]
     if not ok:
         return None
     return min(ok, key=lambda t: (t.user_attrs["traffic_fraction"], t.user_attrs["degradation"],
                                   t.number))
+
+
+def pick_winner(run: StudyRun) -> FrozenTrial | None:
+    return best_admissible(run.study, run.spec.tolerance)
 
 
 def pareto_front(run: StudyRun) -> list[dict[str, Any]]:
@@ -97,9 +104,9 @@ def row_evidence(run: StudyRun, config: Config, winner: FrozenTrial | None) -> d
     return out
 
 
-def build_outcome(run: StudyRun, out_root: str | Path, storage_url: str | None,
-                  study_name: str, fingerprint: str) -> Outcome:
-    """Pick the winner, write its profile (and the search PNG) and summarise the study."""
+def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
+                  fingerprint: str) -> Outcome:
+    """Pick the winner, build its profile and summarise the study (`publish` writes it)."""
     spec, study = run.spec, run.study
     winner = pick_winner(run)
     config = fp32_config(spec) if winner is None else config_of(winner, spec)
@@ -156,13 +163,7 @@ def build_outcome(run: StudyRun, out_root: str | Path, storage_url: str | None,
     if spec.substrate:  # the fabric the gate priced during the search: validate prices it too
         meta["substrate"] = spec.substrate
     profile = config_profile(spec, config, meta, row_evidence(run, config, winner))
-    path = next_profile_path(out_root, wl.name)
-    write_profile(profile, path)
-    png = path.with_suffix(".png")
-    from nfabric_cli.calibration.plot import plot_search
-
-    plot_search(run, winner, png)
-    return Outcome(profile, path, png, len(finished), pruned, best, pareto, spent, run.new_trials)
+    return Outcome(profile, None, None, len(finished), pruned, best, pareto, spent, run.new_trials)
 
 
 def trial_rows(run: StudyRun) -> list[dict[str, Any]]:

@@ -12,19 +12,36 @@ another spec is refused, since its trials would not be comparable.
 
 from __future__ import annotations
 
+import os
+import random
 import re
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.study import StudyDirection
 
 from nfabric_cli.errors import InputError
 
 DEFAULT_STORAGE = "sqlite:///.nfabric/studies.db"
 JOURNAL_PREFIX = "journal:"
-HEARTBEAT_S = 30
-GRACE_S = 90
+# A worker's liveness: Optuna's trial heartbeat and our worker records and claims beat every
+# HEARTBEAT_S; after GRACE_S of silence a worker counts as dead. Operators may shorten both.
+def _seconds(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise InputError(f"{name} must be a whole number of seconds >= 1, got {raw!r}")
+    return int(raw)
+
+
+HEARTBEAT_S = _seconds("NFABRIC_HEARTBEAT_S", 30)
+GRACE_S = _seconds("NFABRIC_GRACE_S", 90)
+DRIVERS = {"postgresql": "the PostgreSQL driver is not installed: pip install 'nfabric_cli[pg]'",
+           "mysql": "the MySQL driver is not installed: pip install PyMySQL"}
 
 
 def redact(url: str) -> str:
@@ -47,14 +64,31 @@ def open_storage(url: str | None) -> optuna.storages.BaseStorage:
                 return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
             if url == DEFAULT_STORAGE:
                 Path(".nfabric").mkdir(exist_ok=True)
-            return optuna.storages.RDBStorage(
-                url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S
-            )
+            return _rdb(url)
     except InputError as exc:
         raise InputError(f"cannot open storage {redact(url)}: {exc}") from None
     except Exception as exc:  # sqlalchemy / driver errors come in many types
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise InputError(f"cannot open storage {redact(url)}: {first}") from None
+        if isinstance(exc, ImportError) or "Failed to import DB access module" in first:
+            scheme = url.split(":", 1)[0].split("+", 1)[0]
+            first = DRIVERS.get(scheme, f"{first.rstrip('.')} ({scheme})")
+        raise InputError(f"cannot open storage {redact(url)}: {redact(first)}") from None
+
+
+def _rdb(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage. Workers started together on a fresh database race to create its
+    tables (PostgreSQL: a unique violation in pg_type): the loser retries and finds them."""
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S
+            )
+        except Exception as exc:
+            text = str(exc)
+            if attempt + 1 == attempts or not ("UniqueViolation" in text or "already exists" in text):
+                raise
+            time.sleep(0.2 + random.random())
+    raise AssertionError("unreachable")
 
 
 def load_or_create(
@@ -72,19 +106,21 @@ def load_or_create(
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InputError(f"cannot read studies from the storage: {first}") from None
     resumed = name in existing
-    study = optuna.create_study(
-        storage=storage,
-        study_name=name,
-        sampler=sampler,
-        pruner=pruner,
-        directions=["minimize"] * n_objectives,
-        load_if_exists=True,
-    )
+    if not resumed:
+        try:  # another worker may create it between the listing and here
+            storage.create_new_study([StudyDirection.MINIMIZE] * n_objectives, name)
+        except optuna.exceptions.DuplicatedStudyError:
+            resumed = True
+        else:
+            sid = storage.get_study_id_from_name(name)
+            for key, value in attrs.items():
+                storage.set_study_user_attr(sid, key, value)
+    study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
     if resumed:
+        deadline = time.monotonic() + 10  # a worker that just created it is writing its attrs
+        while "search_key" not in study.user_attrs and time.monotonic() < deadline:
+            time.sleep(0.2)
         check_compatible(study, name, n_objectives, attrs)
-    else:
-        for key, value in attrs.items():
-            study.set_user_attr(key, value)
     return study, resumed
 
 

@@ -13,12 +13,17 @@ attrs, so a resumed study reuses it); the sweep configurations (each region alon
 cheapest route) are enqueued first and never pruned; when they are done, the configurations
 they suggest are enqueued; then the sampler proposes. A configuration already completed in the
 study is not trained again: its stored result is reused.
+
+Budget: `spec.trials` is the study's total of finished trials, whoever ran them; a worker
+stops when the study reaches it, so a rerun of an interrupted study finishes its budget and a
+larger `--trials` extends it. Several workers may run one study at once: `workers.py` says
+how they share the reference, the budget and the configurations.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +33,7 @@ from optuna.trial import TrialState
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.calibration import workers as workers_mod
 from nfabric_cli.calibration.objective import (
     DEFAULT_INTERMEDIATE,
     INTERMEDIATE,
@@ -37,18 +43,26 @@ from nfabric_cli.calibration.objective import (
     loss_scale,
     objective_value,
 )
+from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, simulate_run
-from nfabric_cli.calibration.space import (
-    Config,
-    config_profile,
-    derived_configs,
-    fp32_config,
-    suggest,
-    sweep_configs,
-)
+from nfabric_cli.calibration.space import Config, config_profile, fp32_config, suggest
 from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec
 from nfabric_cli.calibration.storage import load_or_create, open_storage
+from nfabric_cli.calibration.strategy import default_study_name, make_pruner, make_sampler
 from nfabric_cli.calibration.traffic import traffic_lower_bound
+from nfabric_cli.calibration.workers import (
+    Claim,
+    Dropped,
+    Worker,
+    WorkerLog,
+    budget_reached,
+    counted,
+    duplicate_of,
+    fail_dead_trials,
+    live_workers,
+    surplus,
+    wait_for_same,
+)
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.base import Workload
 
@@ -64,6 +78,8 @@ class ProgressSink:
 
     def trial_finished(self, record: dict[str, Any]) -> None: ...
 
+    def note(self, message: str) -> None: ...
+
 
 @dataclass
 class StudyRun:
@@ -77,44 +93,7 @@ class StudyRun:
     new_trials: int
     multi_objective: bool
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def default_study_name(spec: CalibrationSpec, workload: str) -> str:
-    base = f"{workload}-w{spec.world_size}-s{spec.seed}"
-    return f"{base}-nsga2" if spec.sampler == "nsga2" else base
-
-
-def make_sampler(spec: CalibrationSpec, offset: int) -> optuna.samplers.BaseSampler:
-    """Seeded sampler; `offset` (trials already in the study) keeps a resumed run from
-    replaying the first session's random draws."""
-    seed = spec.seed * 100_003 + offset
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        if spec.sampler == "tpe":
-            return optuna.samplers.TPESampler(
-                seed=seed, multivariate=True, constant_liar=True,
-                n_startup_trials=len(spec.regions) + 6,
-            )
-        if spec.sampler == "nsga2":
-            return optuna.samplers.NSGAIISampler(seed=seed, population_size=8)
-        return optuna.samplers.RandomSampler(seed=seed)
-
-
-def make_pruner(spec: CalibrationSpec) -> optuna.pruners.BasePruner:
-    if spec.sampler == "nsga2" or spec.pruner == "none":
-        return optuna.pruners.NopPruner()
-    if spec.pruner == "hyperband":
-        return spec.hyperband_shape().pruner()
-    return optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1)
-
-
-def pruner_label(spec: CalibrationSpec) -> str:
-    """The pruner as the profile's provenance records it (Hyperband with its shape)."""
-    if spec.sampler == "nsga2":
-        return "none (multi-objective)"
-    if spec.pruner == "hyperband":
-        return spec.hyperband_shape().label()
-    return spec.pruner
+    worker: Worker = field(default_factory=Worker.current)
 
 
 class Calibrator:
@@ -144,6 +123,8 @@ class Calibrator:
         self.health = dict(spec.health)
         self.bindings_for(fp32_config(spec))  # dead or missing selectors fail here, exit 2
         self.reference: dict[str, Any] = {}
+        self.worker = Worker.current()
+        self.log: WorkerLog | None = None
 
     # -- building blocks -------------------------------------------------------------------
     def bindings_for(self, config: Config) -> Bindings:
@@ -183,6 +164,30 @@ class Calibrator:
         self.sink.trial_finished({"number": trial.number, "kind": trial.user_attrs.get("kind"),
                                   "state": "PRUNED", "note": note})
         raise optuna.TrialPruned(note)
+
+    def reference_for(self, study: optuna.Study) -> dict[str, Any]:
+        """The study's FP32 reference: stored, or run here under a claim while any other
+        worker waits for it (a claim whose holder died is taken over)."""
+        claim = Claim(study, "reference", self.worker)
+        told = None
+        while (reference := study.user_attrs.get("reference")) is None:
+            if claim.try_acquire():
+                assert self.log is not None
+                with self.log.holding(claim):
+                    reference = study.user_attrs.get("reference")  # stored while we claimed
+                    if reference is None:
+                        self.log.set("reference")
+                        reference = {**self.run_reference(), "worker": self.worker.id}
+                        study.set_user_attr("reference", reference)
+                return reference
+            holder = claim.holder.get("worker", "another worker")
+            if told != holder:
+                told = holder
+                self.sink.note(f"waiting for the FP32 reference: {holder} is running it")
+                if self.log is not None:
+                    self.log.set(f"waiting for the reference ({holder})")
+            time.sleep(workers_mod.POLL_S)
+        return reference
 
     def run_reference(self) -> dict[str, Any]:
         self.sink.trial_started(None, "reference", self.spec.steps)
@@ -225,11 +230,25 @@ class Calibrator:
 
     # -- the objective ---------------------------------------------------------------------
     def objective(self, trial: optuna.Trial) -> float | tuple[float, float]:
-        config = suggest(trial, self.spec)
+        study = trial.study
+        self.worker.tag(trial)
         kind = trial.user_attrs.get("kind", "search")
+        peers = counted(study)  # one read for the budget, twin and same-config checks
+        if surplus(peers, trial, self.spec.trials):
+            self._drop(trial, kind, f"the study's budget of {self.spec.trials} trials is reached")
+        twin = duplicate_of(peers, trial, kind)
+        if twin is not None:
+            self._drop(trial, kind, f"trial {twin} holds the same {kind} configuration")
+        config = suggest(trial, self.spec)
         trial.set_user_attr("kind", kind)
         trial.set_user_attr("key", config.key())
+        trial.set_user_attr("routes", config.labels(self.spec))
         self.sink.trial_started(trial.number, kind, self.spec.steps)
+        if self.log is not None:
+            self.log.set(f"trial {trial.number} ({kind})")
+        wait_for_same(study, peers, trial, config.key(), self.worker, lambda other: self.sink.note(
+            f"trial {trial.number} waits for trial {other.number} "
+            f"({other.user_attrs.get('worker', 'another worker')} trains the same configuration)"))
         reused = self._reuse(trial, config)
         if reused is not None:
             return reused
@@ -262,6 +281,17 @@ class Calibrator:
             raise optuna.TrialPruned(f"pruned at step {result.steps_run}")
         self.sink.trial_finished({**record, "state": "COMPLETE"})
         return self.values(result.traffic_fraction, record["degradation"])
+
+    def _drop(self, trial: optuna.Trial, kind: str, reason: str) -> None:
+        """End `trial` untrained (FAIL, outside the budget) with the reason in its attrs."""
+        trial.set_user_attr("dropped", reason)
+        self.sink.trial_finished({"number": trial.number, "kind": kind, "state": "DROPPED",
+                                  "note": reason})
+        raise Dropped(reason)
+
+    def stop_at_budget(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        if budget_reached(study, self.spec.trials, self.worker):
+            study.stop()
 
     def _record(self, trial: optuna.Trial, result: SimResult) -> dict[str, Any]:
         d = self.degr(result.metric, result.curve[-1][0]) if result.curve else math.inf
@@ -309,43 +339,19 @@ class Calibrator:
         self.sink.trial_finished(record)
         return self.values(attrs["traffic_fraction"], attrs["degradation"])
 
-    # -- seeding -----------------------------------------------------------------------------
-    def enqueue_sweep(self, study: optuna.Study) -> None:
-        """Enqueue each region's sweep trial unless the study has it (done, queued or running)."""
-        live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING, TrialState.RUNNING)
-        have = {t.user_attrs.get("region") for t in study.get_trials(deepcopy=False, states=live)
-                if t.user_attrs.get("kind") == "sweep"}
-        for region, config in sweep_configs(self.spec).items():
-            if region not in have:
-                study.enqueue_trial(config.params(self.spec), {"kind": "sweep", "region": region})
-
+    # -- seeding (seeding.py) -------------------------------------------------------------
     def sensitivity(self, study: optuna.Study) -> dict[str, float] | None:
-        """Region -> degradation alone on its cheapest route; None until the sweep is done."""
-        found: dict[str, float] = {}
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-            if t.user_attrs.get("kind") == "sweep" and "degradation" in t.user_attrs:
-                found.setdefault(t.user_attrs["region"], float(t.user_attrs["degradation"]))
-        wanted = set(sweep_configs(self.spec))
-        return found if wanted <= set(found) else None
+        return sensitivity(study, self.spec)
 
     def after_trial(self, study: optuna.Study, *_: Any) -> None:
         """Keep the queue seeded: missing sweep trials, then (once the sweep is done) seeds."""
-        if not self.sweep:
-            return
-        self.enqueue_sweep(study)
-        self.maybe_enqueue_derived(study)
+        if self.sweep:
+            enqueue_seeds(study, self.spec)
 
-    def maybe_enqueue_derived(self, study: optuna.Study) -> None:
-        """Once the sweep is done, enqueue the seeds it suggests (again, if one was lost)."""
-        sens = self.sensitivity(study)
-        if sens is None:
-            return
-        live = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING, TrialState.RUNNING)
-        have = {t.user_attrs.get("key") for t in study.get_trials(deepcopy=False, states=live)
-                if t.user_attrs.get("kind") == "derived"}
-        for config in derived_configs(self.spec, sens):
-            if config.key() not in have:
-                study.enqueue_trial(config.params(self.spec), {"kind": "derived", "key": config.key()})
+
+def _finished_by(study: optuna.Study, worker: Worker) -> int:
+    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED)
+               if t.user_attrs.get("worker") == worker.id)
 
 
 def run_study(
@@ -360,7 +366,8 @@ def run_study(
     processes: int | None = None,
     intermediate: str = DEFAULT_INTERMEDIATE,
 ) -> StudyRun:
-    """Reference, sweep and `spec.trials` more trials in the named study (created or resumed).
+    """Reference, sweep and trials until the named study (created or resumed) holds
+    `spec.trials` finished trials, all workers' together.
 
     `sweep=False` leaves out the sweep and its seeds, `traffic_bound=False` the pruning of
     trials whose traffic lower bound cannot win, `intermediate` picks another checkpoint
@@ -374,24 +381,28 @@ def run_study(
     study, resumed = load_or_create(
         storage, name, n_obj, optuna.samplers.RandomSampler(), make_pruner(spec), attrs
     )
-    study.sampler = make_sampler(spec, len(study.get_trials(deepcopy=False)))
-    reference = study.user_attrs.get("reference")
-    if reference is None:
-        reference = calibrator.run_reference()
-        study.set_user_attr("reference", reference)
-    calibrator.reference = reference
-    if isinstance(storage, optuna.storages.RDBStorage):  # a killed run's trial: failed, re-queued
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            optuna.storages.fail_stale_trials(study)
-    calibrator.after_trial(study)
-    before = len(study.get_trials(deepcopy=False, states=FINISHED))
-    study.optimize(
-        calibrator.objective,
-        n_trials=spec.trials,
-        callbacks=[calibrator.after_trial, *callbacks],
-        gc_after_trial=False,
-    )
-    after = len(study.get_trials(deepcopy=False, states=FINISHED))
-    return StudyRun(study, spec, workload, reference, resumed, after - before, calibrator.multi,
-                    {"sensitivity": calibrator.sensitivity(study) or {}})
+    worker = calibrator.worker
+    log = calibrator.log = WorkerLog(study, worker, spec.trials)
+    with log.running():
+        others = [w for w in live_workers(study, worker) if w["live"] and w["worker"] != worker.id]
+        offset = len(study.get_trials(deepcopy=False)) + (worker.pid if others else 0)
+        study.sampler = make_sampler(spec, offset)
+        fail_dead_trials(study, worker)  # a killed run's trial: failed, its sweep re-queued
+        calibrator.reference = reference = calibrator.reference_for(study)
+        before = _finished_by(study, worker)
+        calibrator.after_trial(study)
+        if budget_reached(study, spec.trials, worker):
+            calibrator.sink.note(f"the study holds its budget of {spec.trials} trials")
+        else:
+            log.set("searching")
+            study.optimize(
+                calibrator.objective,
+                n_trials=None,
+                catch=(Dropped,),
+                callbacks=[calibrator.after_trial, calibrator.stop_at_budget, *callbacks],
+                gc_after_trial=False,
+            )
+        new = _finished_by(study, worker) - before
+        log.set("finishing")
+    return StudyRun(study, spec, workload, reference, resumed, new, calibrator.multi,
+                    {"sensitivity": calibrator.sensitivity(study) or {}}, worker)

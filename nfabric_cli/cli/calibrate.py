@@ -31,6 +31,8 @@ class QuietInterrupt(logging.Filter):
         if exc is not None and issubclass(exc, KeyboardInterrupt):
             self.interrupted.add(trial)
             return False
+        if "error: Dropped(" in message:  # said already, in one line, by the progress sink
+            return False
         return not (trial in self.interrupted and " failed with value " in message)
 
 
@@ -40,10 +42,13 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def calibrate_cmd(
-    workload: str = typer.Argument(..., help="Built-in workload (vision, transformer, lm) or MODULE:FN."),
+    workload: str = typer.Argument(None, help="Built-in workload (vision, transformer, lm) or "
+                                   "MODULE:FN (optional with --status --study)."),
     spec: Path = typer.Option(None, "--spec", help="Calibration spec (default calibrate/<workload>.toml)."),
     world_size: int = typer.Option(None, "--world-size", help="Simulated ranks (overrides the spec)."),
-    trials: int = typer.Option(None, "--trials", help="Trials to add to the study in this run."),
+    trials: int = typer.Option(None, "--trials", help="The study's trial budget: workers stop "
+                               "when the study holds this many finished trials, all workers' "
+                               "together (a larger number extends a finished study)."),
     steps: int = typer.Option(None, "--steps", help="Training steps per trial."),
     sampler: str = typer.Option(None, "--sampler", help="tpe, nsga2 or random."),
     pruner: str = typer.Option(None, "--pruner", help="hyperband, median or none."),
@@ -60,15 +65,30 @@ def calibrate_cmd(
     processes: int = typer.Option(None, "--processes", help="Processes computing the simulated "
                                   "ranks' gradients (default: one per CPU, at most the world "
                                   "size); results are identical for any value."),
-    as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best}."),
+    no_write: bool = typer.Option(False, "--no-write", help="Only contribute trials to the "
+                                  "study; leave the profile to another worker."),
+    status: bool = typer.Option(False, "--status", help="Print the study's trials, best "
+                                "admissible trial and workers, and exit (trains nothing)."),
+    as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best, "
+                                 "written_by} (with --status: the study's state)."),
 ) -> None:
     """Calibrate: FP32 reference, sensitivity sweep, Optuna search; write the cheapest profile
-    within tolerance to OUT/<workload>/<workload>.v<N>.parquet (and a PNG of the search)."""
+    within tolerance to OUT/<workload>/<workload>.v<N>.parquet (and a PNG of the search).
+
+    Several workers (machines, or processes) given the same --storage and --study share one
+    study: the reference runs once, the budget is the study's, one of them writes the profile."""
     import optuna
 
     from nfabric_cli.calibration import calibrate, resolve_spec
     from nfabric_cli.calibration.spec import substrate_dict
     from nfabric_cli.workloads.registry import get_workload
+
+    if status and workload is None:
+        if study is None:
+            raise InputError("--status needs --study NAME (or a workload, for its default study)")
+        return _status(storage, study, as_json)
+    if workload is None:
+        raise InputError("missing WORKLOAD: a built-in (vision, transformer, lm) or MODULE:FN")
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     optimize_log = logging.getLogger("optuna.study._optimize")
@@ -87,18 +107,42 @@ def calibrate_cmd(
     cal = base.with_overrides(world_size=world_size, trials=trials, steps=steps, sampler=sampler,
                               pruner=pruner, seed=seed, tolerance=tolerance, eval_every=every,
                               substrate=None if substrate is None else substrate_dict(substrate))
+    if status:
+        from nfabric_cli.calibration.strategy import default_study_name
+
+        return _status(storage, study or default_study_name(cal, wl.name), as_json)
     if as_json:
-        _, outcome = calibrate(wl, cal, storage, study, out, processes=processes)
-        print_json({"profile": str(outcome.path), "trials": outcome.trials,
-                    "pruned": outcome.pruned, "best": outcome.best})
+        _, outcome = calibrate(wl, cal, storage, study, out, processes=processes,
+                               write=not no_write)
+        print_json({"profile": None if outcome.path is None else str(outcome.path),
+                    "trials": outcome.trials, "pruned": outcome.pruned, "best": outcome.best,
+                    "written_by": outcome.written_by})
         return
     with _RichSink(cal.trials) as sink:
-        run, outcome = calibrate(wl, cal, storage, study, out, sink, processes=processes)
+        run, outcome = calibrate(wl, cal, storage, study, out, sink, processes=processes,
+                                 write=not no_write)
     console.print(_summary(outcome, run.study.study_name))
     console.print(_routes(outcome.best))
     if outcome.pareto:
         console.print(_pareto(outcome.pareto))
-    console.print(f"profile: {outcome.path}\nsearch plot: {outcome.png}")
+    if outcome.path is None:
+        console.print(f"profile: not written here ({outcome.note})", highlight=False,
+                      soft_wrap=True)
+    else:
+        by = "" if outcome.written_by == run.worker.id else f" (written by {outcome.written_by})"
+        console.print(f"profile: {outcome.path}{by}\nsearch plot: {outcome.png}", highlight=False,
+                      soft_wrap=True)
+
+
+def _status(storage: str | None, study: str, as_json: bool) -> None:
+    from nfabric_cli.calibration.status import study_status
+    from nfabric_cli.cli.calibrate_status import render_status
+
+    state = study_status(storage, study)
+    if as_json:
+        print_json(state)
+    else:
+        render_status(state, console)
 
 
 class _RichSink:
@@ -126,8 +170,11 @@ class _RichSink:
     def step(self, done: int) -> None:
         self.progress.update(self.steps, completed=done)
 
+    def note(self, message: str) -> None:
+        self.progress.console.print(f"  {message}", highlight=False, soft_wrap=True)
+
     def trial_finished(self, record: dict[str, Any]) -> None:
-        if record.get("number") is not None:
+        if record.get("number") is not None and record.get("state") != "DROPPED":
             self.progress.advance(self.trials)
         d = record.get("degradation")
         number = record.get("number")

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from nfabric_cli.errors import CheckFailed, InputError
 
@@ -37,10 +38,12 @@ def handle_errors(fn: F) -> F:
         except InputError as exc:
             if debug_enabled():
                 traceback.print_exc()
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False,
+                              soft_wrap=True)
             raise typer.Exit(2) from None
         except CheckFailed as exc:
-            err_console.print(f"[bold red]failed:[/] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]failed:[/] {escape(str(exc))}", highlight=False,
+                              soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -50,7 +53,7 @@ def handle_errors(fn: F) -> F:
                 traceback.print_exc()
             else:
                 err_console.print(
-                    f"[bold red]internal error:[/] {type(exc).__name__}: {exc} "
+                    f"[bold red]internal error:[/] {type(exc).__name__}: {escape(str(exc))} "
                     "(run with --debug for the traceback)",
                     highlight=False,
                     soft_wrap=True,

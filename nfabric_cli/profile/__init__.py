@@ -9,6 +9,7 @@ from nfabric_cli.profile.store import (
     next_profile_path,
     read_profile,
     resolve_profile,
+    write_next_version,
     write_profile,
 )
 
@@ -24,5 +25,6 @@ __all__ = [
     "phase_at",
     "read_profile",
     "resolve_profile",
+    "write_next_version",
     "write_profile",
 ]

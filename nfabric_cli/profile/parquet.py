@@ -55,16 +55,18 @@ def check_schema_version(path: str | os.PathLike[str], found: str | None, suppor
 
 
 def write_table(
-    path: str | os.PathLike[str], table: pa.Table, kind: str, meta: dict[str, Any]
+    path: str | os.PathLike[str], table: pa.Table, kind: str, meta: dict[str, Any],
+    exclusive: bool = False,
 ) -> None:
-    """Write `table` with `meta` as ``nfabric.<key>`` JSON values, atomically and reproducibly."""
+    """Write `table` with `meta` as ``nfabric.<key>`` JSON values, atomically and reproducibly
+    (`exclusive`: FileExistsError rather than replace an existing file)."""
     if kind not in KINDS:
         raise ValueError(f"unknown artefact kind {kind!r}")
     kv = {KIND_KEY: kind}
     for key in sorted(meta):
         kv[META_PREFIX + key] = json.dumps(meta[key], sort_keys=True, separators=(",", ":"))
     table = table.replace_schema_metadata(kv)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, exclusive) as tmp:
         pq.write_table(table, tmp, **_WRITE_OPTIONS)
 
 

@@ -29,12 +29,26 @@ def profile_table(profile: OperatingProfile) -> pa.Table:
     )
 
 
-def write_profile(profile: OperatingProfile, path: str | os.PathLike[str]) -> Path:
-    """Validate and write `profile` (rows sorted by phase start, priority) atomically."""
+def write_profile(profile: OperatingProfile, path: str | os.PathLike[str],
+                  exclusive: bool = False) -> Path:
+    """Validate and write `profile` (rows sorted by phase start, priority) atomically
+    (`exclusive`: FileExistsError rather than replace an existing file)."""
     profile.validate()
     meta = {**profile.meta, "schema_version": SCHEMA_VERSION}
-    write_table(path, profile_table(profile), "profile", meta)
+    write_table(path, profile_table(profile), "profile", meta, exclusive)
     return Path(path)
+
+
+def write_next_version(profile: OperatingProfile, root: str | os.PathLike[str],
+                       workload: str) -> Path:
+    """Write `profile` as `root/<workload>/<workload>.v<N+1>.parquet`; two writers racing for
+    the same N never overwrite each other: the later one takes N+2."""
+    while True:
+        path = next_profile_path(root, workload)
+        try:
+            return write_profile(profile, path, exclusive=True)
+        except FileExistsError:
+            continue
 
 
 def read_profile(path: str | os.PathLike[str]) -> OperatingProfile:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 from pathlib import Path
 
 import optuna
@@ -19,7 +21,8 @@ from nfabric_cli.calibration.objective import (
     loss_scale,
     objective_value,
 )
-from nfabric_cli.calibration.study import Calibrator, make_pruner, pruner_label
+from nfabric_cli.calibration.strategy import make_pruner, pruner_label
+from nfabric_cli.calibration.study import Calibrator
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.workloads.registry import get_workload
@@ -184,10 +187,12 @@ def test_interrupted_study_resumes_and_counts_add_up(tmp_path: Path) -> None:
     done = len(_finished(second))
     assert done >= 2
 
-    sink = _Count()
-    run = run_study(wl, tiny_spec(trials=3), url, "r", sink)
-    assert run.resumed and run.new_trials == 3
-    assert len(_finished(run.study)) == done + 3
+    sink = _Count()  # a rerun finishes the study's budget of 5: it adds what is missing
+    run = run_study(wl, tiny_spec(trials=5), url, "r", sink)
+    assert run.resumed and run.new_trials == 5 - done
+    assert len(_finished(run.study)) == 5
+    again = run_study(wl, tiny_spec(trials=5), url, "r")  # complete: nothing to add
+    assert again.new_trials == 0 and len(_finished(again.study)) == 5
     # a sweep or seed trial that failed is queued again: each one completes once
     kinds = [t.user_attrs.get("kind") for t in run.study.trials if t.state == TrialState.COMPLETE]
     assert kinds.count("sweep") == 2 and kinds.count("derived") == len(set(
@@ -249,7 +254,7 @@ def _brackets(pruner: optuna.pruners.HyperbandPruner) -> int:
 def test_resume_with_another_hyperband_shape_is_the_same_study(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/s.db"
     run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
-    shaped = tiny_spec(trials=1, hyperband_min_resource=2, hyperband_reduction_factor=2)
+    shaped = tiny_spec(trials=2, hyperband_min_resource=2, hyperband_reduction_factor=2)
     run = run_study(get_workload(TINY), shaped, url, "x")
     assert run.resumed and len(_finished(run.study)) == 2
     assert "hyperband_min_resource" not in run.study.user_attrs["spec"]
@@ -279,7 +284,8 @@ def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
                "--trials", "2", "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert list(doc) == ["profile", "trials", "pruned", "best"]
+    assert list(doc) == ["profile", "trials", "pruned", "best", "written_by"]
+    assert doc["written_by"] == f"{socket.gethostname()}:{os.getpid()}"  # CliRunner: in-process
     assert doc["profile"] == str(tmp_path / "o" / "tiny" / "tiny.v1.parquet")
     assert doc["trials"] == 2 and doc["pruned"] == 0
     assert set(doc["best"]) >= {"trial", "traffic_fraction", "metric", "metric_delta", "routes"}
@@ -362,10 +368,10 @@ def test_killed_process_loses_only_the_trial_in_flight(tmp_path: Path, monkeypat
     monkeypatch.setattr(storage, "GRACE_S", 1)
     monkeypatch.setattr(storage, "HEARTBEAT_S", 1)
     time.sleep(1.5)
-    run = run_study(get_workload(TINY), tiny_spec(trials=3), url, "k")
+    run = run_study(get_workload(TINY), tiny_spec(trials=4), url, "k")
     states = [t.state for t in run.study.trials]
     assert states[1] == TrialState.FAIL and states.count(TrialState.FAIL) == 1
-    assert len(_finished(run.study)) == 1 + 3
+    assert len(_finished(run.study)) == 4 and run.new_trials == 3
     sweeps = [t.user_attrs["region"] for t in run.study.trials
               if t.user_attrs.get("kind") == "sweep" and t.state == TrialState.COMPLETE]
     assert sorted(sweeps) == ["head", "rest"]  # the killed sweep trial ran again
@@ -382,7 +388,7 @@ def test_a_config_whose_traffic_bound_cannot_win_is_pruned_untrained(tmp_path: P
     best = min(t.user_attrs["traffic_fraction"] for t in first.study.trials)
     costly = uniform_config(spec, {"head": "int8"})  # the head alone on int8: ~99% of fp32
     first.study.enqueue_trial(costly.params(spec), {"kind": "search"})
-    run = run_study(wl, tiny_spec(trials=1, tolerance=1.0), url, "b")
+    run = run_study(wl, tiny_spec(trials=4, tolerance=1.0), url, "b")
     last = run.study.trials[-1]
     assert last.state == TrialState.PRUNED and last.user_attrs["steps_run"] == 0
     assert last.user_attrs["traffic_bound"] > best

@@ -14,7 +14,7 @@ import pytest
 
 from nfabric_cli.binding import compile_profile, trainable_parameters
 from nfabric_cli.calibration.spec import load_spec
-from nfabric_cli.calibration.study import pruner_label
+from nfabric_cli.calibration.strategy import pruner_label
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.workloads.registry import BUILTINS, get_workload
 

@@ -1,0 +1,96 @@
+"""Publishing a study's profile: written once per study and trial count, whoever finishes.
+
+A worker writes the profile when the study holds its budget and no trial is in flight, so
+with several workers the one that finishes the last trial writes it and the others say so.
+The write is claimed (`workers.Claim`, job `profile@<trials>`) and recorded in the study's
+user attributes under the same key: a worker that finishes at the same moment, or a rerun of
+a complete study, reports the recorded profile instead of writing a second one. The file
+itself takes the next free version in its folder without ever replacing one
+(`write_next_version`), so calibrations of different studies into one folder cannot clash.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from optuna.trial import TrialState
+
+from nfabric_cli.calibration import workers
+from nfabric_cli.calibration.outcome import Outcome, pick_winner
+from nfabric_cli.calibration.plot import plot_search
+from nfabric_cli.calibration.study import StudyRun
+from nfabric_cli.calibration.workers import COUNTED
+from nfabric_cli.profile import write_next_version
+
+PROFILE_KEY = "profile@"
+
+
+def profile_key(trials: int) -> str:
+    return f"{PROFILE_KEY}{trials}"
+
+
+def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
+            write: bool = True) -> Outcome:
+    """The study's outcome (`build()`), with its profile written here if this worker is the
+    one to (see the module docstring); else `outcome.note` says why not, and the path is the
+    recorded one if another worker wrote it."""
+    study = run.study
+    while True:
+        workers.fail_dead_trials(study, run.worker)
+        outcome = build()
+        key = profile_key(outcome.trials)
+        if _recorded(study, key, outcome):
+            return outcome
+        if not write:
+            outcome.note = "--no-write: this worker contributes trials only"
+            return outcome
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if running:
+            names = sorted({t.user_attrs.get("worker", "?") for t in running})
+            outcome.note = (f"{len(running)} trial(s) still running on {', '.join(names)}: the "
+                            "worker that finishes the last one writes the profile")
+            return outcome
+        claim = workers.Claim(study, key, run.worker)
+        if not claim.try_acquire():
+            time.sleep(workers.POLL_S)  # the holder is writing it right now
+            continue
+        try:
+            if _recorded(study, key, outcome):
+                return outcome
+            # a trial that finished since `build()` changes the count: build again
+            finished = study.get_trials(deepcopy=False, states=COUNTED)
+            if len(finished) != outcome.trials or any(t.state == TrialState.RUNNING
+                                                      for t in finished):
+                continue
+            _write(run, outcome, out_root)
+            study.set_user_attr(key, {"path": str(outcome.path), "png": str(outcome.png),
+                                      "worker": run.worker.id, "written": time.time()})
+            return outcome
+        finally:
+            claim.release()
+
+
+def _recorded(study: Any, key: str, outcome: Outcome) -> bool:
+    record = study.user_attrs.get(key)
+    if not record:
+        return False
+    outcome.path, outcome.png = Path(record["path"]), Path(record["png"])
+    outcome.written_by = record["worker"]
+    return True
+
+
+def _write(run: StudyRun, outcome: Outcome, out_root: str | Path) -> None:
+    path = write_next_version(outcome.profile, out_root, run.workload.name)
+    png = path.with_suffix(".png")
+    plot_search(run, pick_winner(run), png)
+    outcome.path, outcome.png, outcome.written_by = path, png, run.worker.id
+
+
+def recorded_profiles(study: Any) -> list[dict[str, Any]]:
+    """Every profile written for the study: trials, path, worker, time."""
+    out = [{"trials": int(k[len(PROFILE_KEY):]), **v} for k, v in study.user_attrs.items()
+           if k.startswith(PROFILE_KEY) and isinstance(v, dict)]
+    return sorted(out, key=lambda r: r["trials"])
