@@ -90,6 +90,19 @@ class ErrorFeedback:
             self._drop(name)
             self._route.pop(name, None)
 
+    def state_dict(self) -> dict[str, dict]:
+        """Residuals (CPU copies) and the route each was made for, by parameter name."""
+        return {"residual": {n: r.detach().cpu().clone() for n, r in self._residual.items()},
+                "route": dict(self._route)}
+
+    def load_state_dict(self, state: dict[str, dict], device: torch.device | None = None) -> None:
+        """Restore residuals (onto `device`); groups re-form their flat tensors at the next
+        update, with the same values."""
+        self.reset()
+        self._route = dict(state["route"])
+        self._residual = {n: r.to(device) if device is not None else r.clone()
+                          for n, r in state["residual"].items()}
+
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residual.get(name)
 

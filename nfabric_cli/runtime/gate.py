@@ -69,6 +69,23 @@ class CapacityGate:
         """Every verdict taken so far, by bucket key (revocations are in the events log)."""
         return dict(self._cache)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Verdicts taken, revocations and slow-step counts, by bucket key (JSON-able)."""
+        def rows(d: dict[tuple, Any]) -> list[list[Any]]:
+            return [[list(names), phase, value] for (names, phase), value in d.items()]
+
+        cache = {k: [v.admit, v.reason, v.fp32_time_s, v.lowbit_time_s]
+                 for k, v in self._cache.items()}
+        return {"cache": rows(cache), "revoked": rows(self._revoked), "slow": rows(self._slow)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        def keyed(rows: list[list[Any]]) -> dict[tuple, Any]:
+            return {(tuple(names), phase): value for names, phase, value in rows}
+
+        self._cache = {k: Verdict(*v) for k, v in keyed(state["cache"]).items()}
+        self._revoked = keyed(state["revoked"])
+        self._slow = keyed(state["slow"])
+
     def observe(self, key: tuple, measured_lowbit_s: float) -> str | None:
         """Feed an (all-ranks max) measured low-bit time; return a reason when revoking."""
         v = self._cache.get(key)

@@ -33,80 +33,17 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nfabric_cli.errors import InputError
 from nfabric_cli.routes.spec import ROUTE_NAMES
+from nfabric_cli.runtime.thresholds import HealthThresholds
+
+__all__ = ["ALL", "HealthEvent", "HealthMonitor", "HealthThresholds", "StepStats"]
 
 #: The scope name that stands for every scope at once.
 ALL = "all"
-
-_INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips")
-
-
-@dataclass(frozen=True)
-class HealthThresholds:
-    """Trip and re-admission thresholds (stored in a profile's ``health`` metadata)."""
-
-    window: int = 20  # steps in the rolling windows (loss median, grad-norm median)
-    min_history: int = 5  # no spike/blow-up judgement before this many observations
-    loss_spike: float = 3.0  # trip when loss > loss_spike * windowed median
-    loss_readmit: float = 1.5  # healthy only when loss <= loss_readmit * median (stricter)
-    grad_blowup: float = 10.0  # trip when a scope's grad norm > grad_blowup * its median
-    grad_collapse: float = 1e-3  # trip when a scope's grad norm < grad_collapse * its median
-    grad_readmit: float = 3.0  # healthy when median/3 <= norm <= 3*median (stricter)
-    sign_agreement_min: float = 0.02  # trip when sign agreement < this
-    cooldown: int = 10  # steps a tripped scope is held on FP32 before re-admission checks
-    healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
-    max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in _INT_FIELDS:
-                ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
-            else:
-                ok, kind = _is_finite_number(value), "a finite number"
-            if not ok:
-                raise InputError(f"health threshold {f.name} must be {kind}, got {value!r}")
-        readmit_max = min(self.grad_blowup, 1 / self.grad_collapse) if self.grad_collapse else 0
-        rules = [
-            ("window", self.window >= 1, ">= 1"),
-            ("min_history", 1 <= self.min_history <= self.window, f"in [1, window={self.window}]"),
-            ("loss_spike", self.loss_spike > 1, "> 1"),
-            ("loss_readmit", 1 <= self.loss_readmit <= self.loss_spike,
-             f"in [1, loss_spike={self.loss_spike:g}]"),
-            ("grad_blowup", self.grad_blowup > 1, "> 1"),
-            ("grad_collapse", 0 < self.grad_collapse < 1, "in (0, 1)"),
-            ("grad_readmit", 1 <= self.grad_readmit <= readmit_max,
-             "in [1, min(grad_blowup, 1/grad_collapse)]"),
-            ("sign_agreement_min", 0 <= self.sign_agreement_min <= 1, "in [0, 1]"),
-            ("cooldown", self.cooldown >= 0, ">= 0"),
-            ("healthy_to_readmit", self.healthy_to_readmit >= 1, ">= 1"),
-            ("max_trips", self.max_trips >= 1, ">= 1"),
-        ]
-        for name, ok, requirement in rules:
-            if not ok:
-                value = getattr(self, name)
-                raise InputError(f"health threshold {name} must be {requirement}, got {value}")
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> HealthThresholds:
-        """Build from a (possibly partial) mapping; unknown keys raise `InputError` naming them."""
-        d = dict(d or {})
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
-            raise InputError(f"unknown health threshold(s): {', '.join(unknown)}")
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
 
 @dataclass(frozen=True)
 class StepStats:
@@ -356,6 +293,35 @@ class HealthMonitor:
     def events(self) -> list[HealthEvent]:
         """Every event so far, in order."""
         return list(self._events)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything `check` depends on (JSON-able): a monitor loaded from it decides as the
+        one that made it would have."""
+        return {
+            "scopes": list(self._scopes),
+            "routes": dict(self._routes),
+            "holds": {s: asdict(h) for s, h in self._holds.items()},
+            "loss_window": list(self._loss_window),
+            "norm_windows": {s: list(w) for s, w in self._norm_windows.items()},
+            "events": [e.to_dict() for e in self._events],
+            "phase": self._phase,
+            "last_step": self._last_step,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if list(state["scopes"]) != self._scopes:
+            raise InputError(f"health monitor state is for scopes {list(state['scopes'])}, "
+                             f"this monitor has {self._scopes}")
+        self._routes = dict(state["routes"])
+        self._holds = {s: _Hold(**h) for s, h in state["holds"].items()}
+        self._loss_window.clear()
+        self._loss_window.extend(state["loss_window"])
+        for s, values in state["norm_windows"].items():
+            self._norm_windows[s].clear()
+            self._norm_windows[s].extend(values)
+        self._events = [HealthEvent(e["step"], e["scope"], e["from"], e["to"], e["reason"])
+                        for e in state["events"]]
+        self._phase, self._last_step = state["phase"], state["last_step"]
 
     def state(self) -> dict[str, Any]:
         """A JSON-able snapshot for reports."""

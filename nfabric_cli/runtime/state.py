@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,7 +67,9 @@ class FabricState:
         self.ef = ErrorFeedback()
         self.skipped_steps: list[int] = []
         self.step_times: list[float] = []
-        self._names = {id(tp.param): tp.name for tp in trainable_parameters(module)}
+        params = trainable_parameters(module)
+        self._names = {id(tp.param): tp.name for tp in params}
+        self.device = params[0].param.device if params else torch.device("cpu")
         self._scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
         self.monitor_enabled = monitor
         self.monitor = HealthMonitor(self._scopes, HealthThresholds.from_dict(bindings.meta.get("health") or {}))
@@ -109,13 +112,38 @@ class FabricState:
         """Parameter -> route label in force now (after health fallbacks)."""
         return {n: self._effective(n).label() for n in self.bindings.params}
 
+    def state_dict(self, all_ranks: bool = True) -> dict[str, Any]:
+        """The fabric's checkpoint: step (hence phase), health monitor, capacity gate,
+        error-feedback residuals, byte counters and events (`runtime/checkpoint.py`). With
+        `all_ranks` (default) every rank's part is gathered onto every rank, so rank 0 alone
+        may save it: a collective, so call it on every rank, between optimizer steps."""
+        from nfabric_cli.runtime.checkpoint import fabric_state_dict
+
+        return fabric_state_dict(self, all_ranks)
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Restore a `state_dict()` (after `attach`, before the resumed run's first step); the
+        resumed run is bit-identical to an uninterrupted one. Refuses, with one line, a state
+        from other bindings, another world size, or (strict) one without this rank's part."""
+        from nfabric_cli.runtime.checkpoint import load_fabric_state
+
+        for note in load_fabric_state(self, state_dict, strict):
+            warnings.warn(f"nfabric: {note}", stacklevel=2)
+
     def close(self) -> None:
-        """Stop the worker thread (idempotent). Call before destroying the process group."""
+        """Stop the worker thread (idempotent). Call before destroying the process group.
+        Warns when the run stopped short of `total_steps` (its last phases never ran) or ran
+        past it."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
             if self.trace is not None:
                 self.trace.close()
+            if self.step != self.total_steps and self.step > 0:
+                warnings.warn(
+                    f"nfabric: the run closed at step {self.step} of total_steps="
+                    f"{self.total_steps}: phases are placed by total_steps, so pass the number "
+                    "of optimizer steps the run really takes", stacklevel=2)
 
     # -- hook entry --------------------------------------------------------------------------
     def submit(
@@ -313,6 +341,10 @@ class FabricState:
             self.step_times.append(time.perf_counter() - self._step_started)
             self._step_started = None
         self.step = step + 1
+        if self.step == self.total_steps + 1:
+            warnings.warn(
+                f"nfabric: step {self.step} is past total_steps={self.total_steps}: the last "
+                "phase goes on; pass the number of optimizer steps the run takes", stacklevel=2)
         nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
         if nxt.name != self._phase.name:
             self._enter_phase(nxt, self.step)

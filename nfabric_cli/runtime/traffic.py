@@ -44,6 +44,18 @@ class TrafficMeter:
         """What the same buckets would have cost in fp32 (sent + received)."""
         self._fp32[step] += wb.total
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": [[s, p, r, v[0], v[1]] for (s, p, r), v in sorted(self._acc.items())],
+                "fp32": sorted(self._fp32.items())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._acc.clear()
+        self._fp32.clear()
+        for step, phase, route, sent, received in state["rows"]:
+            self._acc[(step, phase, route)] = [sent, received]
+        for step, total in state["fp32"]:
+            self._fp32[step] = total
+
     def rows(self) -> list[TrafficRow]:
         return [TrafficRow(s, p, r, v[0], v[1]) for (s, p, r), v in sorted(self._acc.items())]
 

@@ -1,0 +1,106 @@
+"""Checkpointing the fabric state: what a resumed run needs to decide and send exactly as an
+uninterrupted one would.
+
+Shared by every rank (the decisions are agreed): the step (so the phase and the stochastic
+rounding noise continue), the health monitor, the capacity gate's verdicts and revocations,
+the skipped steps. Per rank: the error-feedback residuals (each rank's own compression
+error), its byte counters and its event log. `state_dict(all_ranks=True)` gathers every
+rank's part on every rank (one collective: call it on all ranks, between steps), so a
+framework that writes the checkpoint from rank 0 only still saves everything; with
+`all_ranks=False` each rank returns only its own part (for frameworks that save per rank).
+A state from other bindings (another model, profile or run length), another world size or a
+newer version is refused with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.errors import InputError
+
+if TYPE_CHECKING:
+    from nfabric_cli.runtime.state import FabricState
+
+STATE_VERSION = 1
+KIND = "nfabric.fabric_state"
+
+
+def bindings_key(bindings: Bindings, total_steps: int) -> str:
+    """A hash of what decides every routing choice: the model, the routes and regions per
+    parameter and phase, the phase boundaries and the run length."""
+    routes = sorted((name, phase, spec.label(), b.regions[phase])
+                    for name, b in bindings.params.items() for phase, spec in b.routes.items())
+    phases = [(p.name, p.start, p.end) for p in bindings.phases]
+    text = json.dumps([bindings.fingerprint, routes, phases, total_steps])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, Any]:
+    if state._pending:
+        raise RuntimeError("state_dict() during a step: call it between optimizer steps")
+    mine = {"ef": state.ef.state_dict(), "meter": state.meter.state_dict(),
+            "events": [dict(e) for e in state.events], "step_times": list(state.step_times)}
+    ranks = {state.rank: mine}
+    if all_ranks and state.world_size > 1:
+        gathered: list[Any] = [None] * state.world_size
+        dist.all_gather_object(gathered, (state.rank, mine), group=state.comm.group)
+        ranks = dict(gathered)
+    return {
+        "kind": KIND,
+        "version": STATE_VERSION,
+        "bindings": bindings_key(state.bindings, state.total_steps),
+        "world_size": state.world_size,
+        "total_steps": state.total_steps,
+        "step": state.step,
+        "skipped_steps": list(state.skipped_steps),
+        "monitor": state.monitor.state_dict(),
+        "gate": state.gate.state_dict(),
+        "ranks": ranks,
+    }
+
+
+def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = True) -> list[str]:
+    """Restore `sd` into `state` (before the first step, or between steps). Returns notes on
+    what could not be restored (only with `strict=False`: another rank's residuals missing)."""
+    if not isinstance(sd, dict) or sd.get("kind") != KIND:
+        raise InputError("not an nfabric fabric state (expected FabricState.state_dict())")
+    if int(sd.get("version", 0)) > STATE_VERSION:
+        raise InputError(f"fabric state version {sd['version']} is newer than this nfabric "
+                         f"reads ({STATE_VERSION}): upgrade nfabric")
+    if state._pending:
+        raise RuntimeError("load_state_dict() during a step: call it between optimizer steps")
+    key = bindings_key(state.bindings, state.total_steps)
+    if sd["bindings"] != key:
+        raise InputError(
+            f"fabric state is from other bindings (key {sd['bindings']}, these {key}): another "
+            f"model, profile or total_steps (saved with total_steps={sd['total_steps']}, "
+            f"now {state.total_steps})")
+    if sd["world_size"] != state.world_size:
+        raise InputError(f"fabric state was saved with {sd['world_size']} ranks, this run has "
+                         f"{state.world_size}: error-feedback residuals are per rank")
+    notes: list[str] = []
+    mine = sd["ranks"].get(state.rank)
+    if mine is None:
+        saved = sorted(sd["ranks"])
+        msg = (f"fabric state holds rank(s) {saved} only, not rank {state.rank}: save it with "
+               "state_dict(all_ranks=True) (the default) or per rank")
+        if strict:
+            raise InputError(msg)
+        notes.append(msg + "; this rank starts with no error-feedback residuals")
+        mine = {"ef": {"residual": {}, "route": {}}, "meter": {"rows": [], "fp32": []},
+                "events": [], "step_times": []}
+    state.ef.load_state_dict(mine["ef"], state.device)
+    state.meter.load_state_dict(mine["meter"])
+    state.events[:] = [dict(e) for e in mine["events"]]
+    state.step_times[:] = list(mine["step_times"])
+    state.monitor.load_state_dict(sd["monitor"])
+    state.gate.load_state_dict(sd["gate"])
+    state.skipped_steps[:] = list(sd["skipped_steps"])
+    state.step = int(sd["step"])
+    state._phase = state.bindings.phase_at(min(state.step, state.total_steps), state.total_steps)
+    return notes

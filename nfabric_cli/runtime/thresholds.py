@@ -1,0 +1,79 @@
+"""`HealthThresholds`: when the health monitor trips a scope and when it re-admits it.
+
+Stored in a profile's ``health`` metadata; every field is validated, so a bad profile fails
+with one line naming the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from nfabric_cli.errors import InputError
+
+_INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips")
+
+
+@dataclass(frozen=True)
+class HealthThresholds:
+    """Trip and re-admission thresholds (stored in a profile's ``health`` metadata)."""
+
+    window: int = 20  # steps in the rolling windows (loss median, grad-norm median)
+    min_history: int = 5  # no spike/blow-up judgement before this many observations
+    loss_spike: float = 3.0  # trip when loss > loss_spike * windowed median
+    loss_readmit: float = 1.5  # healthy only when loss <= loss_readmit * median (stricter)
+    grad_blowup: float = 10.0  # trip when a scope's grad norm > grad_blowup * its median
+    grad_collapse: float = 1e-3  # trip when a scope's grad norm < grad_collapse * its median
+    grad_readmit: float = 3.0  # healthy when median/3 <= norm <= 3*median (stricter)
+    sign_agreement_min: float = 0.02  # trip when sign agreement < this
+    cooldown: int = 10  # steps a tripped scope is held on FP32 before re-admission checks
+    healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
+    max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _INT_FIELDS:
+                ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+            else:
+                ok, kind = _is_finite_number(value), "a finite number"
+            if not ok:
+                raise InputError(f"health threshold {f.name} must be {kind}, got {value!r}")
+        readmit_max = min(self.grad_blowup, 1 / self.grad_collapse) if self.grad_collapse else 0
+        rules = [
+            ("window", self.window >= 1, ">= 1"),
+            ("min_history", 1 <= self.min_history <= self.window, f"in [1, window={self.window}]"),
+            ("loss_spike", self.loss_spike > 1, "> 1"),
+            ("loss_readmit", 1 <= self.loss_readmit <= self.loss_spike,
+             f"in [1, loss_spike={self.loss_spike:g}]"),
+            ("grad_blowup", self.grad_blowup > 1, "> 1"),
+            ("grad_collapse", 0 < self.grad_collapse < 1, "in (0, 1)"),
+            ("grad_readmit", 1 <= self.grad_readmit <= readmit_max,
+             "in [1, min(grad_blowup, 1/grad_collapse)]"),
+            ("sign_agreement_min", 0 <= self.sign_agreement_min <= 1, "in [0, 1]"),
+            ("cooldown", self.cooldown >= 0, ">= 0"),
+            ("healthy_to_readmit", self.healthy_to_readmit >= 1, ">= 1"),
+            ("max_trips", self.max_trips >= 1, ">= 1"),
+        ]
+        for name, ok, requirement in rules:
+            if not ok:
+                value = getattr(self, name)
+                raise InputError(f"health threshold {name} must be {requirement}, got {value}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> HealthThresholds:
+        """Build from a (possibly partial) mapping; unknown keys raise `InputError` naming them."""
+        d = dict(d or {})
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise InputError(f"unknown health threshold(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
