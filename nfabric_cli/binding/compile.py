@@ -3,7 +3,8 @@
 Every trainable parameter gets exactly one route per phase (first matching rule by priority;
 tied tensors once, frozen parameters none), or compilation fails naming what is wrong: a
 selector that matches nothing, parameters left unrouted, or a model that is not the one the
-profile was made for. The result carries DDP's bucket plan, a capacity verdict per bucket
+profile was made for (`matching.py`: wrapper prefixes, `torch.compile` and dtype casts are
+not differences). The result carries DDP's bucket plan, a capacity verdict per bucket
 and phase, and the modelled bytes.
 """
 
@@ -16,6 +17,7 @@ from torch import nn
 from nfabric_cli.binding.bindings import Bindings, BucketPlan, ParamBinding
 from nfabric_cli.binding.buckets import bucket_slots, plan_buckets
 from nfabric_cli.binding.fingerprint import TrainableParam, fingerprint_of, trainable_parameters
+from nfabric_cli.binding.matching import match_model
 from nfabric_cli.binding.selectors import check_selector, selector_matches
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
@@ -29,20 +31,6 @@ def name_some(names: list[str], limit: int = 5) -> str:
     """'a, b, c' or 'a, b, c, d, e and 7 more' for error messages."""
     shown = ", ".join(names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
-
-
-def check_fingerprint(profile: OperatingProfile, params: list[TrainableParam]) -> str:
-    """This model's fingerprint; InputError if the profile names a different one."""
-    found = fingerprint_of(params)
-    expected = profile.meta.get("model_fingerprint")
-    if expected and expected != found:
-        workload = profile.meta.get("workload") or "unknown workload"
-        raise InputError(
-            f"profile was made for another model ({workload}, fingerprint {expected}); this model "
-            f"has fingerprint {found} over {len(params)} trainable parameters "
-            f"({name_some([p.name for p in params], 3)})"
-        )
-    return found
 
 
 def resolve_routes(
@@ -149,7 +137,9 @@ def compile_profile(
     params = trainable_parameters(model)
     if not params:
         raise InputError("the model has no trainable parameters")
-    fingerprint = check_fingerprint(profile, params)
+    match = match_model(profile.meta, params)
+    fingerprint = fingerprint_of(params)
+    params = match.aliased(params)  # selectors match the profile's names and the model's
     resolved = resolve_routes(profile, params)
     bindings = Bindings(
         phases=profile.phases(),
@@ -174,6 +164,8 @@ def compile_profile(
         fingerprint=fingerprint,
         meta=dict(profile.meta),
     )
+    if match.notes():
+        bindings.meta["model_match"] = {**match.to_dict(), "notes": match.notes()}
     plan_layout(bindings, params, bucket_cap_mb, find_unused_parameters, ready_order)
     if substrate is not None:
         remember_substrate(bindings, substrate)

@@ -61,11 +61,15 @@ def trainable_parameters(model: nn.Module) -> list[TrainableParam]:
     ]
 
 
-def fingerprint_of(params: list[TrainableParam]) -> str:
-    """sha256 (16 hex digits) over the sorted (name, shape, dtype) of `params`."""
-    items = sorted((p.name, p.shape, p.dtype) for p in params)
-    text = "\n".join(f"{n}|{','.join(map(str, s))}|{d}" for n, s, d in items)
+def fingerprint_items(items: list[tuple[str, tuple[int, ...], str]]) -> str:
+    """sha256 (16 hex digits) over sorted (name, shape, dtype) triples."""
+    text = "\n".join(f"{n}|{','.join(map(str, s))}|{d}" for n, s, d in sorted(items))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprint_of(params: list[TrainableParam]) -> str:
+    """The fingerprint over the (name, shape, dtype) of `params`."""
+    return fingerprint_items([(p.name, p.shape, p.dtype) for p in params])
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -13,7 +13,8 @@ from typing import Any
 from torch import nn
 
 from nfabric_cli.binding.compile import compile_profile
-from nfabric_cli.binding.fingerprint import model_fingerprint
+from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
+from nfabric_cli.binding.matching import params_record
 from nfabric_cli.binding.selectors import check_selector
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile, ProfileRow
@@ -81,6 +82,7 @@ def static_profile(
         "provenance": base_provenance(
             source="profile init",
             rules=[f"{s}={r}" for s, r in ordered],
+            model_params=params_record(trainable_parameters(model)),
             **(provenance or {}),
         ),
     }

@@ -35,13 +35,15 @@ def calibrate(
 
     `processes`: processes computing the simulated ranks' gradients (default one per CPU, at
     most the world size); results do not depend on it."""
-    from nfabric_cli.binding.fingerprint import model_fingerprint
+    from nfabric_cli.binding.fingerprint import fingerprint_of, trainable_parameters
+    from nfabric_cli.binding.matching import params_record
     from nfabric_cli.calibration.publish import publish
 
     run = run_study(workload, spec, storage, study_name, sink, callbacks, processes=processes)
-    fingerprint = model_fingerprint(workload.build_model(spec.seed))
+    params = trainable_parameters(workload.build_model(spec.seed))
+    fingerprint, record = fingerprint_of(params), params_record(params)
     return run, publish(run, lambda: build_outcome(run, storage, run.study.study_name,
-                                                   fingerprint), out, write)
+                                                   fingerprint, record), out, write)
 
 
 __all__ = [

@@ -105,7 +105,7 @@ def row_evidence(run: StudyRun, config: Config, winner: FrozenTrial | None) -> d
 
 
 def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
-                  fingerprint: str) -> Outcome:
+                  fingerprint: str, model_params: list | None = None) -> Outcome:
     """Pick the winner, build its profile and summarise the study (`publish` writes it)."""
     spec, study = run.spec, run.study
     winner = pick_winner(run)
@@ -158,6 +158,7 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
             sensitivity=run.extra.get("sensitivity", {}),
             pareto_front=pareto or None,
             spec=spec.to_dict(),
+            model_params=model_params,
         ),
     }
     if spec.substrate:  # the fabric the gate priced during the search: validate prices it too

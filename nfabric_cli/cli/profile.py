@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from nfabric_cli.cli.common import console, handle_errors, print_json
+from nfabric_cli.cli.common import console, err_console, handle_errors, print_json
 from nfabric_cli.errors import CheckFailed, InputError
 
 profile_app = typer.Typer(
@@ -158,6 +158,8 @@ def compile_profile_cmd(
     if out is not None:
         write_bindings(bindings, out)
     summary = bindings.summary()
+    for note in (bindings.meta.get("model_match") or {}).get("notes", []):
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
     if json_out:
         buckets = [asdict(bk) for bk in bindings.buckets]
         print_json({**summary, "out": None if out is None else str(out), "bucket_plan": buckets})

@@ -9,6 +9,7 @@ returns the `FabricState` (phase, byte counters, event log, `observe(loss)`).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import weakref
 from typing import Any
@@ -26,6 +27,7 @@ from nfabric_cli.runtime.state import FabricState
 from nfabric_cli.runtime.trace import TraceRecorder
 
 _LIVE: weakref.WeakSet[FabricState] = weakref.WeakSet()
+_log = logging.getLogger("nfabric")
 
 
 def attach(
@@ -65,6 +67,8 @@ def attach(
             find_unused_parameters=bool(ddp_model.find_unused_parameters),
         )
     _check_coverage(bindings, module)
+    for note in (bindings.meta.get("model_match") or {}).get("notes", []):
+        _log.info("nfabric: the profile matched this model after a rename: %s", note)
     steps = total_steps or bindings.total_steps
     if steps is None:
         if len(bindings.phases) > 1:
