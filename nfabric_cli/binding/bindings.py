@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase, phase_at
 from nfabric_cli.routes import make_route
@@ -107,8 +109,14 @@ class Bindings:
         one reduce per group as the hook sends them, against one fp32 all-reduce."""
         w = self.world_size if world_size is None else world_size
         groups = self.bucket_groups(bucket, phase_name)
-        low = sum(modelled_bytes(g.spec, g.segments, w) for g in groups)
-        return low, modelled_bytes(FP32, (self.buckets[bucket].numel,), w)
+        dtype = self.bucket_dtype(bucket)
+        low = sum(modelled_bytes(g.spec, g.segments, w, dtype) for g in groups)
+        return low, modelled_bytes(FP32, (self.buckets[bucket].numel,), w, dtype)
+
+    def bucket_dtype(self, bucket: int) -> torch.dtype:
+        """The dtype of a bucket's gradients (DDP buckets by dtype): what full precision is."""
+        name = self.params[self.buckets[bucket].params[0]].dtype
+        return getattr(torch, name, torch.float32)
 
     def bytes_per_step(self, phase_name: str, world_size: int | None = None) -> tuple[int, int]:
         """(modelled bytes, all-fp32 bytes) one rank sends plus receives per step in a phase."""
@@ -161,9 +169,11 @@ class Bindings:
         }
 
 
-def modelled_bytes(spec: RouteSpec, segments: tuple[int, ...], world_size: int) -> int:
-    """Bytes one (non-root) rank sends plus receives for one reduce of `segments` on `spec`."""
+def modelled_bytes(spec: RouteSpec, segments: tuple[int, ...], world_size: int,
+                   dtype: torch.dtype | None = None) -> int:
+    """Bytes one (non-root) rank sends plus receives for one reduce of `segments` on `spec`
+    (gradients of `dtype`: what the full-precision route sends)."""
     numel = sum(segments)
     if not numel:
         return 0
-    return make_route(spec).wire_bytes(numel, world_size, segments=segments).total
+    return make_route(spec, dtype).wire_bytes(numel, world_size, segments=segments).total

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from nfabric_cli.routes.base import Payload, Route, check_input
 from nfabric_cli.routes.comm import Comm
 from nfabric_cli.routes.fp32 import Fp32Route
@@ -32,11 +34,19 @@ _CLASSES: dict[str, type[Route]] = {
 
 
 @functools.lru_cache(maxsize=256)
-def make_route(spec: RouteSpec | str) -> Route:
-    """The route for a spec (or a bare route name with default options). Routes are stateless."""
+def make_route(spec: RouteSpec | str, dtype: torch.dtype | None = None) -> Route:
+    """The route for a spec (or a bare route name with default options) carrying gradients of
+    `dtype` (default float32). Routes are stateless.
+
+    `fp32` is the full-precision route: the gradient's own dtype on the wire, as plain DDP
+    sends it (float32 for a float32 model, bfloat16 for a bf16 model), never an up-cast.
+    Every other route's wire format does not depend on the gradient's dtype."""
     if isinstance(spec, str):
         spec = RouteSpec(spec)
-    return _CLASSES[spec.name](spec)
+    route = _CLASSES[spec.name](spec)
+    if spec.name == "fp32" and dtype is not None and dtype.is_floating_point:
+        route.wire_dtype = dtype  # full precision is the gradient's own precision
+    return route
 
 
 __all__ = [

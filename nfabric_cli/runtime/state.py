@@ -33,7 +33,14 @@ from nfabric_cli.runtime.inject import Injection, apply_injection
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
 
-_FP32_ROUTE = make_route(FP32)
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _full(dtype: torch.dtype):  # noqa: ANN202
+    """The full-precision route for a bucket of `dtype` (its own dtype on the wire)."""
+    return make_route(FP32, dtype)
 
 
 class FabricState:
@@ -174,9 +181,9 @@ class FabricState:
         if self.injections:
             apply_injection(self.injections, step, self.rank, [buffer])
         buffer.div_(self.world_size)
-        wb = _FP32_ROUTE.wire_bytes(buffer.numel(), self.world_size, self.rank)
+        wb = _full(buffer.dtype).wire_bytes(buffer.numel(), self.world_size, self.rank)
         self.meter.add(step, phase, "fp32", wb)
-        self.meter.add_fp32_reference(step, wb)
+        self.meter.add_fp32_reference(step, wb, _dtype_name(buffer))
         work = dist.all_reduce(buffer, group=self.comm.group, async_op=True)
         if is_last:
             with self._lock:
@@ -217,7 +224,7 @@ class FabricState:
         if all(not s.lowbit and s.name == "fp32" for s in specs):
             local = buffer.clone() if self.trace is not None else None
             t0 = time.perf_counter()
-            _FP32_ROUTE.reduce(buffer, self.comm)  # in place: exactly allreduce_hook
+            _full(buffer.dtype).reduce(buffer, self.comm)  # in place: exactly allreduce_hook
             wb = self.comm.take()
             self.meter.add(step, phase, "fp32", wb)
             if self.trace is not None:
@@ -225,7 +232,8 @@ class FabricState:
                                   tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
         else:
             self._reduce_groups(names, slices, groups, step, phase, bucket)
-        self.meter.add_fp32_reference(step, _FP32_ROUTE.wire_bytes(buffer.numel(), self.world_size, self.rank))
+        ref = _full(buffer.dtype).wire_bytes(buffer.numel(), self.world_size, self.rank)
+        self.meter.add_fp32_reference(step, ref, _dtype_name(buffer))  # in its own dtype
         self._pending.append((fut, buffer))
         if is_last:
             self._finish_step(step)
@@ -249,9 +257,10 @@ class FabricState:
         phase: str,
         bucket: int = 0,
     ) -> None:
+        buffer_dtype = slices[0].dtype
         for gi, group in enumerate(groups):
             region, spec, idx = group.region, group.spec, group.index
-            route = make_route(spec)
+            route = make_route(spec, buffer_dtype)
             group_names = [names[i] for i in idx]
             parts = [slices[i] for i in idx]
             if spec.error_feedback:

@@ -28,25 +28,33 @@ class TrafficRow:
 class TrafficMeter:
     """Accumulates rows; `frame()` exports them, `fraction()` summarises against fp32."""
 
-    __slots__ = ("_acc", "_fp32", "rank")
+    __slots__ = ("_acc", "_fp32", "_ref_dtypes", "rank")
 
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank
         self._acc: dict[tuple[int, str, str], list[int]] = defaultdict(lambda: [0, 0])
         self._fp32: dict[int, int] = defaultdict(int)
+        self._ref_dtypes: set[str] = set()
 
     def add(self, step: int, phase: str, route: str, wb: WireBytes) -> None:
         cell = self._acc[(step, phase, route)]
         cell[0] += wb.sent
         cell[1] += wb.received
 
-    def add_fp32_reference(self, step: int, wb: WireBytes) -> None:
-        """What the same buckets would have cost in fp32 (sent + received)."""
+    def add_fp32_reference(self, step: int, wb: WireBytes, dtype: str = "float32") -> None:
+        """What the same buckets would have cost at full precision, i.e. all-reduced in their
+        own `dtype` as plain DDP sends them (sent + received): 4 bytes an element for float32
+        gradients, 2 for bfloat16 ones."""
         self._fp32[step] += wb.total
+        self._ref_dtypes.add(dtype)
+
+    def reference(self) -> str:
+        """What `fraction` is measured against, e.g. "full precision (bfloat16)"."""
+        return f"full precision ({'/'.join(sorted(self._ref_dtypes)) or 'float32'})"
 
     def state_dict(self) -> dict[str, Any]:
         return {"rows": [[s, p, r, v[0], v[1]] for (s, p, r), v in sorted(self._acc.items())],
-                "fp32": sorted(self._fp32.items())}
+                "fp32": sorted(self._fp32.items()), "dtypes": sorted(self._ref_dtypes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._acc.clear()
@@ -55,6 +63,7 @@ class TrafficMeter:
             self._acc[(step, phase, route)] = [sent, received]
         for step, total in state["fp32"]:
             self._fp32[step] = total
+        self._ref_dtypes = set(state.get("dtypes", []))
 
     def rows(self) -> list[TrafficRow]:
         return [TrafficRow(s, p, r, v[0], v[1]) for (s, p, r), v in sorted(self._acc.items())]
@@ -96,5 +105,6 @@ class TrafficMeter:
             "bytes": self.total_bytes(),
             "fp32_bytes": self.fp32_bytes(),
             "traffic_fraction": self.fraction(),
+            "reference": self.reference(),
             "per_route": self.per_route(),
         }

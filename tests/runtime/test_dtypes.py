@@ -1,0 +1,86 @@
+"""bf16 models: full precision is the gradients' own dtype, on the wire and in every count."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfabric_cli import attach
+from nfabric_cli.binding import compile_profile, static_profile
+from nfabric_cli.routes import make_route
+from tests.distutil import run_ranks
+from tests.runtime.models import batch, make_model
+
+STEPS = 3
+
+
+def _run(ddp, state, rank: int) -> None:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        loss = F.cross_entropy(ddp(x.to(torch.bfloat16)).float(), y)
+        if state is not None:
+            state.observe(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _bf16_worker(rank: int, world: int, route: str, direct: bool) -> dict:
+    fp32_model = make_model()
+    profile = static_profile(fp32_model, route)  # made from the fp32 model, as profiles are
+    plain_model = copy.deepcopy(fp32_model).to(torch.bfloat16)
+    fabric_model = copy.deepcopy(plain_model)
+    plain = DDP(plain_model, bucket_cap_mb=0.001)
+    fabric = DDP(fabric_model, bucket_cap_mb=0.001)
+    bindings = compile_profile(profile, fabric_model, world_size=world, bucket_cap_mb=None)
+    state = attach(fabric, bindings, total_steps=STEPS, direct_fp32=direct)
+    _run(plain, None, rank)
+    _run(fabric, state, rank)
+    state.close()
+    same = all(torch.equal(a, b) for a, b in zip(plain.parameters(), fabric.parameters(),
+                                                 strict=True))
+    return {"same": same, "summary": state.meter.summary(),
+            "numel": sum(p.numel() for p in fabric_model.parameters()),
+            "dtypes": {b.dtype for b in bindings.params.values()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "worker"])
+def test_a_bf16_model_on_the_full_precision_route_is_plain_bf16_ddp(direct: bool) -> None:
+    for r in run_ranks(_bf16_worker, 2, "fp32", direct):
+        assert r["same"]  # bit-identical to plain DDP on the bf16 model: reduced in bf16
+        assert r["dtypes"] == {"bfloat16"}
+        s = r["summary"]
+        # 2 ranks all-reducing in bf16: each rank sends and receives 2 bytes an element
+        # (an up-cast to fp32 on the wire would make it 4 + 4)
+        assert s["per_route"]["fp32"] == STEPS * r["numel"] * (2 + 2)
+        assert s["fp32_bytes"] == s["per_route"]["fp32"]  # the reference is what was sent
+        assert s["reference"] == "full precision (bfloat16)"
+
+
+@pytest.mark.slow
+def test_low_bit_savings_on_a_bf16_model_are_counted_against_bf16() -> None:
+    sign = run_ranks(_bf16_worker, 2, "sign", True)[0]["summary"]
+    fp = run_ranks(_bf16_worker, 2, "fp32", True)[0]["summary"]
+    assert sign["fp32_bytes"] == fp["fp32_bytes"] == fp["bytes"]  # bf16 DDP's own bytes
+    assert sign["traffic_fraction"] == pytest.approx(sign["bytes"] / fp["bytes"])
+
+
+def test_the_wire_bytes_of_full_precision_follow_the_dtype() -> None:
+    n = 1000
+    f32 = make_route("fp32").wire_bytes(n, 4, 1).total
+    assert make_route("fp32", torch.bfloat16).wire_bytes(n, 4, 1).total * 2 == f32
+    assert make_route("fp32", torch.float16).wire_bytes(n, 4, 1).total * 2 == f32
+    assert make_route("sign", torch.bfloat16).wire_bytes(n, 4, 1) == \
+        make_route("sign").wire_bytes(n, 4, 1)  # low-bit formats do not depend on it
+    model = make_model()
+    profile = static_profile(model, "sign")
+    bf16 = compile_profile(profile, copy.deepcopy(model).to(torch.bfloat16), world_size=4)
+    f32b = compile_profile(profile, model, world_size=4)
+    assert bf16.bytes_per_step("all")[1] * 2 == f32b.bytes_per_step("all")[1]
+    assert bf16.bytes_per_step("all")[0] == f32b.bytes_per_step("all")[0]
