@@ -18,9 +18,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.binding.compile import compile_profile
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.binding.store import load_bindings_or_profile
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.runtime.hook import fabric_hook
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.state import FabricState
@@ -32,7 +34,7 @@ _log = logging.getLogger("nfabric")
 
 def attach(
     ddp_model: DistributedDataParallel,
-    source: str | os.PathLike[str] | Bindings,
+    source: str | os.PathLike[str] | Bindings | OperatingProfile,
     total_steps: int | None = None,
     *,
     substrate: Any | None = None,
@@ -46,7 +48,8 @@ def attach(
 ) -> FabricState:
     """Register the fabric hook on `ddp_model` and return its state.
 
-    `source` is a profile (file or directory) or bindings file, or a `Bindings` object.
+    `source` is a profile (file or directory) or bindings file, or an `OperatingProfile` or
+    `Bindings` object.
     `total_steps` places the phase boundaries (fractions of the run); it is required when the
     profile has more than one phase and the bindings do not carry it. `dedicated_group=False`
     reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
@@ -60,6 +63,12 @@ def attach(
     world_size = dist.get_world_size(pg)
     if isinstance(source, Bindings):
         bindings = source
+    elif isinstance(source, OperatingProfile):
+        bindings = compile_profile(
+            source, module, world_size=world_size, total_steps=total_steps,
+            bucket_cap_mb=_bucket_cap_mb(ddp_model), substrate=substrate,
+            find_unused_parameters=bool(ddp_model.find_unused_parameters),
+        )
     else:
         bindings = load_bindings_or_profile(
             source, module, world_size=world_size, total_steps=total_steps,

@@ -8,8 +8,9 @@ error), its byte counters and its event log. `state_dict(all_ranks=True)` gather
 rank's part on every rank (one collective: call it on all ranks, between steps), so a
 framework that writes the checkpoint from rank 0 only still saves everything; with
 `all_ranks=False` each rank returns only its own part (for frameworks that save per rank).
-A state from other bindings (another model, profile or run length), another world size or a
-newer version is refused with one line.
+A state from other bindings (another model or profile), another world size or a newer
+version is refused with one line; a resumed run may be longer or shorter (extending training),
+with a warning when that moves the phase boundaries.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ STATE_VERSION = 1
 KIND = "nfabric.fabric_state"
 
 
-def bindings_key(bindings: Bindings, total_steps: int) -> str:
+def bindings_key(bindings: Bindings) -> str:
     """A hash of what decides every routing choice: the model, the routes and regions per
-    parameter and phase, the phase boundaries and the run length."""
+    parameter and phase, and the phase boundaries (as fractions of the run)."""
     routes = sorted((name, phase, spec.label(), b.regions[phase])
                     for name, b in bindings.params.items() for phase, spec in b.routes.items())
     phases = [(p.name, p.start, p.end) for p in bindings.phases]
-    text = json.dumps([bindings.fingerprint, routes, phases, total_steps])
+    text = json.dumps([bindings.fingerprint, routes, phases])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -53,7 +54,7 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
     return {
         "kind": KIND,
         "version": STATE_VERSION,
-        "bindings": bindings_key(state.bindings, state.total_steps),
+        "bindings": bindings_key(state.bindings),
         "world_size": state.world_size,
         "total_steps": state.total_steps,
         "step": state.step,
@@ -65,8 +66,9 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
 
 
 def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = True) -> list[str]:
-    """Restore `sd` into `state` (before the first step, or between steps). Returns notes on
-    what could not be restored (only with `strict=False`: another rank's residuals missing)."""
+    """Restore `sd` into `state` (before the first step, or between steps). Returns notes for
+    the caller to warn with: moved phase boundaries, and (only with `strict=False`) this rank's
+    missing residuals."""
     if not isinstance(sd, dict) or sd.get("kind") != KIND:
         raise InputError("not an nfabric fabric state (expected FabricState.state_dict())")
     if int(sd.get("version", 0)) > STATE_VERSION:
@@ -74,16 +76,18 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
                          f"reads ({STATE_VERSION}): upgrade nfabric")
     if state._pending:
         raise RuntimeError("load_state_dict() during a step: call it between optimizer steps")
-    key = bindings_key(state.bindings, state.total_steps)
+    key = bindings_key(state.bindings)
     if sd["bindings"] != key:
         raise InputError(
             f"fabric state is from other bindings (key {sd['bindings']}, these {key}): another "
-            f"model, profile or total_steps (saved with total_steps={sd['total_steps']}, "
-            f"now {state.total_steps})")
+            "model or profile")
     if sd["world_size"] != state.world_size:
         raise InputError(f"fabric state was saved with {sd['world_size']} ranks, this run has "
                          f"{state.world_size}: error-feedback residuals are per rank")
     notes: list[str] = []
+    if sd["total_steps"] != state.total_steps and len(state.bindings.phases) > 1:
+        notes.append(f"the run was {sd['total_steps']} steps long and is now {state.total_steps}:"
+                     " phase boundaries (fractions of total_steps) move with it")
     mine = sd["ranks"].get(state.rank)
     if mine is None:
         saved = sorted(sd["ranks"])

@@ -96,6 +96,7 @@ class FabricState:
         self._bucket_times: list[tuple[tuple, float]] = []
         self._step_started: float | None = None
         self._lock = threading.Lock()
+        self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
 
     # -- public ----------------------------------------------------------------------------
@@ -126,6 +127,7 @@ class FabricState:
         may save it: a collective, so call it on every rank, between optimizer steps."""
         from nfabric_cli.runtime.checkpoint import fabric_state_dict
 
+        self._saved_at = self.step
         return fabric_state_dict(self, all_ranks)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
@@ -140,13 +142,13 @@ class FabricState:
     def close(self) -> None:
         """Stop the worker thread (idempotent). Call before destroying the process group.
         Warns when the run stopped short of `total_steps` (its last phases never ran) or ran
-        past it."""
+        past it, unless the state was checkpointed at this step (a run stopped to resume)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
             if self.trace is not None:
                 self.trace.close()
-            if self.step != self.total_steps and self.step > 0:
+            if self.step != self.total_steps and self.step > 0 and self.step != self._saved_at:
                 warnings.warn(
                     f"nfabric: the run closed at step {self.step} of total_steps="
                     f"{self.total_steps}: phases are placed by total_steps, so pass the number "

@@ -126,13 +126,15 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
     out = []
     model = make_model()
     other = DDP(model, bucket_cap_mb=0.001)
-    prof = _profile(model)
-    bindings = compile_profile(prof, model, world_size=2, bucket_cap_mb=None)
-    longer = attach(other, bindings, total_steps=TOTAL * 2)
+    from nfabric_cli.binding import static_profile
+
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=2,
+                               bucket_cap_mb=None)
+    another = attach(other, bindings, total_steps=TOTAL)  # the same model, another profile
     for bad in (good, {**good, "version": 99}, {"kind": "something else"},
                 {**good, "ranks": {1 - rank: good["ranks"][1 - rank]}}):
         try:
-            (longer if bad is good else state).load_state_dict(bad)
+            (another if bad is good else state).load_state_dict(bad)
             out.append("accepted")
         except InputError as exc:
             out.append(str(exc))
@@ -141,7 +143,9 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
         state.load_state_dict({**good, "ranks": {1 - rank: good["ranks"][1 - rank]}},
                               strict=False)
         out.append(str(caught[0].message) if caught else "no warning")
-        longer.close()
+        state.load_state_dict({**good, "total_steps": TOTAL // 2})  # a longer run resumed
+        out.append(str(caught[-1].message) if len(caught) > 1 else "no warning")
+        another.close()
         state.close()
     return out
 
@@ -149,9 +153,10 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
 @pytest.mark.slow
 def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path: Path) -> None:
     for rank, out in enumerate(run_ranks(_refusals, 2, str(tmp_path))):
-        other, newer, alien, missing, lenient = out
+        other, newer, alien, missing, lenient, longer = out
         assert other.startswith("fabric state is from other bindings") and \
-            "saved with total_steps=40, now 80" in other
+            other.endswith("another model or profile")
+        assert "the run was 20 steps long and is now 40: phase boundaries" in longer
         assert newer == "fabric state version 99 is newer than this nfabric reads (1): upgrade nfabric"
         assert alien == "not an nfabric fabric state (expected FabricState.state_dict())"
         assert missing.startswith(f"fabric state holds rank(s) [{1 - rank}] only, not rank {rank}")

@@ -1,0 +1,60 @@
+"""HuggingFace Accelerate: `attach_accelerate(accelerator, model, profile, total_steps)`.
+
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    state = attach_accelerate(accelerator, model, "profiles/lm",
+                              optimizer_steps(accelerator, loader, epochs))
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = ...
+            state.observe(loss)               # the health monitor sees the loss
+            accelerator.backward(loss); opt.step(); opt.zero_grad()
+    accelerator.save_state(path)              # the fabric state is saved with everything else
+
+The prepared model is a DistributedDataParallel when 2 or more processes run (on CPU:
+`torchrun --nproc_per_node N` with `Accelerator(cpu=True)`; `accelerate launch --cpu` starts one
+process). The state is registered with `accelerator.register_for_checkpointing`: `save_state`
+calls its `state_dict()` on every process (the gather of every rank's residuals is safe there)
+and writes rank 0's copy, which holds them all; `load_state` gives each rank its own part.
+`accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once per
+optimizer step: `optimizer_steps` counts those, not batches.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from nfabric_cli.errors import InputError
+from nfabric_cli.integrations.common import AttachOptions
+from nfabric_cli.runtime.state import FabricState
+
+
+def optimizer_steps(accelerator: Any, dataloader: Any, epochs: int = 1) -> int:
+    """Optimizer steps of `epochs` passes over a prepared `dataloader`: `accumulate` steps
+    every `gradient_accumulation_steps` batches and at the end of each pass."""
+    return math.ceil(len(dataloader) / accelerator.gradient_accumulation_steps) * epochs
+
+
+def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[str] | Any,
+                      total_steps: int, **attach_options: Any) -> FabricState:
+    """Attach to the model `accelerator.prepare` returned and register the state for
+    checkpointing (see the module docstring). `attach_options` go to `nfabric_cli.attach`."""
+    if accelerator.num_processes < 2:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            raise InputError(
+                f"nfabric: {dist.get_world_size()} processes run but Accelerate sees one "
+                "(no GPU and not told to use the CPU): create Accelerator(cpu=True) or set "
+                "ACCELERATE_USE_CPU=1")
+        raise InputError(
+            "nfabric: Accelerate started a single process, so nothing would be compressed; on "
+            "CPU `accelerate launch --cpu` starts one: use torchrun --nproc_per_node N with "
+            "Accelerator(cpu=True)")
+    source = str(profile) if isinstance(profile, (str, Path)) else profile
+    state = AttachOptions(source, total_steps, attach_options).attach(
+        model, None, "Accelerate", "pass the model that accelerator.prepare returned")
+    accelerator.register_for_checkpointing(state)
+    return state

@@ -1,0 +1,116 @@
+"""The HuggingFace Trainer: `attach_trainer(trainer, profile)` before `trainer.train()`.
+
+    from nfabric_cli.integrations.hf_trainer import attach_trainer
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    attach_trainer(trainer, "profiles/lm")
+    trainer.train()                           # or train(resume_from_checkpoint=...)
+
+A `TrainerCallback` alone cannot do it: callbacks see neither the DDP model
+(`trainer.model_wrapped`) nor the loss. So `attach_trainer` adds `FabricCallback`, which holds
+the trainer, and wraps two methods of this one trainer instance: `compute_loss` (the loss reaches
+the health monitor before backward) and `train` (to learn which checkpoint a run resumes from).
+The callback attaches at `on_train_begin`, when the Trainer has wrapped the model, with
+`total_steps = state.max_steps` (optimizer steps: with `gradient_accumulation_steps` the Trainer
+skips DDP's sync on the other micro-batches, so the hook fires once per optimizer step). At
+every checkpoint (`on_save`, on every rank) the fabric state is gathered and rank 0 writes it as
+`checkpoint-N/nfabric_state.pt`; a resumed run loads it back. `nfabric/*` values join every
+log line (and `state.log_history`); the state closes at `on_train_end`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from nfabric_cli.atomic import atomic_path
+from nfabric_cli.errors import InputError
+from nfabric_cli.integrations.common import STATE_FILE, AttachOptions, fabric_metrics
+from nfabric_cli.runtime.state import FabricState
+
+_HINT = ("run under torchrun --nproc_per_node N (on CPU with TrainingArguments(use_cpu=True, "
+         "ddp_backend='gloo'))")
+
+
+class FabricCallback(TrainerCallback):
+    """Attaches, checkpoints, logs and closes the fabric for one `Trainer` (see the module)."""
+
+    def __init__(self, trainer: Trainer, options: AttachOptions) -> None:
+        self.trainer = trainer
+        self.options = options
+        self.fabric: FabricState | None = None
+        self.resume_from: str | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.fabric = self.options.attach(self.trainer.model_wrapped, state.max_steps,
+                                          "the HF Trainer", _HINT)
+        if self.resume_from is not None:
+            path = Path(self.resume_from) / STATE_FILE
+            if not path.is_file():
+                raise InputError(f"nfabric: resuming from {self.resume_from}, which holds no "
+                                 f"{STATE_FILE} (saved without nfabric?)")
+            self.fabric.load_state_dict(torch.load(path, weights_only=True))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.fabric is None:
+            return
+        fabric = self.fabric.state_dict()  # every rank calls on_save: the gather is safe
+        if args.should_save:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            with atomic_path(folder / STATE_FILE) as tmp:
+                torch.save(fabric, tmp)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
+               **kwargs: Any) -> None:
+        if self.fabric is None or logs is None:
+            return
+        values = fabric_metrics(self.fabric)
+        logs.update(values)  # callbacks after this one (reporters, the printer) see them
+        if state.log_history:
+            state.log_history[-1].update(values)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.fabric is not None:
+            self.fabric.close()
+
+
+def attach_trainer(trainer: Trainer, profile: str | os.PathLike[str] | Any, *,
+                   total_steps: int | None = None, **attach_options: Any) -> FabricCallback:
+    """Make `trainer` reduce gradients through `profile` (see the module docstring).
+
+    `total_steps`: default the Trainer's `max_steps`. `attach_options` go to `nfabric_cli.attach`
+    (`substrate`, `monitor`, `gate`, `seed`). Returns the callback; its `.fabric` is the state
+    once training has begun."""
+    source = str(profile) if isinstance(profile, (str, Path)) else profile
+    callback = FabricCallback(trainer, AttachOptions(source, total_steps, attach_options))
+    trainer.add_callback(callback)
+    handler = trainer.callback_handler.callbacks
+    handler.insert(0, handler.pop(handler.index(callback)))  # first: its log values reach all
+
+    compute_loss = trainer.compute_loss
+
+    @functools.wraps(compute_loss)
+    def observed(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        out = compute_loss(model, inputs, *args, **kwargs)
+        if callback.fabric is not None:
+            loss = out[0] if isinstance(out, tuple) else out
+            callback.fabric.observe(loss)
+        return out
+
+    train = trainer.train
+
+    @functools.wraps(train)
+    def train_resumable(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir)
+        callback.resume_from = resume_from_checkpoint or None
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    trainer.compute_loss = observed  # type: ignore[method-assign]
+    trainer.train = train_resumable  # type: ignore[method-assign]
+    return callback
