@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli import attach
 from nfabric_cli.binding import compile_profile, static_profile
 from tests.distutil import run_ranks
-from tests.runtime.models import batch, make_model
+from tests.runtime.models import make_model, train_steps
 
 STEPS = 3
 
@@ -20,14 +19,7 @@ def _record(rank: int, world: int, trace_dir: str) -> int:
     profile = static_profile(model, "sign", [("head.*", "fp32")])
     bindings = compile_profile(profile, model, world_size=world, bucket_cap_mb=None)
     state = attach(ddp, bindings, total_steps=STEPS, trace_dir=trace_dir)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        loss = F.cross_entropy(ddp(x), y)
-        state.observe(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, STEPS)
     state.close()
     return rank
 

@@ -29,3 +29,18 @@ def batch(step: int, rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]
     x = torch.randn(n, 16, generator=gen)
     y = torch.randint(0, 4, (n,), generator=gen)
     return x, y
+
+
+def train_steps(ddp, opt, state, rank: int, start: int, stop: int) -> None:  # noqa: ANN001
+    """Steps `start` .. `stop - 1` of the tests' training loop on `batch(step, rank)`, the
+    loss observed by the fabric `state` (None: plain DDP)."""
+    import torch.nn.functional as F
+
+    for step in range(start, stop):
+        x, y = batch(step, rank)
+        loss = F.cross_entropy(ddp(x), y)
+        if state is not None:
+            state.observe(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()

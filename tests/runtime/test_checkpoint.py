@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli import attach
@@ -17,7 +16,7 @@ from nfabric_cli.binding import compile_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile, ProfileRow
 from tests.distutil import run_ranks
-from tests.runtime.models import batch, make_model
+from tests.runtime.models import make_model, train_steps
 
 TOTAL = 40
 PHASES = [("warmup", 0.0, 0.1, {"head.*": "fp32", "*": "fp32"}),
@@ -48,13 +47,7 @@ def _setup(rank: int):
 
 
 def _steps(ddp, state, opt, rank: int, start: int, stop: int) -> None:
-    for step in range(start, stop):
-        x, y = batch(step, rank)
-        loss = F.cross_entropy(ddp(x), y)
-        state.observe(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_steps(ddp, opt, state, rank, start, stop)
 
 
 def _whole(rank: int, world: int) -> dict:

@@ -13,7 +13,7 @@ from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.routes import RouteSpec, make_route
 from nfabric_cli.runtime.inject import parse_injections
 from tests.distutil import run_ranks
-from tests.runtime.models import batch, make_model
+from tests.runtime.models import batch, make_model, train_steps
 
 
 def _bindings(model, default: str, rules=None, world_size: int = 2, phases=None, **kw):
@@ -22,15 +22,7 @@ def _bindings(model, default: str, rules=None, world_size: int = 2, phases=None,
 
 
 def _train(ddp, steps: int, state=None, rank: int = 0) -> None:
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = batch(step, rank)
-        loss = F.cross_entropy(ddp(x), y)
-        if state is not None:
-            state.observe(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, steps)
 
 
 def _parity_worker(rank: int, world: int) -> list[bool]:
