@@ -1,5 +1,8 @@
 """`attach(ddp_model, profile_or_bindings, total_steps)`: the one call users make.
 
+`FabricState.create(...)` makes the same state without registering it, for PyTorch's own idiom
+``ddp.register_comm_hook(state, fabric_hook)``.
+
 Compiles a profile against `ddp_model.module` (same rules and errors as `compile-profile`) or
 loads bindings, checks that they cover the model, creates a dedicated process group for the
 fabric's collectives (so they never interleave with DDP's own), registers `fabric_hook`, and
@@ -12,7 +15,7 @@ import atexit
 import logging
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -28,6 +31,9 @@ from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.state import FabricState
 from nfabric_cli.runtime.trace import TraceRecorder
 
+if TYPE_CHECKING:
+    from nfabric_cli.substrate.model import Substrate
+
 _LIVE: weakref.WeakSet[FabricState] = weakref.WeakSet()
 _log = logging.getLogger("nfabric")
 
@@ -37,14 +43,12 @@ def attach(
     source: str | os.PathLike[str] | Bindings | OperatingProfile,
     total_steps: int | None = None,
     *,
-    substrate: Any | None = None,
+    substrate: Substrate | dict[str, Any] | None = None,
     monitor: bool = True,
     gate: bool = True,
-    injections: tuple[Injection, ...] = (),
     seed: int = 0,
     dedicated_group: bool = True,
     trace_dir: str | os.PathLike[str] | None = None,
-    direct_fp32: bool = True,
 ) -> FabricState:
     """Register the fabric hook on `ddp_model` and return its state.
 
@@ -54,8 +58,49 @@ def attach(
     profile has more than one phase and the bindings do not carry it. `dedicated_group=False`
     reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
     `trace_dir` records per-bucket traces for `nfabric replay` (see `runtime/trace.py`).
-    `direct_fp32=False` sends all-fp32 phases through the worker path too (tests, tracing).
+    The same as ``ddp_model.register_comm_hook(FabricState.create(...), fabric_hook)``.
+
+    Example::
+
+        state = nfabric_cli.attach(ddp, "profiles/vision", total_steps=1000)
     """
+    return attach_with(ddp_model, source, total_steps, substrate=substrate, monitor=monitor,
+                       gate=gate, seed=seed, dedicated_group=dedicated_group, trace_dir=trace_dir)
+
+
+def attach_with(
+    ddp_model: DistributedDataParallel,
+    source: str | os.PathLike[str] | Bindings | OperatingProfile,
+    total_steps: int | None = None,
+    *,
+    injections: tuple[Injection, ...] = (),
+    direct_fp32: bool = True,
+    **options: Any,
+) -> FabricState:
+    """`attach` with the validation harness's knobs: injected faults (`validate --inject`,
+    tests) and `direct_fp32=False` (all-fp32 phases through the worker path too: tests,
+    tracing)."""
+    state = create_state(ddp_model, source, total_steps, injections=injections,
+                         direct_fp32=direct_fp32, **options)
+    ddp_model.register_comm_hook(state, fabric_hook)
+    return state
+
+
+def create_state(
+    ddp_model: DistributedDataParallel,
+    source: str | os.PathLike[str] | Bindings | OperatingProfile,
+    total_steps: int | None = None,
+    *,
+    substrate: Substrate | dict[str, Any] | None = None,
+    monitor: bool = True,
+    gate: bool = True,
+    seed: int = 0,
+    dedicated_group: bool = True,
+    trace_dir: str | os.PathLike[str] | None = None,
+    injections: tuple[Injection, ...] = (),
+    direct_fp32: bool = True,
+) -> FabricState:
+    """The state `attach` registers, not yet registered (`FabricState.create`)."""
     if not isinstance(ddp_model, DistributedDataParallel):
         raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     module = ddp_model.module
@@ -96,7 +141,6 @@ def attach(
         monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
         direct_fp32=direct_fp32,
     )
-    ddp_model.register_comm_hook(state, fabric_hook)
     _LIVE.add(state)
     return state
 

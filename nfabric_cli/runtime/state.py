@@ -44,7 +44,11 @@ def _full(dtype: torch.dtype):  # noqa: ANN202
 
 
 class FabricState:
-    """Routing state of one DDP model. Create it with `nfabric_cli.attach`."""
+    """Routing state of one DDP model: `nfabric_cli.attach(...)`, or `FabricState.create(...)`
+    and `ddp.register_comm_hook(state, fabric_hook)`.
+
+    Thread safety: `observe` may be called from any thread; the reduction runs on the state's
+    own worker thread; `state_dict` / `load_state_dict` / `close` belong between steps."""
 
     def __init__(
         self,
@@ -98,6 +102,21 @@ class FabricState:
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
+
+    @classmethod
+    def create(cls, ddp_model: Any, source: Any, total_steps: int | None = None,
+               **options: Any) -> FabricState:
+        """The state for `ddp_model`, not yet registered: the PyTorch idiom for comm hooks.
+
+        Example::
+
+            state = FabricState.create(ddp, "profiles/vision", total_steps=1000)
+            ddp.register_comm_hook(state, fabric_hook)
+
+        Arguments and errors as `nfabric_cli.attach` (which is these two lines)."""
+        from nfabric_cli.runtime.attach import create_state
+
+        return create_state(ddp_model, source, total_steps, **options)
 
     # -- public ----------------------------------------------------------------------------
     @property

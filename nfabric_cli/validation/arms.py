@@ -72,14 +72,14 @@ class PlainArm:
 
 
 class FabricArm:
-    """static / profile: the fabric hook via `attach`."""
+    """static / profile: the fabric hook via `attach` (with `validate --inject`'s faults)."""
 
     def __init__(
         self, ddp: DistributedDataParallel, ctx: ArmContext, bindings: Any, controlled: bool
     ) -> None:
-        from nfabric_cli import attach
+        from nfabric_cli.runtime.attach import attach_with
 
-        self.state = attach(
+        self.state = attach_with(
             ddp, bindings, ctx.steps, monitor=controlled, gate=controlled,
             injections=ctx.injections, seed=ctx.seed,
             trace_dir=ctx.trace_dir if controlled else None,

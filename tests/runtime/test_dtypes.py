@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli import attach
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.routes import make_route
+from nfabric_cli.runtime.attach import attach_with
 from tests.distutil import run_ranks
 from tests.runtime.models import batch, make_model
 
@@ -38,7 +38,7 @@ def _bf16_worker(rank: int, world: int, route: str, direct: bool) -> dict:
     plain = DDP(plain_model, bucket_cap_mb=0.001)
     fabric = DDP(fabric_model, bucket_cap_mb=0.001)
     bindings = compile_profile(profile, fabric_model, world_size=world, bucket_cap_mb=None)
-    state = attach(fabric, bindings, total_steps=STEPS, direct_fp32=direct)
+    state = attach_with(fabric, bindings, total_steps=STEPS, direct_fp32=direct)
     _run(plain, None, rank)
     _run(fabric, state, rank)
     state.close()

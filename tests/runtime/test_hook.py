@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nfabric_cli import attach
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.routes import RouteSpec, make_route
+from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.inject import parse_injections
 from tests.distutil import run_ranks
 from tests.runtime.models import batch, make_model, train_steps
@@ -39,7 +40,7 @@ def _parity_one(rank: int, world: int, views: bool, direct: bool) -> bool:
     fabric = DDP(fabric_model, bucket_cap_mb=0.001, gradient_as_bucket_view=views)
     bindings = _bindings(fabric_model, "fp32", world_size=world)
     # direct: allreduce_hook's path for all-fp32 phases; else the worker path with statistics
-    state = attach(fabric, bindings, total_steps=5, direct_fp32=direct)
+    state = attach_with(fabric, bindings, total_steps=5, direct_fp32=direct)
     _train(plain, 5, rank=rank)
     _train(fabric, 5, state, rank=rank)
     state.close()
@@ -115,7 +116,8 @@ def _nan_worker(rank: int, world: int) -> dict:
     model = make_model()
     ddp = DDP(model)
     injections = parse_injections(["nan@2:1"])
-    state = attach(ddp, _bindings(model, "sign", world_size=world), total_steps=6, injections=injections)
+    state = attach_with(ddp, _bindings(model, "sign", world_size=world), total_steps=6,
+                        injections=injections)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     before = None
     for step in range(6):
