@@ -34,7 +34,12 @@ _SOURCES = {
     "CheckFailed": "nfabric_cli.errors",
 }
 
-__all__ = ["__version__", *_SOURCES]
+__all__ = [
+    "__version__", "attach", "FabricState", "fabric_hook", "compile_profile", "Bindings",
+    "read_profile", "write_profile", "OperatingProfile", "Substrate", "InputError",
+    "CheckFailed",
+]
+assert __all__[1:] == list(_SOURCES)  # one list of names, said twice for type checkers
 
 if TYPE_CHECKING:
     from nfabric_cli.binding.bindings import Bindings

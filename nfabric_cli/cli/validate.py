@@ -44,6 +44,10 @@ def validate(
         [], "--inject", help="Fault KIND@STEP[:RANK] (nan, spike, kill)."
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of weights and data order (every arm)."),
+    seeds: str | None = typer.Option(
+        None, "--seeds", help="Validate on several seeds (0-4, 0,2,5): per arm the mean, worst "
+        "seed and 90% interval of the delta vs fp32; passes when the worst seed is within "
+        "tolerance. Replaces --seed."),
     tolerance: float | None = typer.Option(
         None, "--tolerance", help="Allowed metric loss vs fp32 (default: the profile's target)."
     ),
@@ -69,6 +73,8 @@ def validate(
         data_dir=data_dir, powersgd_rank=powersgd_rank,
         record_trace=None if record_trace is None else str(record_trace.resolve()),
     )  # fmt: skip
+    if seeds is not None:
+        return _many(cfg, seeds, json_out)
     if json_out:
         result = run_validation(cfg)
     else:
@@ -89,6 +95,40 @@ def validate(
     if not summary["passed"]:
         raise CheckFailed(_verdict(summary))
     console.print(f"[bold green]passed[/]: {_verdict(summary)}")
+
+
+def _many(cfg: Any, seeds_text: str, json_out: bool) -> None:
+    from nfabric_cli.cli.validate_seeds import render_seeds
+    from nfabric_cli.validation.seeds import parse_seeds, run_seeds
+
+    seeds = parse_seeds(seeds_text)
+
+    def on_seed(seed: int, done: int, total: int) -> None:
+        if not json_out:
+            err_console.print(f"seed {seed} ({done + 1}/{total})", highlight=False)
+
+    if json_out:
+        result = run_seeds(cfg, seeds, None, on_seed)
+    else:
+        with ProgressBar(cfg) as on_progress:
+            result = run_seeds(cfg, seeds, on_progress, on_seed)
+    if json_out:
+        print_json(result.summary)
+        if not result.passed:
+            raise typer.Exit(1)
+        return
+    render_seeds(result.summary, console)
+    console.print(f"report: {result.report_dir} (per seed: seed-<s>/)")
+    if not result.passed:
+        raise CheckFailed(_seeds_verdict(result.summary))
+    console.print(f"[bold green]passed[/]: {_seeds_verdict(result.summary)}")
+
+
+def _seeds_verdict(doc: dict[str, Any]) -> str:
+    worst = doc["worst_profile_delta"]
+    shown = "not finite" if worst is None else f"{worst:+.4f}"
+    return (f"worst seed's profile delta vs fp32 {shown} over seeds {doc['seeds']}, "
+            f"tolerance {doc['tolerance']:g}")
 
 
 def _verdict(summary: dict[str, Any]) -> str:

@@ -1,0 +1,198 @@
+"""`validate --seeds 0-4`: every arm on every seed, and a verdict that holds over seeds.
+
+Each seed is a complete validation (its own launch, `REPORT/seed-<s>/`): the same seed gives
+every arm the same initial weights and data order, as with one seed. The summary keeps a
+per-seed table and, per arm, the metric delta against fp32 over seeds: mean, worst seed, best,
+sample standard deviation, a two-sided 90 % t-interval of the mean and the one-sided 95 %
+bound in the bad direction.
+
+The pass rule is the worst seed: the profile passes when every seed's profile arm is within
+the tolerance of that seed's fp32 arm. The bound is reported beside it (with few seeds it is
+wide, and a rule on it would pass or fail on the spread rather than on what was seen).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from nfabric_cli.atomic import atomic_path, atomic_write_text
+from nfabric_cli.errors import InputError
+from nfabric_cli.validation.config import ValidateConfig
+from nfabric_cli.validation.report import PASS_EPS
+
+PASS_RULE = "worst seed: every seed's profile arm within tolerance of its fp32 arm"
+MAX_SEEDS = 64
+_PART = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'0-4', '0,2,5', '1-3,7' -> sorted distinct seeds; InputError (one line) otherwise."""
+    seeds: set[int] = set()
+    for part in (p.strip() for p in str(text).split(",")):
+        m = _PART.match(part)
+        if not m:
+            raise InputError(f"--seeds: expected seeds like 0-4 or 0,2,5 (non-negative "
+                             f"integers, ranges low-high), got {text!r}")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise InputError(f"--seeds: range {part!r} runs backwards")
+        seeds.update(range(lo, hi + 1))
+        if len(seeds) > MAX_SEEDS:
+            raise InputError(f"--seeds: at most {MAX_SEEDS} seeds, got {text!r}")
+    return sorted(seeds)
+
+
+def seed_configs(cfg: ValidateConfig, seeds: list[int]) -> list[ValidateConfig]:
+    """One config per seed, each reporting into `REPORT/seed-<s>/`."""
+    out = []
+    for s in seeds:
+        one = copy.deepcopy(cfg)
+        one.seed = s
+        one.report_dir = str(Path(cfg.report_dir) / f"seed-{s}")
+        out.append(one)
+    return out
+
+
+def _t(q: float, df: int) -> float:
+    from scipy.stats import t  # scikit-learn's dependency: always installed with it
+
+    return float(t.ppf(q, df))
+
+
+def delta_stats(deltas: list[float | None], higher_is_better: bool) -> dict[str, Any]:
+    """Mean, worst, best, std, 90 % interval and one-sided 95 % bound of the deltas (a None,
+    a diverged seed, is the worst there is)."""
+    diverged = sum(1 for d in deltas if d is None)
+    values = [d for d in deltas if d is not None]
+    sign = 1.0 if higher_is_better else -1.0  # worse = smaller for accuracy, larger for loss
+    out: dict[str, Any] = {"seeds": len(deltas), "diverged": diverged}
+    if not values:
+        return {**out, "mean": None, "worst": None, "best": None, "std": None, "ci90": None,
+                "bound95": None}
+    mean = statistics.fmean(values)
+    worst = min(values, key=lambda d: sign * d)
+    best = max(values, key=lambda d: sign * d)
+    out.update(mean=mean, worst=None if diverged else worst, best=best)
+    if len(values) < 2:
+        return {**out, "std": None, "ci90": None, "bound95": None}
+    std = statistics.stdev(values)
+    half = _t(0.95, len(values) - 1) * std / math.sqrt(len(values))
+    return {**out, "std": std, "ci90": [mean - half, mean + half],
+            "bound95": None if diverged else mean - sign * half}
+
+
+def aggregate(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The multi-seed summary document (`--json` and REPORT/summary.json)."""
+    first = next(iter(summaries.values()))
+    higher, tol = first["higher_is_better"], first["tolerance"]
+    arms: dict[str, Any] = {}
+    for name in first["arms"]:
+        rows = [s["arms"][name] for s in summaries.values()]
+        traffic = [r["traffic_fraction"] for r in rows]
+        arms[name] = {
+            "metric_delta": delta_stats([r["metric_delta"] for r in rows], higher),
+            "metric_mean": _mean([r["metric"] for r in rows]),
+            "traffic_fraction": {"mean": statistics.fmean(traffic), "min": min(traffic),
+                                 "max": max(traffic)},
+            "step_time_s": statistics.median(r["step_time_s"] for r in rows),
+            "fallbacks": sum(r["fallbacks"] for r in rows),
+        }
+    per_seed = [{"seed": s, "passed": doc["passed"],
+                 "arms": {n: {k: a[k] for k in ("metric", "metric_delta", "traffic_fraction",
+                                                "step_time_s", "fallbacks")}
+                          for n, a in doc["arms"].items()}}
+                for s, doc in summaries.items()]
+    profile = arms.get("profile")
+    worst = None if profile is None else profile["metric_delta"]["worst"]
+    return {
+        "passed": all(doc["passed"] for doc in summaries.values()),
+        "rule": PASS_RULE,
+        "workload": first["workload"],
+        "world_size": first["world_size"],
+        "steps": first["steps"],
+        "higher_is_better": higher,
+        "tolerance": tol,
+        "seeds": list(summaries),
+        "worst_profile_delta": worst,
+        "within_tolerance_at_bound95": None if profile is None or
+        profile["metric_delta"]["bound95"] is None else
+        (-1 if higher else 1) * profile["metric_delta"]["bound95"] <= tol + PASS_EPS,
+        "arms": arms,
+        "per_seed": per_seed,
+    }
+
+
+def _mean(values: list[float | None]) -> float | None:
+    finite = [v for v in values if v is not None]
+    return statistics.fmean(finite) if len(finite) == len(values) else None
+
+
+def write_seeds_report(report_dir: str | Path, doc: dict[str, Any]) -> dict[str, Path]:
+    """REPORT/summary.json and REPORT/report.png (training loss per step: one line per arm
+    and seed, from each seed's steps.parquet)."""
+    root = Path(report_dir)
+    paths = {"summary": root / "summary.json", "plot": root / "report.png"}
+    atomic_write_text(paths["summary"], _json(doc))
+    _plot(root, doc, paths["plot"])
+    return paths
+
+
+def _json(doc: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(doc, indent=2) + "\n"
+
+
+def _plot(root: Path, doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, arm in enumerate(doc["arms"]):
+        for k, seed in enumerate(doc["seeds"]):
+            frame = pd.read_parquet(root / f"seed-{seed}" / "steps.parquet")
+            rows = frame[frame["arm"] == arm].groupby("step")["loss"].mean()
+            smooth = rows.rolling(max(1, len(rows) // 50), min_periods=1).mean()
+            ax.plot(rows.index, smooth, color=colours[i % len(colours)], linewidth=0.9,
+                    alpha=0.75, label=arm if k == 0 else None)
+    verdict = "passed" if doc["passed"] else "FAILED"
+    ax.set(xlabel="step", ylabel="training loss (mean over ranks, smoothed)",
+           title=f"{doc['workload']}: {len(doc['seeds'])} seeds, one line per arm and seed; "
+                 f"profile {verdict} on the worst seed")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def run_seeds(cfg: ValidateConfig, seeds: list[int], on_progress: Any = None,
+              on_seed: Any = None) -> Any:
+    """Validate on each seed in turn (input checked once, before any launch), then write the
+    multi-seed summary. Returns a `ValidationResult` whose summary is `aggregate`'s."""
+    from nfabric_cli.validation.run import ValidationResult, plan, run_validation, torchrun_worker
+
+    if torchrun_worker() is not None:
+        raise InputError("--seeds launches one run per seed: start validate itself (with "
+                         "--launcher spawn or torchrun), not under torchrun")
+    plan(cfg)  # a bad profile, arm or world size fails now, not after the first seed
+    summaries: dict[int, dict[str, Any]] = {}
+    for one in seed_configs(cfg, seeds):
+        if on_seed is not None:
+            on_seed(one.seed, len(summaries), len(seeds))
+        summaries[one.seed] = run_validation(one, on_progress).summary
+    doc = aggregate(summaries)
+    paths = write_seeds_report(cfg.report_dir, doc)
+    return ValidationResult(doc, Path(cfg.report_dir), paths)
