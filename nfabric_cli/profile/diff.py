@@ -15,6 +15,7 @@ from typing import Any
 from nfabric_cli.profile.operating import PROVENANCE_KEYS, ROW_FIELDS, OperatingProfile
 
 EVIDENCE_FIELDS: tuple[str, ...] = ("traffic_fraction", "metric_delta", "trials")
+LONG_LIST = 8  # longer lists print as their length in tables (the JSON keeps them whole)
 _COMPARED = tuple(f for f in ROW_FIELDS if f not in ("region", "phase"))
 
 
@@ -91,6 +92,8 @@ def format_value(value: Any) -> str:
     if isinstance(value, dict):
         text = ", ".join(f"{k}={format_value(v)}" for k, v in value.items() if v is not None)
         return text or "-"
+    if isinstance(value, list) and len(value) > LONG_LIST:  # e.g. a model's parameter list
+        return f"[{len(value)} items]"
     return str(value)
 
 

@@ -98,3 +98,11 @@ def test_evidence_can_be_ignored():
     assert diff_profiles(base(), b, ignore_evidence=True).equal
     b.rows[1] = replace(b.rows[1], tau=0.4)
     assert [c.field for c in diff_profiles(base(), b, ignore_evidence=True).changes] == ["tau"]
+
+
+def test_long_lists_print_as_their_length_in_tables() -> None:
+    from nfabric_cli.profile.diff import format_value
+
+    params = [["layer.weight", [4, 4], "float32"]] * 20  # provenance.model_params
+    assert format_value({"model_params": params, "seed": 0}) == "model_params=[20 items], seed=0"
+    assert format_value([1, 2]) == "[1, 2]"
