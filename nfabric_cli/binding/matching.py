@@ -125,35 +125,32 @@ def _match_recorded(meta: dict[str, Any], params: list[TrainableParam],
     real = [p.name for p in params]
     theirs = [n for n, _, _ in recorded]
     their_variants = list(_strip_levels([_uncompile(n) for n in theirs]))
-    best: tuple[int, Any] | None = None
-    for compiled, prefix, names in _name_variants(real):
-        for added, canon in their_variants:
-            common = len(set(names) & set(canon))
-            if best is None or common > best[0]:
-                best = (common, (compiled, prefix, names, added, canon))
-            if sorted(names) == sorted(canon):
-                by_canon = dict(zip(canon, theirs, strict=True))
-                mapping = {r: by_canon[n] for r, n in zip(real, names, strict=True)}
-                shape_of = {n: s for n, s, _ in recorded}
-                bad = [r for r, p in zip(real, params, strict=True)
-                       if tuple(shape_of[mapping[r]]) != p.shape]
-                if bad:
-                    raise InputError(_mismatch(meta, params, f"shapes differ for {_some(bad)}: " + "; ".join(
-                        f"{r} {list(p.shape)} vs profile {list(shape_of[mapping[r]])}"
-                        for r, p in zip(real, params, strict=True) if r in bad[:3])))
-                dtype_of = {n: d for n, _, d in recorded}
-                note = _dtype_note([p.dtype for p in params], [dtype_of[mapping[r]] for r in real])
-                return ModelMatch(mapping, prefix, added, compiled, note)
-    assert best is not None
-    _, (compiled, prefix, names, added, canon) = best
-    only_model = sorted(set(names) - set(canon))
-    only_profile = sorted(set(canon) - set(names))
-    parts = [f"{len(params)} trainable parameters vs the profile's {len(recorded)}"]
-    if only_model:
-        parts.append(f"only in the model: {_some([prefix + n for n in only_model])}")
-    if only_profile:
-        parts.append(f"only in the profile: {_some([added + n for n in only_profile])}")
-    raise InputError(_mismatch(meta, params, "; ".join(parts)))
+    pairs = [(compiled, prefix, names, added, canon)
+             for compiled, prefix, names in _name_variants(real)
+             for added, canon in their_variants]
+    exact = next((p for p in pairs if sorted(p[2]) == sorted(p[4])), None)
+    if exact is None:
+        _, prefix, names, added, canon = max(pairs, key=lambda p: len(set(p[2]) & set(p[4])))
+        parts = [f"{len(params)} trainable parameters vs the profile's {len(recorded)}"]
+        if only_model := sorted(set(names) - set(canon)):
+            parts.append(f"only in the model: {_some([prefix + n for n in only_model])}")
+        if only_profile := sorted(set(canon) - set(names)):
+            parts.append(f"only in the profile: {_some([added + n for n in only_profile])}")
+        raise InputError(_mismatch(meta, params, "; ".join(parts)))
+    compiled, prefix, names, added, canon = exact
+    by_canon = dict(zip(canon, theirs, strict=True))
+    mapping = {r: by_canon[n] for r, n in zip(real, names, strict=True)}
+    shape_of = {n: tuple(s) for n, s, _ in recorded}
+    bad = [(r, p.shape) for r, p in zip(real, params, strict=True)
+           if shape_of[mapping[r]] != p.shape]
+    if bad:
+        shown = "; ".join(f"{r} {list(s)} vs profile {list(shape_of[mapping[r]])}"
+                          for r, s in bad[:3])
+        raise InputError(_mismatch(meta, params, f"shapes differ for "
+                                                 f"{_some([r for r, _ in bad])}: {shown}"))
+    dtype_of = {n: d for n, _, d in recorded}
+    note = _dtype_note([p.dtype for p in params], [dtype_of[mapping[r]] for r in real])
+    return ModelMatch(mapping, prefix, added, compiled, note)
 
 
 def _some(names: list[str], limit: int = 3) -> str:

@@ -89,8 +89,8 @@ def _write(run: StudyRun, outcome: Outcome, out_root: str | Path) -> None:
     outcome.path, outcome.png, outcome.written_by = path, png, run.worker.id
 
 
-def recorded_profiles(study: Any) -> list[dict[str, Any]]:
-    """Every profile written for the study: trials, path, worker, time."""
-    out = [{"trials": int(k[len(PROFILE_KEY):]), **v} for k, v in study.user_attrs.items()
+def recorded_profiles(user_attrs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every profile a study's `user_attrs` record as written: trials, path, worker, time."""
+    out = [{"trials": int(k[len(PROFILE_KEY):]), **v} for k, v in user_attrs.items()
            if k.startswith(PROFILE_KEY) and isinstance(v, dict)]
     return sorted(out, key=lambda r: r["trials"])

@@ -52,8 +52,8 @@ def study_status(storage_url: str | None, name: str) -> dict[str, Any]:
         "counts": counts,
         "best": None if best is None else _trial_row(best),
         "trials": trials,
-        "workers": live_workers(study, me),
-        "profiles": recorded_profiles(study),
+        "workers": live_workers(attrs, me),  # one read of the study's attributes for all
+        "profiles": recorded_profiles(attrs),
         "now": time.time(),
     }
 

@@ -78,17 +78,18 @@ def open_storage(url: str | None) -> optuna.storages.BaseStorage:
 def _rdb(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage. Workers started together on a fresh database race to create its
     tables (PostgreSQL: a unique violation in pg_type): the loser retries and finds them."""
-    for attempt in range(attempts):
+    def connect() -> optuna.storages.RDBStorage:
+        return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S,
+                                          grace_period=GRACE_S)
+
+    for _ in range(attempts - 1):
         try:
-            return optuna.storages.RDBStorage(
-                url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S
-            )
+            return connect()
         except Exception as exc:
-            text = str(exc)
-            if attempt + 1 == attempts or not ("UniqueViolation" in text or "already exists" in text):
+            if "UniqueViolation" not in str(exc) and "already exists" not in str(exc):
                 raise
             time.sleep(0.2 + random.random())
-    raise AssertionError("unreachable")
+    return connect()
 
 
 def load_or_create(

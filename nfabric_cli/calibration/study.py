@@ -168,11 +168,11 @@ class Calibrator:
     def reference_for(self, study: optuna.Study) -> dict[str, Any]:
         """The study's FP32 reference: stored, or run here under a claim while any other
         worker waits for it (a claim whose holder died is taken over)."""
+        assert self.log is not None  # run_study sets it
         claim = Claim(study, "reference", self.worker)
         told = None
         while (reference := study.user_attrs.get("reference")) is None:
             if claim.try_acquire():
-                assert self.log is not None
                 with self.log.holding(claim):
                     reference = study.user_attrs.get("reference")  # stored while we claimed
                     if reference is None:
@@ -184,8 +184,7 @@ class Calibrator:
             if told != holder:
                 told = holder
                 self.sink.note(f"waiting for the FP32 reference: {holder} is running it")
-                if self.log is not None:
-                    self.log.set(f"waiting for the reference ({holder})")
+                self.log.set(f"waiting for the reference ({holder})")
             time.sleep(workers_mod.POLL_S)
         return reference
 
@@ -384,7 +383,8 @@ def run_study(
     worker = calibrator.worker
     log = calibrator.log = WorkerLog(study, worker, spec.trials)
     with log.running():
-        others = [w for w in live_workers(study, worker) if w["live"] and w["worker"] != worker.id]
+        others = [w for w in live_workers(study.user_attrs, worker)
+                  if w["live"] and w["worker"] != worker.id]
         offset = len(study.get_trials(deepcopy=False)) + (worker.pid if others else 0)
         study.sampler = make_sampler(spec, offset)
         fail_dead_trials(study, worker)  # a killed run's trial: failed, its sweep re-queued

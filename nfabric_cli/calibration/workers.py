@@ -107,6 +107,12 @@ def stale(record: dict[str, Any], now: float | None = None) -> bool:
     return seen is not None and (now or time.time()) - float(seen) > _storage.GRACE_S
 
 
+def worker_gone(record: dict[str, Any], me: Worker, now: float | None = None) -> bool:
+    """A worker record's worker is gone: stopped, silent past the grace period, or a dead
+    process of this node."""
+    return record.get("doing") == "stopped" or stale(record, now) or me.gone(record)
+
+
 class Claim:
     """An exclusive job among the workers of one study (see the module docstring)."""
 
@@ -252,7 +258,7 @@ def fail_dead_trials(study: optuna.Study, worker: Worker) -> list[int]:
         record = records.get(WORKER_PREFIX + str(t.user_attrs.get("worker")))
         if not isinstance(record, dict):
             continue  # a trial of a worker that kept no record: Optuna's heartbeat decides
-        if stale(record, now) or record.get("doing") == "stopped" or worker.gone(record):
+        if worker_gone(record, worker, now):
             with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
                 if study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
                     failed.append(t.number)
@@ -320,15 +326,10 @@ def wait_for_same(study: optuna.Study, trials: list[FrozenTrial], trial: optuna.
     return waited
 
 
-def live_workers(study: optuna.Study, worker: Worker | None = None) -> list[dict[str, Any]]:
-    """Worker records of the study, each with `live` (seen within the grace period and, on
-    this node, its process exists)."""
+def live_workers(user_attrs: dict[str, Any], me: Worker) -> list[dict[str, Any]]:
+    """The worker records in a study's `user_attrs`, each with `live` (not `worker_gone`)."""
     now = time.time()
-    me = worker or Worker.current()
-    out = []
-    for key, record in study.user_attrs.items():
-        if key.startswith(WORKER_PREFIX) and isinstance(record, dict):
-            live = record.get("doing") != "stopped" and not stale(record, now) \
-                and not me.gone(record)
-            out.append({**record, "live": live})
+    out = [{**record, "live": not worker_gone(record, me, now)}
+           for key, record in user_attrs.items()
+           if key.startswith(WORKER_PREFIX) and isinstance(record, dict)]
     return sorted(out, key=lambda r: r.get("started", 0))

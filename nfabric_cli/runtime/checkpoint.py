@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.errors import InputError
+from nfabric_cli.routes.memory import ErrorFeedback
+from nfabric_cli.runtime.traffic import TrafficMeter
 
 if TYPE_CHECKING:
     from nfabric_cli.runtime.state import FabricState
@@ -44,8 +46,7 @@ def bindings_key(bindings: Bindings) -> str:
 def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, Any]:
     if state._pending:
         raise RuntimeError("state_dict() during a step: call it between optimizer steps")
-    mine = {"ef": state.ef.state_dict(), "meter": state.meter.state_dict(),
-            "events": [dict(e) for e in state.events], "step_times": list(state.step_times)}
+    mine = _rank_part(state.ef, state.meter, state.events, state.step_times)
     ranks = {state.rank: mine}
     if all_ranks and state.world_size > 1:
         gathered: list[Any] = [None] * state.world_size
@@ -63,6 +64,13 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
         "gate": state.gate.state_dict(),
         "ranks": ranks,
     }
+
+
+def _rank_part(ef: ErrorFeedback, meter: TrafficMeter, events: list[dict[str, Any]],
+               step_times: list[float]) -> dict[str, Any]:
+    """What differs by rank: residuals, byte counters, the event log, step times."""
+    return {"ef": ef.state_dict(), "meter": meter.state_dict(),
+            "events": [dict(e) for e in events], "step_times": list(step_times)}
 
 
 def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = True) -> list[str]:
@@ -96,8 +104,7 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
         if strict:
             raise InputError(msg)
         notes.append(msg + "; this rank starts with no error-feedback residuals")
-        mine = {"ef": {"residual": {}, "route": {}}, "meter": {"rows": [], "fp32": []},
-                "events": [], "step_times": []}
+        mine = _rank_part(ErrorFeedback(), TrafficMeter(state.rank), [], [])
     state.ef.load_state_dict(mine["ef"], state.device)
     state.meter.load_state_dict(mine["meter"])
     state.events[:] = [dict(e) for e in mine["events"]]

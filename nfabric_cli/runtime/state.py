@@ -34,10 +34,6 @@ from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
 
 
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
 def _full(dtype: torch.dtype):  # noqa: ANN202
     """The full-precision route for a bucket of `dtype` (its own dtype on the wire)."""
     return make_route(FP32, dtype)
@@ -204,7 +200,7 @@ class FabricState:
         buffer.div_(self.world_size)
         wb = _full(buffer.dtype).wire_bytes(buffer.numel(), self.world_size, self.rank)
         self.meter.add(step, phase, "fp32", wb)
-        self.meter.add_fp32_reference(step, wb, _dtype_name(buffer))
+        self.meter.add_fp32_reference(step, wb, buffer.dtype)
         work = dist.all_reduce(buffer, group=self.comm.group, async_op=True)
         if is_last:
             with self._lock:
@@ -242,10 +238,11 @@ class FabricState:
             # Never encode NaN/Inf: the sign of NaN is not a vote. The step is zeroed later.
             buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         bucket = self.trace.next_bucket(step) if self.trace is not None else 0
+        full = _full(buffer.dtype)
         if all(not s.lowbit and s.name == "fp32" for s in specs):
             local = buffer.clone() if self.trace is not None else None
             t0 = time.perf_counter()
-            _full(buffer.dtype).reduce(buffer, self.comm)  # in place: exactly allreduce_hook
+            full.reduce(buffer, self.comm)  # in place: exactly allreduce_hook
             wb = self.comm.take()
             self.meter.add(step, phase, "fp32", wb)
             if self.trace is not None:
@@ -253,8 +250,8 @@ class FabricState:
                                   tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
         else:
             self._reduce_groups(names, slices, groups, step, phase, bucket)
-        ref = _full(buffer.dtype).wire_bytes(buffer.numel(), self.world_size, self.rank)
-        self.meter.add_fp32_reference(step, ref, _dtype_name(buffer))  # in its own dtype
+        ref = full.wire_bytes(buffer.numel(), self.world_size, self.rank)  # in its own dtype
+        self.meter.add_fp32_reference(step, ref, buffer.dtype)
         self._pending.append((fut, buffer))
         if is_last:
             self._finish_step(step)

@@ -34,14 +34,14 @@ class TrafficMeter:
         self.rank = rank
         self._acc: dict[tuple[int, str, str], list[int]] = defaultdict(lambda: [0, 0])
         self._fp32: dict[int, int] = defaultdict(int)
-        self._ref_dtypes: set[str] = set()
+        self._ref_dtypes: set[Any] = set()  # torch dtypes (hashed per bucket, named on demand)
 
     def add(self, step: int, phase: str, route: str, wb: WireBytes) -> None:
         cell = self._acc[(step, phase, route)]
         cell[0] += wb.sent
         cell[1] += wb.received
 
-    def add_fp32_reference(self, step: int, wb: WireBytes, dtype: str = "float32") -> None:
+    def add_fp32_reference(self, step: int, wb: WireBytes, dtype: Any = "float32") -> None:
         """What the same buckets would have cost at full precision, i.e. all-reduced in their
         own `dtype` as plain DDP sends them (sent + received): 4 bytes an element for float32
         gradients, 2 for bfloat16 ones."""
@@ -50,11 +50,14 @@ class TrafficMeter:
 
     def reference(self) -> str:
         """What `fraction` is measured against, e.g. "full precision (bfloat16)"."""
-        return f"full precision ({'/'.join(sorted(self._ref_dtypes)) or 'float32'})"
+        return f"full precision ({'/'.join(self._dtype_names()) or 'float32'})"
+
+    def _dtype_names(self) -> list[str]:
+        return sorted({str(d).removeprefix("torch.") for d in self._ref_dtypes})
 
     def state_dict(self) -> dict[str, Any]:
         return {"rows": [[s, p, r, v[0], v[1]] for (s, p, r), v in sorted(self._acc.items())],
-                "fp32": sorted(self._fp32.items()), "dtypes": sorted(self._ref_dtypes)}
+                "fp32": sorted(self._fp32.items()), "dtypes": self._dtype_names()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._acc.clear()

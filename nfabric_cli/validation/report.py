@@ -143,6 +143,11 @@ def step_frame(gathered: list[list[dict[str, Any]]]) -> pd.DataFrame:
     return frame.astype({"rank": "int32", "step": "int32", "bytes": "int64"})
 
 
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """summary.json: the `--json` document, indented, atomically."""
+    atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
+
+
 def write_report(
     report_dir: str | Path, summary: dict[str, Any], frame: pd.DataFrame
 ) -> dict[str, Path]:
@@ -157,6 +162,6 @@ def write_report(
     }
     with atomic_path(paths["steps"]) as tmp:
         frame.to_parquet(tmp, index=False)
-    atomic_write_text(paths["summary"], json.dumps(summary, indent=2) + "\n")
+    write_summary(paths["summary"], summary)
     plot_report(frame, summary, paths["plot"])
     return paths

@@ -22,10 +22,9 @@ from typing import Any
 
 import pandas as pd
 
-from nfabric_cli.atomic import atomic_path, atomic_write_text
 from nfabric_cli.errors import InputError
 from nfabric_cli.validation.config import ValidateConfig
-from nfabric_cli.validation.report import PASS_EPS
+from nfabric_cli.validation.report import PASS_EPS, write_summary
 
 PASS_RULE = "worst seed: every seed's profile arm within tolerance of its fp32 arm"
 MAX_SEEDS = 64
@@ -110,8 +109,8 @@ def aggregate(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
                                                 "step_time_s", "fallbacks")}
                           for n, a in doc["arms"].items()}}
                 for s, doc in summaries.items()]
-    profile = arms.get("profile")
-    worst = None if profile is None else profile["metric_delta"]["worst"]
+    profile = None if "profile" not in arms else arms["profile"]["metric_delta"]
+    bound = None if profile is None else profile["bound95"]
     return {
         "passed": all(doc["passed"] for doc in summaries.values()),
         "rule": PASS_RULE,
@@ -121,10 +120,9 @@ def aggregate(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "higher_is_better": higher,
         "tolerance": tol,
         "seeds": list(summaries),
-        "worst_profile_delta": worst,
-        "within_tolerance_at_bound95": None if profile is None or
-        profile["metric_delta"]["bound95"] is None else
-        (-1 if higher else 1) * profile["metric_delta"]["bound95"] <= tol + PASS_EPS,
+        "worst_profile_delta": None if profile is None else profile["worst"],
+        "within_tolerance_at_bound95": None if bound is None
+        else (-bound if higher else bound) <= tol + PASS_EPS,
         "arms": arms,
         "per_seed": per_seed,
     }
@@ -138,44 +136,14 @@ def _mean(values: list[float | None]) -> float | None:
 def write_seeds_report(report_dir: str | Path, doc: dict[str, Any]) -> dict[str, Path]:
     """REPORT/summary.json and REPORT/report.png (training loss per step: one line per arm
     and seed, from each seed's steps.parquet)."""
+    from nfabric_cli.validation.plot import plot_seeds
+
     root = Path(report_dir)
     paths = {"summary": root / "summary.json", "plot": root / "report.png"}
-    atomic_write_text(paths["summary"], _json(doc))
-    _plot(root, doc, paths["plot"])
+    write_summary(paths["summary"], doc)
+    frames = {s: pd.read_parquet(root / f"seed-{s}" / "steps.parquet") for s in doc["seeds"]}
+    plot_seeds(frames, doc, paths["plot"])
     return paths
-
-
-def _json(doc: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(doc, indent=2) + "\n"
-
-
-def _plot(root: Path, doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, arm in enumerate(doc["arms"]):
-        for k, seed in enumerate(doc["seeds"]):
-            frame = pd.read_parquet(root / f"seed-{seed}" / "steps.parquet")
-            rows = frame[frame["arm"] == arm].groupby("step")["loss"].mean()
-            smooth = rows.rolling(max(1, len(rows) // 50), min_periods=1).mean()
-            ax.plot(rows.index, smooth, color=colours[i % len(colours)], linewidth=0.9,
-                    alpha=0.75, label=arm if k == 0 else None)
-    verdict = "passed" if doc["passed"] else "FAILED"
-    ax.set(xlabel="step", ylabel="training loss (mean over ranks, smoothed)",
-           title=f"{doc['workload']}: {len(doc['seeds'])} seeds, one line per arm and seed; "
-                 f"profile {verdict} on the worst seed")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
 
 
 def run_seeds(cfg: ValidateConfig, seeds: list[int], on_progress: Any = None,
