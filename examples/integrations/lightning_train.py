@@ -66,12 +66,13 @@ def main() -> None:
     ap.add_argument("--accumulate", type=int, default=2)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--devices", type=int, default=2)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     loader = torch.utils.data.DataLoader(dataset(), batch_size=16, shuffle=False)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, max_steps=args.steps,
+        accelerator="cpu", devices=args.devices, max_steps=args.steps,
         accumulate_grad_batches=args.accumulate, precision=args.precision,
         strategy=FabricDDPStrategy(make_profile()),      # <- the one line
         logger=CSVLogger(args.out, name="logs"), log_every_n_steps=1,

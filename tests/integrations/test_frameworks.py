@@ -83,6 +83,10 @@ def test_a_single_process_is_refused_in_one_line(tmp_path: Path) -> None:
     acc = run_example("accelerate_train.py", "--out", str(tmp_path), "--steps", "1")
     line = failure_line(acc, "InputError: nfabric:")
     assert "Accelerate started a single process" in line and "torchrun" in line
+    lt = run_example("lightning_train.py", "--out", str(tmp_path), "--steps", "1",
+                     "--devices", "1")
+    line = failure_line(lt, "InputError: nfabric:")
+    assert "Lightning started a single process" in line and "start 2 or more" in line
     hf = run_example("hf_trainer_train.py", "--out", str(tmp_path), "--steps", "1")
     line = failure_line(hf, "InputError: nfabric:")
     assert "the HF Trainer did not wrap the model in DistributedDataParallel" in line

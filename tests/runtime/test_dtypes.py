@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from nfabric_cli import attach
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.routes import make_route
 from nfabric_cli.runtime.attach import attach_with
@@ -84,3 +85,42 @@ def test_the_wire_bytes_of_full_precision_follow_the_dtype() -> None:
     f32b = compile_profile(profile, model, world_size=4)
     assert bf16.bytes_per_step("all")[1] * 2 == f32b.bytes_per_step("all")[1]
     assert bf16.bytes_per_step("all")[0] == f32b.bytes_per_step("all")[0]
+
+
+def _compiled_worker(rank: int, world: int) -> dict:
+    """DDP(torch.compile(model)) with a profile made from the bare model: the names gain
+    `_orig_mod.`, the profile still fits, and it trains as the uncompiled model does. (The
+    eager backend keeps inductor's compile time out of the suite; the wrapper and its names
+    are the same for every backend.)"""
+    results = []
+    for compiled in (False, True):
+        model = make_model()
+        profile = static_profile(model, "sign", [("head.*", "fp32")])
+        net = torch.compile(model, backend="eager") if compiled else model
+        ddp = DDP(net)  # dynamo's DDP optimizer wants DDP's default buckets
+        state = attach(ddp, profile, total_steps=STEPS)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(STEPS):
+            x, y = batch(step, rank)
+            loss = F.cross_entropy(ddp(x), y)
+            state.observe(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        state.close()
+        results.append({"names": sorted(state.bindings.params), "bytes": state.bytes_per_route(),
+                        "params": [p.detach().clone() for p in model.parameters()],
+                        "match": state.bindings.meta.get("model_match")})
+    plain, comp = results
+    return {"names": comp["names"], "match": comp["match"], "bytes_equal": plain["bytes"] ==
+            comp["bytes"], "sign": comp["bytes"].get("sign/sharded", 0),
+            "same": all(torch.equal(a, b) for a, b in zip(plain["params"], comp["params"],
+                                                          strict=True))}
+
+
+@pytest.mark.slow
+def test_a_compiled_model_takes_the_bare_models_profile_and_trains_alike() -> None:
+    for r in run_ranks(_compiled_worker, 2):
+        assert r["names"] and all(n.startswith("_orig_mod.") for n in r["names"])
+        assert r["match"]["compiled"] is True
+        assert r["sign"] > 0 and r["bytes_equal"] and r["same"]
