@@ -6,8 +6,12 @@ gradient with the ops a DDP rank runs, and draws from its own RNG stream (every 
 from ``manual_seed(seed)``, as a real rank seeded that way does), so a rank's gradient is
 bit-identical however many processes compute them. The gradients are then aggregated with the
 step's routes (`aggregate.py`), which is bit-identical however the parameters are split, a
-step with a non-finite loss or gradient on any rank is neutralised (zero gradients), and the
-optimizer and scheduler step.
+step with a non-finite loss or gradient on any rank is neutralised (zero gradients), the
+caller's decision on the step (`decide`: the step controller's scale-downs of held scopes, from
+the ranks' statistics and the aggregate's norms) is applied, and the optimizer and scheduler
+step. Everything runs with one intra-op thread, as each real rank does (`validation/worker.py`):
+a convolution's backward sums in another order with more threads, so a 2-thread simulation
+drifts from real DDP bit by bit.
 
 With ``processes > 1`` (POSIX ``fork``), parameters, gradients and the aggregate live in shared
 memory and P forked children (one intra-op thread each) share the work as W real ranks share
@@ -18,7 +22,8 @@ gradients set on the shard alone: the optimizers in `PER_PARAMETER` update each 
 from its own gradient and state only, so the shards' steps are the optimizer's step bit for
 bit); after a second barrier every parameter is updated and the child goes straight on to
 the next step's gradients, which depend on no decision of the parent (only the aggregate
-needs the step's plan). The parent's own work per step (the health monitor, a checkpoint's
+needs the step's plan, and the update the parent's decision, which the children wait for
+between aggregating and updating). The parent's own work per step (the health monitor, a checkpoint's
 evaluation) thus overlaps the children's next forward and backward passes. The parameters
 must change only through `step`. A model with buffers (BatchNorm running statistics, which DDP
 broadcasts from rank 0 every step) or an optimizer outside `PER_PARAMETER` is simulated in
@@ -34,7 +39,8 @@ import signal
 import threading
 import traceback
 import warnings
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -43,6 +49,7 @@ import torch
 from torch import nn
 
 from nfabric_cli.calibration.aggregate import Aggregator, Agreement, Plan, merge_agreement, shard
+from nfabric_cli.runtime.inject import Injection, apply_injection
 from nfabric_cli.workloads.base import Workload
 
 #: Seconds a closing child may take to exit before it is terminated.
@@ -83,6 +90,24 @@ class RanksStep:
     norms: list[list[float]]
     nonfinite: bool
     agreement: Agreement
+    #: per parameter: the norm of the aggregate (what every rank received), before any decision
+    update_norms: list[float] | None = None
+
+
+#: The caller's decision on a step, from its `RanksStep`: scope -> factor the aggregate of
+#: that scope's parameters is multiplied by before the optimizer step (absent: 1).
+Decide = Callable[[RanksStep], Mapping[str, float]]
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch with one intra-op thread (as every real rank and forked child does)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _finite(loss: float, norms: Sequence[float]) -> bool:
@@ -109,10 +134,13 @@ class SimulatedRanks:
         groups: Sequence[Hashable] | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
+        injections: Sequence[Injection] = (),
     ) -> None:
         """`groups[i]`: what parameter i is reduced with (see `aggregate.shard`); `optimizer`
-        (and `scheduler`, stepped once per step): built over `params` (or a superset)."""
+        (and `scheduler`, stepped once per step): built over `params` (or a superset);
+        `injections`: nan / spike faults put into a rank's gradient as the hook puts them."""
         self.workload, self.model, self.params = workload, model, params
+        self.injections = tuple(injections)
         self.world_size, self.seed = world_size, seed
         self.optimizer, self.scheduler = optimizer, scheduler
         self.numels = [p.numel() for p in params]
@@ -164,6 +192,9 @@ class SimulatedRanks:
                 view.zero_()
             else:
                 view.copy_(g.detach().reshape(-1))
+        if self.injections:
+            apply_injection(self.injections, step, rank, self.views[rank])
+        for view in self.views[rank]:
             norms.append(float(torch.linalg.vector_norm(view)))
         value = float(loss.detach())
         finite = _finite(value, norms)
@@ -172,12 +203,19 @@ class SimulatedRanks:
             self.buffers[rank].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return value, norms
 
-    def _update(self, owned: Sequence[int], nonfinite: bool) -> None:
-        """The optimizer (and scheduler) step on the parameters `owned`, from the aggregate;
-        a neutralised step updates from zero gradients, as every real rank then does."""
-        if nonfinite:
-            for i in owned:
+    def _norms(self, owned: Sequence[int]) -> dict[int, float]:
+        return {i: float(torch.linalg.vector_norm(self.out_views[i])) for i in owned}
+
+    def _update(self, owned: Sequence[int], nonfinite: bool, plan: Plan,
+                scales: Mapping[str, float]) -> None:
+        """The optimizer (and scheduler) step on the parameters `owned`, from the aggregate
+        scaled by the decision's `scales` (per scope); a neutralised step updates from zero
+        gradients, as every real rank then does."""
+        for i in owned:
+            if nonfinite:
                 self.out_views[i].zero_()
+            elif plan.regions[i] in scales:
+                self.out_views[i].mul_(scales[plan.regions[i]])
         if self.optimizer is None:
             return
         mine = set(owned)
@@ -188,29 +226,44 @@ class SimulatedRanks:
             self.scheduler.step()
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self, step: int, plan: Plan) -> RanksStep:
-        """Train `step` under `plan`: every rank's gradient, loss and norms, their aggregate
+    def step(self, step: int, plan: Plan, decide: Decide | None = None) -> RanksStep:
+        """Train `step` under `plan`: every rank's gradient, loss and norms, their aggregate,
+        `decide`'s scale-downs (with `decide` only, which also measures the aggregate's norms)
         and the optimizer step."""
         if not self.conns:
-            done = [self._rank_gradient(step, r) for r in range(self.world_size)]
-            agree = self.aggregators[0].run(step, plan, self.views, self.out_views)
-            nonfinite = bool(self.bad.any())
-            self._update(self.shards[0], nonfinite)
-            return RanksStep([d[0] for d in done], [d[1] for d in done], nonfinite, agree)
+            with one_thread():
+                done = [self._rank_gradient(step, r) for r in range(self.world_size)]
+                agree = self.aggregators[0].run(step, plan, self.views, self.out_views)
+                nonfinite = bool(self.bad.any())
+                owned = self.shards[0]
+                norms = self._norms(owned) if decide is not None else {}
+                out = RanksStep([d[0] for d in done], [d[1] for d in done], nonfinite, agree,
+                                [norms[i] for i in range(len(self.params))] if norms else None)
+                scales = decide(out) if decide is not None else {}
+                self._update(owned, nonfinite, plan, scales)
+            return out
         known = plan in self._plans
         if not known:
             self._plans[plan] = len(self._plans)
         for conn in self.conns:  # a plan crosses the pipe once; then its number does
-            conn.send((step, self._plans[plan], None if known else plan))
+            conn.send((step, self._plans[plan], None if known else plan, decide is not None))
         losses = [0.0] * self.world_size
         norms: list[list[float]] = [[] for _ in range(self.world_size)]
         agreements = []
+        updates: dict[int, float] = {}
         for msg in self._collect(step):
             for rank, (loss, rank_norms) in msg[1]:
                 losses[rank], norms[rank] = loss, rank_norms
             agreements.append(msg[2])
+            updates.update(msg[3])
         nonfinite = not all(_finite(v, n) for v, n in zip(losses, norms, strict=True))
-        return RanksStep(losses, norms, nonfinite, merge_agreement(agreements))
+        out = RanksStep(losses, norms, nonfinite, merge_agreement(agreements),
+                        [updates[i] for i in range(len(self.params))] if updates else None)
+        scales = dict(decide(out)) if decide is not None else {}
+        for conn in self.conns:
+            conn.send(scales)
+        self._collect(step)  # every shard updated
+        return out
 
     def _collect(self, step: int) -> list[Any]:
         """Every child's reply to `step`, in child order; raises the first real failure (a
@@ -295,7 +348,7 @@ class SimulatedRanks:
                 return
             if msg is None:
                 return
-            step, number, plan = msg
+            step, number, plan, measure = msg
             if plan is not None:
                 plans[number] = plan
             if ahead is not None and ahead[0] == step:
@@ -313,14 +366,28 @@ class SimulatedRanks:
             if outcome[0] == "error":
                 conn.send(outcome)
                 continue
+            owned = self.shards[p]
             try:
                 agree = self.aggregators[p].run(step, plans[number], self.views, self.out_views)
-                self._update(self.shards[p], bool(self.bad.any()))
+                updates = self._norms(owned) if measure else {}
             except Exception as exc:  # noqa: BLE001
                 self.barrier.abort()
                 conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
                 continue
-            conn.send(("ok", outcome[1], agree))
+            conn.send(("ok", outcome[1], agree, updates))
+            try:
+                scales = conn.recv()  # the parent's decision on this step
+            except EOFError:
+                return
+            if scales is None:
+                return
+            try:
+                self._update(owned, bool(self.bad.any()), plans[number], scales)
+            except Exception as exc:  # noqa: BLE001
+                self.barrier.abort()
+                conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                continue
+            conn.send(("updated",))
             try:
                 self.barrier.wait()  # every shard is updated and every gradient read
             except threading.BrokenBarrierError:

@@ -5,18 +5,19 @@ Per step: the plan (route per parameter: the profile's, or fp32 while the health
 holds its region or the capacity gate refuses its bucket; the gate's static verdicts, from
 the profile's substrate); each simulated rank's gradient on its own batch
 (`train_batch(step, rank, W, seed)`), every parameter's aggregate under the plan with
-per-rank error feedback, zeroed when any rank's loss or gradient is not finite, and one
-optimizer and scheduler step (`ranks.py`, `aggregate.py`: in one process or spread over
-forked ones); then the health statistics gathered the way the hook agrees them (per-region
-gradient norm = sqrt of the summed squared local norms, sign agreement from the routes'
+per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over forked
+ones); the health statistics gathered the way the hook agrees them (per-region gradient norm
+= sqrt of the summed squared local norms, sign agreement from the routes'
 `agree_sum / agree_n`, loss = mean of the ranks' losses, any non-finite value marks the
-step), which decide the next steps' plans. Mirrors `runtime/state.py`.
+step) and the aggregate's norms go to the same `StepController` the hook drives, whose
+decision (skip a non-finite step, scale down a held scope's update) is applied before the
+optimizer and scheduler step; it also decides the next steps' plans.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,14 +26,12 @@ import torch
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration.aggregate import Plan
-from nfabric_cli.calibration.ranks import SimulatedRanks
+from nfabric_cli.calibration.ranks import RanksStep, SimulatedRanks
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.interrupt import deferred_sigint
-from nfabric_cli.profile.phases import Phase
-from nfabric_cli.routes import FP32
 from nfabric_cli.routes.spec import RouteSpec
-from nfabric_cli.runtime.gate import CapacityGate
-from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
+from nfabric_cli.runtime.controller import StepController
+from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.base import Workload
 
 #: Called after each checkpoint with (step, metric, projected traffic fraction of the whole
@@ -57,6 +56,9 @@ class SimResult:
     #: checkpoint) at each checkpoint reached: paired with the reference's (same batches), a
     #: smoother early signal than the metric
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    #: (step, scope, reason) of every trip signal the health monitor's detectors gave, acted
+    #: on or not (`HealthMonitor.detections`)
+    detections: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property
     def metric(self) -> float:
@@ -75,6 +77,7 @@ class SimulatedDDP:
         seed: int,
         monitor: bool = True,
         processes: int | None = None,
+        injections: Sequence[Injection] = (),
     ) -> None:
         self.workload = workload
         self.bindings = bindings
@@ -87,27 +90,23 @@ class SimulatedDDP:
         self.optimizer, self.scheduler = workload.make_optimizer(
             self.model.parameters(), self.total_steps
         )
-        self.monitor_enabled = monitor
-        scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
-        self.scopes = scopes
-        self.monitor = HealthMonitor(scopes, HealthThresholds.from_dict(bindings.meta.get("health") or {}))
         self.events: list[dict[str, Any]] = []
-        self.skipped_steps: list[int] = []
+        self.controller = StepController(bindings, self.total_steps, world_size,
+                                         self.events.append, monitor=monitor)
+        self.scopes = self.controller.scopes
+        self.monitor, self.gate = self.controller.monitor, self.controller.gate
+        self.skipped_steps = self.controller.skipped_steps
         self.losses: list[float] = []  # per step: the ranks' mean loss (NaN when none finite)
         self.tally = TrafficTally()
-        self.gate = CapacityGate(bindings.meta.get("substrate"), world_size)
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
         self._planned: dict[str, StepBytes] = {}
         self._plans: dict[tuple[str, frozenset[str]], Plan] = {}
-        self.step = 0
-        self.phase = bindings.phase_at(0, self.total_steps)
-        self._enter_phase(self.phase, 0)
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
         self.ranks = SimulatedRanks(
             workload, self.model, [p for _, p in self.params], self.names, world_size, seed,
-            processes, groups, self.optimizer, self.scheduler,
+            processes, groups, self.optimizer, self.scheduler, injections,
         )
 
     def close(self) -> None:
@@ -115,23 +114,16 @@ class SimulatedDDP:
         self.ranks.close()
 
     # -- the hook's decisions ------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.controller.step
+
+    @property
+    def phase(self):  # noqa: ANN201 - a Phase
+        return self.controller.phase
+
     def effective(self, name: str) -> RouteSpec:
-        pb = self.bindings.params[name]
-        spec = pb.routes[self.phase.name]
-        if spec.lowbit and self.monitor_enabled and self.monitor.forced_fp32(pb.regions[self.phase.name]):
-            return FP32
-        return spec
-
-    def _enter_phase(self, phase: Phase, step: int) -> None:
-        self.phase = phase
-        routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
-        self.monitor.set_routes(routes)
-        self.events += [ev.to_dict() for ev in self.monitor.on_phase_change(phase.name, step)]
-
-    def _forced(self) -> frozenset[str]:
-        if not self.monitor_enabled:
-            return frozenset()
-        return frozenset(s for s in self.scopes if self.monitor.forced_fp32(s))
+        return self.controller.effective(name)
 
     def projected_fraction(self) -> float:
         """Traffic fraction of the whole run if the steps left follow the profile (no further
@@ -153,7 +145,7 @@ class SimulatedDDP:
         """This step's routes and scopes per parameter, and the key they are cached under (the
         gate's verdicts are static here: no timings)."""
         phase = self.phase.name
-        key = (phase, self._forced())
+        key = (phase, self.controller.forced())
         if key not in self._plans:
             by_name = {n: self.effective(n) for n in self.names}
             routes = gated(self.bindings, phase, by_name.__getitem__, self.gate)
@@ -168,32 +160,29 @@ class SimulatedDDP:
         step = self.step
         plan, key = self._plan()
         self.tally.add(self._bytes_cache[key])
-        done = self.ranks.step(step, plan)  # gradients, aggregate, optimizer step
-        # Health statistics, as the hook measures them before any encoding (a rank's
-        # non-finite gradient was zeroed after its norm was taken: NaN never votes).
-        norm2: dict[str, float] = {}
-        for rank_norms in done.norms:
-            for region, norm in zip(plan.regions, rank_norms, strict=True):
-                if math.isfinite(norm):
-                    norm2[region] = norm2.get(region, 0.0) + norm * norm
-        finite_losses = [v for v in done.losses if math.isfinite(v)]
-        loss_mean = sum(finite_losses) / len(done.losses)
-        self.losses.append(loss_mean if finite_losses else math.nan)
 
-        agree = done.agreement
-        agreement = {s: agree[s][0] / agree[s][1] for s in self.scopes if agree.get(s, (0, 0))[1] > 0}
-        if self.monitor_enabled:
+        def decide(done: RanksStep) -> dict[str, float]:
+            # Health statistics, as the hook measures them before any encoding (a rank's
+            # non-finite gradient was zeroed after its norm was taken: NaN never votes).
+            norm2: dict[str, float] = {}
+            for rank_norms in done.norms:
+                for region, norm in zip(plan.regions, rank_norms, strict=True):
+                    if math.isfinite(norm):
+                        norm2[region] = norm2.get(region, 0.0) + norm * norm
+            finite_losses = [v for v in done.losses if math.isfinite(v)]
+            loss_mean = sum(finite_losses) / len(done.losses)
+            self.losses.append(loss_mean if finite_losses else math.nan)
+            agree = done.agreement
+            agreement = {s: agree[s][0] / agree[s][1] for s in self.scopes
+                         if agree.get(s, (0, 0))[1] > 0}
             norms = {s: math.sqrt(norm2.get(s, 0.0)) for s in self.scopes}
-            stats = StepStats(step, loss_mean, done.nonfinite, norms, agreement)
-            self.events += [ev.to_dict() for ev in self.monitor.check(stats)]
-        if done.nonfinite:
-            self.skipped_steps.append(step)
-            self.events.append({"step": step, "scope": "all", "from": "update", "to": "skipped",
-                                "reason": "nonfinite gradient or loss: update neutralised on every rank"})
-        self.step = step + 1
-        nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
-        if nxt.name != self.phase.name:
-            self._enter_phase(nxt, self.step)
+            updates = dict(zip(self.names, done.update_norms or (), strict=False))
+            decision = self.controller.decide(step, loss_mean, done.nonfinite, norms,
+                                              agreement, updates)
+            return decision.scales
+
+        self.ranks.step(step, plan, decide)  # gradients, aggregate, decision, optimizer step
+        self.controller.advance(step)
 
     def evaluate(self) -> float:
         return float(self.workload.evaluate(self.model))
@@ -210,12 +199,13 @@ def simulate_run(
     on_step: Callable[[int], None] | None = None,
     monitor: bool = True,
     processes: int | None = None,
+    injections: Sequence[Injection] = (),
 ) -> SimResult:
     """Train `steps` simulated DDP steps; evaluate after each step in `checkpoints`.
 
     The global RNG is forked and seeded, so a run depends only on its arguments (not on
     `processes`, the number of processes computing the ranks' gradients; default one per
-    CPU, at most W).
+    CPU, at most W). `injections`: nan / spike faults, as `validate --inject` puts them.
     """
     marks = set(checkpoints)
     curve: list[tuple[int, float]] = []
@@ -223,7 +213,8 @@ def simulate_run(
     stopped = False
     with torch.random.fork_rng(devices=[]), deferred_sigint() as interrupt:
         torch.manual_seed(seed)
-        sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor, processes)
+        sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor, processes,
+                           injections)
         try:
             while sim.step < steps:
                 interrupt.check()  # Ctrl-C stops the run here, between steps
@@ -253,4 +244,5 @@ def simulate_run(
         stopped=stopped,
         model=sim.model,
         loss_curve=loss_curve,
+        detections=list(sim.monitor.detections),
     )

@@ -63,6 +63,7 @@ from nfabric_cli.calibration.workers import (
     surplus,
     wait_for_same,
 )
+from nfabric_cli.runtime.controller import fallbacks
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.base import Workload
 
@@ -307,7 +308,7 @@ class Calibrator:
                 trial.set_user_attr(key, value)
         trial.set_user_attr("curve", [list(c) for c in result.curve])
         trial.set_user_attr("row_traffic", {f"{r}@{p}": v for (r, p), v in result.row_traffic.items()})
-        trial.set_user_attr("fallbacks", sum(1 for e in result.events if e.get("to") == "fp32"))
+        trial.set_user_attr("fallbacks", fallbacks(result.events))
         trial.set_user_attr("skipped_steps", len(result.skipped_steps))
         return record
 

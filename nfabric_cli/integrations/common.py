@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.runtime.controller import fallbacks as count_fallbacks
 from nfabric_cli.runtime.state import FabricState
 
 #: Where a checkpoint keeps the fabric state (a key in a checkpoint dict, a file in a folder).
@@ -54,7 +55,7 @@ def require_ddp(model: Any, framework: str, hint: str = "") -> None:
 def fabric_metrics(state: FabricState) -> dict[str, float]:
     """Scalars for a framework's logger: bytes so far, traffic vs full precision, fallbacks."""
     summary = state.meter.summary()
-    fallbacks = sum(1 for e in state.events if e.get("to") == "fp32")
+    fallbacks = count_fallbacks(state.events)
     return {"nfabric/traffic_fraction": float(summary["traffic_fraction"]),
             "nfabric/bytes": float(summary["bytes"]),
             "nfabric/fallbacks": float(fallbacks),

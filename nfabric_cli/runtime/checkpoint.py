@@ -1,9 +1,9 @@
 """Checkpointing the fabric state: what a resumed run needs to decide and send exactly as an
 uninterrupted one would.
 
-Shared by every rank (the decisions are agreed): the step (so the phase and the stochastic
-rounding noise continue), the health monitor, the capacity gate's verdicts and revocations,
-the skipped steps. Per rank: the error-feedback residuals (each rank's own compression
+Shared by every rank (the decisions are agreed): the step controller's state (the step, so
+the phase and the stochastic rounding noise continue; the health monitor; the update guard's
+windows; the capacity gate's verdicts and revocations; the skipped steps). Per rank: the error-feedback residuals (each rank's own compression
 error), its byte counters and its event log. `state_dict(all_ranks=True)` gathers every
 rank's part on every rank (one collective: call it on all ranks, between steps), so a
 framework that writes the checkpoint from rank 0 only still saves everything; with
@@ -58,10 +58,7 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
         "bindings": bindings_key(state.bindings),
         "world_size": state.world_size,
         "total_steps": state.total_steps,
-        "step": state.step,
-        "skipped_steps": list(state.skipped_steps),
-        "monitor": state.monitor.state_dict(),
-        "gate": state.gate.state_dict(),
+        **state.controller.state_dict(),  # step, skipped steps, monitor, guard, gate
         "ranks": ranks,
     }
 
@@ -109,9 +106,5 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
     state.meter.load_state_dict(mine["meter"])
     state.events[:] = [dict(e) for e in mine["events"]]
     state.step_times[:] = list(mine["step_times"])
-    state.monitor.load_state_dict(sd["monitor"])
-    state.gate.load_state_dict(sd["gate"])
-    state.skipped_steps[:] = list(sd["skipped_steps"])
-    state.step = int(sd["step"])
-    state._phase = state.bindings.phase_at(min(state.step, state.total_steps), state.total_steps)
+    state.controller.load_state_dict(sd)
     return notes

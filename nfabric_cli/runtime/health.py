@@ -11,7 +11,9 @@ Each scope (a profile region) and the special scope ``"all"`` run one small stat
                     +------ a real trip during probation (counted) --+
     any state --`max_trips` trips in the phase--> pinned --next phase--> ok
 
-Trips: non-finite gradients or loss and loss spikes trip ``"all"`` (every scope on FP32);
+Trips: non-finite gradients or loss and loss spikes (above `loss_spike` times the median *and*
+`loss_spike_z` robust standard deviations above it, so the noise of small-batch losses near
+zero does not count) trip ``"all"`` (every scope on FP32);
 gradient-norm blow-up or collapse and sign-agreement collapse trip the one scope. Judgements
 compare against windowed medians of earlier steps; re-admission uses the stricter readmit
 thresholds, so a value between the readmit and the trip threshold keeps a scope on FP32
@@ -118,6 +120,9 @@ class HealthMonitor:
         self._loss_window: deque[float] = deque(maxlen=w)
         self._norm_windows: dict[str, deque[float]] = {s: deque(maxlen=w) for s in scopes}
         self._events: list[HealthEvent] = []
+        #: (step, scope, reason) of every trip signal judged, acted on or not (a scope on fp32,
+        #: one already held): what the detectors saw, e.g. their false-trip rate on fp32 runs
+        self.detections: list[tuple[int, str, str]] = []
         self._phase: str | None = None
         self._last_step: int | None = None
 
@@ -173,21 +178,32 @@ class HealthMonitor:
         nonfinite_reason = _nonfinite_reason(stats)
         events: list[HealthEvent] = []
         verdict, reason = (_TRIP, nonfinite_reason) if nonfinite_reason else self._judge_all(stats)
+        self._detect(stats.step, ALL, verdict, reason)
         events += self._advance(ALL, verdict, reason, stats.step)
         for scope in self._scopes:
             if nonfinite_reason:  # not a healthy check for anyone; "all" carries the trip
                 verdict, reason = _UNHEALTHY, ""
             else:
                 verdict, reason = self._judge_scope(scope, stats)
+            self._detect(stats.step, scope, verdict, reason)
             events += self._advance(scope, verdict, reason, stats.step)
 
-        if not nonfinite_reason:  # a non-finite step's values never enter the windows
-            if stats.loss is not None:
+        # The windows hold healthy steps only: a non-finite step's values, and a held scope's
+        # (a trip's own spike, the steps until re-admission), never enter them, so
+        # re-admission is judged against the run as it was before the trip.
+        if not nonfinite_reason:
+            whole = self._holds[ALL].status == "ok"
+            if stats.loss is not None and whole:
                 self._loss_window.append(float(stats.loss))
             for scope, norm in stats.grad_norms.items():
-                self._norm_windows[scope].append(float(norm))
+                if whole and self._holds[scope].status == "ok":
+                    self._norm_windows[scope].append(float(norm))
         self._events.extend(events)
         return events
+
+    def _detect(self, step: int, scope: str, verdict: str, reason: str) -> None:
+        if verdict == _TRIP:
+            self.detections.append((step, scope, reason))
 
     def _judge_all(self, stats: StepStats) -> tuple[str, str]:
         """Loss against its windowed median (a finite step without a loss is healthy)."""
@@ -196,7 +212,11 @@ class HealthMonitor:
             return _HEALTHY, ""
         t = self.thresholds
         if ratio > t.loss_spike:
-            return _TRIP, f"loss spike {ratio:.1f}x median"
+            z = _robust_z(float(stats.loss), self._loss_window)
+            if z > t.loss_spike_z:
+                spread = f" ({z:.0f} robust sd)" if math.isfinite(z) else ""
+                return _TRIP, f"loss spike {ratio:.1f}x median{spread}"
+            return _UNHEALTHY, ""
         return (_UNHEALTHY, "") if ratio > t.loss_readmit else (_HEALTHY, "")
 
     def _judge_scope(self, scope: str, stats: StepStats) -> tuple[str, str]:
@@ -344,6 +364,14 @@ class HealthMonitor:
             "scopes": {s: one(s) for s in [ALL, *self._scopes]},
             "events": [e.to_dict() for e in self._events],
         }
+
+
+def _robust_z(value: float, window: deque[float]) -> float:
+    """How many robust standard deviations (1.4826 * median absolute deviation) `value` lies
+    above the window's median; inf when the window does not vary."""
+    median = statistics.median(window)
+    mad = statistics.median(abs(x - median) for x in window)
+    return (value - median) / (1.4826 * mad) if mad > 0 else math.inf
 
 
 def _nonfinite_reason(stats: StepStats) -> str:

@@ -3,9 +3,11 @@
 Per bucket (on the worker thread): inject faults (tests), check finiteness, measure per-scope
 gradient norms, pick each parameter's effective route (profile route unless the health
 monitor forces fp32 for its region or the capacity gate refuses the bucket), reduce each
-(region, route) group, meter the bytes. Per step (after the last bucket): one small all-reduce
-of the health statistics, the monitor's decision (identical on every rank, since it only sees
-agreed numbers), neutralise a non-finite step, complete the step's futures, advance the phase.
+(region, route) group, meter the bytes, take the reduced update's norms. Per step (after the
+last bucket): one small all-reduce of the health statistics, the step controller's decision
+(`runtime/controller.py`, shared with the calibration simulator; identical on every rank,
+since it only sees agreed numbers): neutralise a non-finite step, scale down a held scope's
+update, then complete the step's futures and advance the phase.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
 from nfabric_cli.routes.base import rounding_noise
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
-from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
+from nfabric_cli.runtime.health import HealthMonitor
 from nfabric_cli.runtime.inject import Injection, apply_injection
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
@@ -68,29 +71,26 @@ class FabricState:
         self.world_size = self.comm.world_size
         self.seed = seed
         self.injections = tuple(injections)
-        self.step = 0
         self.events: list[dict[str, Any]] = []
         self.meter = TrafficMeter(rank=dist.get_rank())
         self.ef = ErrorFeedback()
-        self.skipped_steps: list[int] = []
         self.step_times: list[float] = []
         params = trainable_parameters(module)
         self._names = {id(tp.param): tp.name for tp in params}
         self.device = params[0].param.device if params else torch.device("cpu")
-        self._scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
-        self.monitor_enabled = monitor
-        self.monitor = HealthMonitor(self._scopes, HealthThresholds.from_dict(bindings.meta.get("health") or {}))
-        self.gate = CapacityGate(bindings.meta.get("substrate"), self.world_size, enabled=gate)
+        self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
+                                         monitor=monitor, gate=gate)
+        self._scopes = self.controller.scopes
         # Phases with every parameter on plain fp32 take allreduce_hook's direct path.
         self._fp32_phases = {
             p.name for p in bindings.phases
             if direct_fp32 and trace is None
             and all(b.routes[p.name].name == "fp32" for b in bindings.params.values())
         }
-        self._phase = bindings.phase_at(0, self.total_steps)
-        self._enter_phase(self._phase, 0)
         self._loss: float | None = None
-        self._pending: list[tuple[torch.futures.Future, torch.Tensor]] = []
+        # per bucket of the step: its future, its buffer, and (name, slice) per parameter
+        self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
+        self._update_norms: list[tuple[list[str], torch.Tensor]] = []
         self._step_acc: dict[str, float] = {}
         self._nonfinite = False
         self._bucket_times: list[tuple[tuple, float]] = []
@@ -117,7 +117,32 @@ class FabricState:
     # -- public ----------------------------------------------------------------------------
     @property
     def phase(self) -> Phase:
-        return self._phase
+        return self.controller.phase
+
+    @property
+    def _phase(self) -> Phase:
+        return self.controller.phase
+
+    @property
+    def step(self) -> int:
+        """Steps completed (the next step's index)."""
+        return self.controller.step
+
+    @property
+    def monitor(self) -> HealthMonitor:
+        return self.controller.monitor
+
+    @property
+    def monitor_enabled(self) -> bool:
+        return self.controller.monitor_enabled
+
+    @property
+    def gate(self) -> CapacityGate:
+        return self.controller.gate
+
+    @property
+    def skipped_steps(self) -> list[int]:
+        return self.controller.skipped_steps
 
     def observe(self, loss: torch.Tensor | float) -> None:
         """Feed this step's local training loss to the health monitor (call before backward)."""
@@ -210,11 +235,7 @@ class FabricState:
 
     # -- per bucket (worker thread) ----------------------------------------------------------
     def _effective(self, name: str) -> RouteSpec:
-        pb = self.bindings.params[name]
-        spec = pb.routes[self._phase.name]
-        if spec.lowbit and self.monitor_enabled and self.monitor.forced_fp32(pb.regions[self._phase.name]):
-            return FP32
-        return spec
+        return self.controller.effective(name)
 
     def _reduce_bucket(
         self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool, fut: torch.futures.Future
@@ -252,7 +273,9 @@ class FabricState:
             self._reduce_groups(names, slices, groups, step, phase, bucket)
         ref = full.wire_bytes(buffer.numel(), self.world_size, self.rank)  # in its own dtype
         self.meter.add_fp32_reference(step, ref, buffer.dtype)
-        self._pending.append((fut, buffer))
+        if self.monitor_enabled:  # the update guard's input; read once per step
+            self._update_norms.append((names, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
+        self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
         if is_last:
             self._finish_step(step)
 
@@ -342,24 +365,29 @@ class FabricState:
             for s in self._scopes
             if vals[f"agree_n:{s}"] > 0
         }
-        if self.monitor_enabled:
-            stats = StepStats(step, loss_mean, nonfinite, norms, agree)
-            for ev in self.monitor.check(stats):
-                self._log(ev.to_dict())
+        updates: dict[str, float] = {}
+        if self._update_norms:
+            values = torch.cat([t for _, t in self._update_norms]).tolist()
+            updates = dict(zip([n for names, _ in self._update_norms for n in names], values, strict=True))
+        decision = self.controller.decide(step, loss_mean, nonfinite, norms, agree, updates)
         for key, total in zip(bucket_keys, v[3 + len(keys) :], strict=True):
             reason = self.gate.observe(key, total / self.world_size)
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
-        if nonfinite:
-            for _, buf in self._pending:
+        if decision.skip:
+            for _, buf, _ in self._pending:
                 buf.zero_()
-            self.skipped_steps.append(step)
-            self._log({"step": step, "scope": "all", "from": "update", "to": "skipped",
-                       "reason": "nonfinite gradient or loss: update neutralised on every rank"})
+        elif decision.scales:
+            for _, _, parts in self._pending:
+                for name, g in parts:
+                    factor = decision.scales.get(self.controller.region(name))
+                    if factor is not None:
+                        g.mul_(factor)
         pending, self._pending = self._pending, []
         self._step_acc, self._nonfinite, self._bucket_times = {}, False, []
+        self._update_norms = []
         self._advance(step)
-        for fut, buf in pending:
+        for fut, buf, _ in pending:
             fut.set_result(buf)
 
     def _advance(self, step: int) -> None:
@@ -367,14 +395,11 @@ class FabricState:
         if self._step_started is not None:
             self.step_times.append(time.perf_counter() - self._step_started)
             self._step_started = None
-        self.step = step + 1
+        self.controller.advance(step)
         if self.step == self.total_steps + 1:
             warnings.warn(
                 f"nfabric: step {self.step} is past total_steps={self.total_steps}: the last "
                 "phase goes on; pass the number of optimizer steps the run takes", stacklevel=2)
-        nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
-        if nxt.name != self._phase.name:
-            self._enter_phase(nxt, self.step)
 
     def _fail_step(self, job: Any, fut: torch.futures.Future) -> None:
         """Surface a worker exception in DDP's main thread instead of hanging the step."""
@@ -382,18 +407,9 @@ class FabricState:
         if exc is None:
             return
         pending, self._pending = self._pending, []
-        for f in [p for p, _ in pending] + [fut]:
+        for f in [p for p, _, _ in pending] + [fut]:
             if not f.done():
                 f.set_exception(exc)
-
-    def _enter_phase(self, phase: Phase, step: int) -> None:
-        self._phase = phase
-        routes = {}
-        for b in self.bindings.params.values():
-            routes[b.regions[phase.name]] = b.routes[phase.name].name
-        self.monitor.set_routes(routes)
-        for ev in self.monitor.on_phase_change(phase.name, step):
-            self._log(ev.to_dict())
 
     def _log(self, event: dict[str, Any]) -> None:
         event = {"step": event["step"], "rank": self.rank, **{k: v for k, v in event.items() if k != "step"}}

@@ -23,6 +23,9 @@ class HealthThresholds:
     window: int = 20  # steps in the rolling windows (loss median, grad-norm median)
     min_history: int = 5  # no spike/blow-up judgement before this many observations
     loss_spike: float = 3.0  # trip when loss > loss_spike * windowed median
+    # ... and loss - median > loss_spike_z robust standard deviations (1.4826 * MAD of the
+    # window): small-batch losses near zero triple on noise alone (0 turns this test off)
+    loss_spike_z: float = 10.0
     loss_readmit: float = 1.5  # healthy only when loss <= loss_readmit * median (stricter)
     grad_blowup: float = 10.0  # trip when a scope's grad norm > grad_blowup * its median
     grad_collapse: float = 1e-3  # trip when a scope's grad norm < grad_collapse * its median
@@ -31,6 +34,7 @@ class HealthThresholds:
     cooldown: int = 10  # steps a tripped scope is held on FP32 before re-admission checks
     healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
     max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
+    update_cap: float = 1.0  # a held scope's update norm <= update_cap * its healthy median (0: off)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -46,6 +50,7 @@ class HealthThresholds:
             ("window", self.window >= 1, ">= 1"),
             ("min_history", 1 <= self.min_history <= self.window, f"in [1, window={self.window}]"),
             ("loss_spike", self.loss_spike > 1, "> 1"),
+            ("loss_spike_z", self.loss_spike_z >= 0, ">= 0"),
             ("loss_readmit", 1 <= self.loss_readmit <= self.loss_spike,
              f"in [1, loss_spike={self.loss_spike:g}]"),
             ("grad_blowup", self.grad_blowup > 1, "> 1"),
@@ -56,6 +61,7 @@ class HealthThresholds:
             ("cooldown", self.cooldown >= 0, ">= 0"),
             ("healthy_to_readmit", self.healthy_to_readmit >= 1, ">= 1"),
             ("max_trips", self.max_trips >= 1, ">= 1"),
+            ("update_cap", self.update_cap >= 0, ">= 0 (0 turns the update guard off)"),
         ]
         for name, ok, requirement in rules:
             if not ok:

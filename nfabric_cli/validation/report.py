@@ -25,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from nfabric_cli.atomic import atomic_path, atomic_write_text
+from nfabric_cli.runtime.controller import fallbacks
 
 PASS_EPS = 1e-12
 STEP_COLUMNS = ["arm", "rank", "step", "loss", "step_time_s", "bytes"]
@@ -59,7 +60,7 @@ def arm_summary(recs: list[dict[str, Any]], reference: list[dict[str, Any]]) -> 
         "bytes_per_step": sum(totals) / len(recs) / max(steps, 1),
         "traffic_fraction": sum(totals) / ref_total if ref_total else 1.0,
         "step_time_s": statistics.median(timed) if timed else 0.0,
-        "fallbacks": sum(1 for e in rank0["events"] if e.get("to") == "fp32"),
+        "fallbacks": fallbacks(rank0["events"]),
     }
 
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli import attach
 from nfabric_cli.binding import compile_profile
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.traffic import step_bytes
 from nfabric_cli.routes import FP32, make_route
+from nfabric_cli.runtime.attach import attach_with
+from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, tiny_spec
 from tests.distutil import run_ranks
@@ -39,11 +40,19 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
     return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
 
 
-def _real_worker(rank: int, world: int) -> dict:
+#: A gradient blow-up on rank 1 at step 2 (after two healthy steps): the monitor trips and the
+#: update guard scales the step down on every rank, in the hook as in the simulator.
+GUARDED = {"window": 4, "min_history": 2}
+SPIKE = (Injection("spike", 2, 1),)
+
+
+def _real_worker(rank: int, world: int, health: dict | None = None,
+                 injections: tuple = ()) -> dict:
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     ddp = DDP(model)
-    state = attach(ddp, _bindings(model, world), total_steps=STEPS, seed=SEED)
+    state = attach_with(ddp, _bindings(model, world, health), total_steps=STEPS, seed=SEED,
+                        injections=injections)
     opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
     for step in range(STEPS):
         loss = wl.loss(ddp, wl.train_batch(step, rank, world, SEED))
@@ -61,13 +70,19 @@ def _real_worker(rank: int, world: int) -> dict:
     }
 
 
-def test_simulated_workers_equal_real_ddp_with_the_hook() -> None:
+@pytest.mark.parametrize("guarded", [False, True], ids=["healthy", "spike-held"])
+def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: bool) -> None:
     world = 2
-    real = run_ranks(_real_worker, world)
+    health, injections = (GUARDED, SPIKE) if guarded else (None, ())
+    real = run_ranks(_real_worker, world, health, injections)
     wl = get_workload("vision")
     model = wl.build_model(SEED)
-    bindings = _bindings(model, world)
-    sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,))
+    bindings = _bindings(model, world, health)
+    sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,),
+                       injections=injections)
+    if guarded:  # the same trip, and the same scale-down, on both sides
+        held = [e for e in sim.events if e["to"] == "held"]
+        assert held and {e["step"] for e in held} == {2}
     for rank in range(world):
         for name, p in sim.model.named_parameters():
             diff = float((p.detach() - real[rank]["params"][name]).abs().max())

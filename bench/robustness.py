@@ -1,0 +1,173 @@
+"""Robustness of the health monitor: does it ever make a run worse, and does it rescue faults?
+
+For each workload's committed reference profile (`profiles/<workload>/`, newest version), over
+seeds x run lengths (the workload's calibrated length, 2x, 4x) x world sizes, side by side on
+the same batches:
+
+- `fp32`: every parameter on fp32 (the reference), with the health monitor's detectors running
+  passively (nothing is compressed, nothing is wrong: every trip signal is a false trip);
+- `static`: the profile's routes with no monitor; `profile`: the same routes with it;
+- `static+spike` / `profile+spike`: a `spike` fault (rank 1's gradients x1e3) at 40 % of the
+  run; `static+nan` / `profile+nan`: a `nan` fault there.
+
+Runs are simulated data-parallel workers (`calibration/simulate.py`), which the test suite
+holds bit-identical to real DDP with the fabric hook (monitor, update guard and injected faults
+included: `tests/calibration/test_simulate.py`), so the matrix is affordable on 2 cores.
+
+Printed per cell: each arm's metric and traffic, profile - static and profile - fp32. Summary:
+runs where the monitor made things worse than no monitor (more than 0.5 accuracy points or 0.01
+nats, clean and faulted pairs), faults rescued (static+fault outside the profile's tolerance of
+fp32, profile+fault inside), faults not rescued, and the passive false-trip rate of the fp32
+arms (goal <= 1 % of steps).
+
+    python -m bench.robustness [--workloads vision,transformer,lm] [--seeds 0,1,2]
+                               [--lengths 1,2,4] [--world-sizes 2,4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from nfabric_cli.binding import compile_profile
+from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.profile.operating import OperatingProfile
+from nfabric_cli.profile.store import read_profile, resolve_profile
+from nfabric_cli.runtime.inject import Injection
+from nfabric_cli.workloads.registry import get_workload
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+#: Worse than no monitor: by more than this (accuracy points as fractions; nats for val_loss).
+WORSE = {True: 0.005, False: 0.01}
+
+
+def fp32_variant(profile: OperatingProfile) -> OperatingProfile:
+    """The profile with every row on fp32: the same regions (health scopes) and phases."""
+    rows = [dataclasses.replace(r, route="fp32", error_feedback=False, tau=None, rounding=None,
+                                mode=None) for r in profile.rows]
+    return OperatingProfile(rows, dict(profile.meta))
+
+
+def run_cell(name: str, seed: int, steps: int, world: int) -> dict:
+    workload = get_workload(name)
+    profile = read_profile(resolve_profile(PROFILES / name))
+    target = profile.meta["target"]
+    model = workload.build_model(seed)
+    bindings = compile_profile(profile, model, world_size=world, total_steps=steps)
+    reference = compile_profile(fp32_variant(profile), model, world_size=world, total_steps=steps)
+    at = int(0.4 * steps)
+    faults = {"spike": (Injection("spike", at, 1),), "nan": (Injection("nan", at, 1),)}
+    arms = {"fp32": (reference, True, ()), "static": (bindings, False, ()),
+            "profile": (bindings, True, ())}
+    for kind, inj in faults.items():
+        arms[f"static+{kind}"] = (bindings, False, inj)
+        arms[f"profile+{kind}"] = (bindings, True, inj)
+    cell: dict = {"workload": name, "seed": seed, "steps": steps, "world_size": world,
+                  "higher_is_better": bool(target["higher_is_better"]),
+                  "tolerance": float(target["tolerance"]), "arms": {}}
+    for arm, (b, monitor, inj) in arms.items():
+        t0 = time.perf_counter()
+        res = simulate_run(workload, b, world, steps, seed, checkpoints=(steps,),
+                           monitor=monitor, injections=inj)
+        trips = [e for e in res.events if e["to"] == "fp32"]
+        cell["arms"][arm] = {
+            "metric": res.metric, "traffic": res.traffic_fraction, "trips": len(trips),
+            "held_steps": sum(1 for e in res.events if e["to"] == "held"),
+            "false_trip_steps": len({s for s, _, _ in res.detections}) if arm == "fp32" else None,
+            "seconds": time.perf_counter() - t0,
+        }
+    return cell
+
+
+def better(cell: dict, a: float, b: float) -> float:
+    """a - b, positive when a is better."""
+    return (a - b) if cell["higher_is_better"] else (b - a)
+
+
+def judge(cell: dict) -> dict:
+    """The cell's verdicts: monitor worse than none (per pair), faults rescued or not."""
+    m = {arm: v["metric"] for arm, v in cell["arms"].items()}
+    worse = WORSE[cell["higher_is_better"]]
+    out = {"worse": [], "rescued": [], "not_rescued": []}
+    for suffix in ("", "+spike", "+nan"):
+        if better(cell, m["profile" + suffix], m["static" + suffix]) < -worse:
+            out["worse"].append("profile" + suffix)
+        if suffix:
+            static_ok = better(cell, m["static" + suffix], m["fp32"]) >= -cell["tolerance"]
+            profile_ok = better(cell, m["profile" + suffix], m["fp32"]) >= -cell["tolerance"]
+            if not static_ok:
+                out["rescued" if profile_ok else "not_rescued"].append(suffix[1:])
+    return out
+
+
+def show(cell: dict) -> None:
+    a, v = cell["arms"], judge(cell)
+    head = f"{cell['workload']:11s} seed {cell['seed']} {cell['steps']:5d} steps W={cell['world_size']}"
+    parts = [f"{arm} {x['metric']:.4f} ({x['traffic']:.1%}"
+             + (f", {x['trips']} trips" if x["trips"] else "") + ")" for arm, x in a.items()]
+    print(head + " | " + "  ".join(parts), flush=True)
+    ft = a["fp32"]["false_trip_steps"] / cell["steps"]
+    print(f"{'':11s} profile-static {better(cell, a['profile']['metric'], a['static']['metric']):+.4f}"
+          f"  profile-fp32 {better(cell, a['profile']['metric'], a['fp32']['metric']):+.4f}"
+          f"  (+ is better)  passive false trips {ft:.2%}"
+          + (f"  WORSE: {', '.join(v['worse'])}" if v["worse"] else "")
+          + (f"  rescued: {', '.join(v['rescued'])}" if v["rescued"] else "")
+          + (f"  NOT rescued: {', '.join(v['not_rescued'])}" if v["not_rescued"] else ""),
+          flush=True)
+
+
+def summary(cells: list[dict]) -> dict:
+    verdicts = [judge(c) for c in cells]
+    steps = sum(c["steps"] for c in cells)
+    false = sum(c["arms"]["fp32"]["false_trip_steps"] for c in cells)
+    worst = max((c["arms"]["fp32"]["false_trip_steps"] / c["steps"] for c in cells), default=0.0)
+    return {
+        "cells": len(cells),
+        "pairs": 3 * len(cells),
+        "worse": sum(len(v["worse"]) for v in verdicts),
+        "faults": 2 * len(cells),
+        "faults_needing_rescue": sum(len(v["rescued"]) + len(v["not_rescued"]) for v in verdicts),
+        "rescued": sum(len(v["rescued"]) for v in verdicts),
+        "false_trip_rate": false / steps if steps else 0.0,
+        "false_trip_rate_worst_run": worst,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="vision,transformer,lm")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--lengths", default="1,2,4", help="multiples of the calibrated length")
+    parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    cells = []
+    for name in args.workloads.split(","):
+        base = get_workload(name).default_steps
+        for mult in (int(x) for x in args.lengths.split(",")):
+            for world in (int(x) for x in args.world_sizes.split(",")):
+                for seed in (int(x) for x in args.seeds.split(",")):
+                    cell = run_cell(name, seed, base * mult, world)
+                    cells.append(cell)
+                    if not args.json:
+                        show(cell)
+    total = summary(cells)
+    if args.json:
+        print(json.dumps({"cells": cells, "summary": total}, indent=2))
+    else:
+        print(f"\nsummary over {total['cells']} cells: monitor worse than no monitor in "
+              f"{total['worse']} of {total['pairs']} paired runs (goal 0); faults rescued "
+              f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
+              f"({total['faults']} injected); passive false trips {total['false_trip_rate']:.2%}"
+              f" of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)")
+    return total
+
+
+if __name__ == "__main__":
+    main()

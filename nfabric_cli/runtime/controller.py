@@ -1,0 +1,183 @@
+"""`StepController`: every per-step decision of a run, in one place for the hook and the simulator.
+
+The DDP hook (`runtime/state.py`) and the calibration simulator (`calibration/simulate.py`)
+both drive one of these, so calibration predicts exactly what the runtime decides:
+
+- `effective(name)`: a parameter's route now (the profile's, or fp32 while the health monitor
+  holds its region); the capacity gate (`gate`) then judges the bucket;
+- `decide(...)`, once per step on the agreed statistics and the reduced update's norms,
+  *before* the update reaches the optimizer: the monitor's check, the update guard's
+  scale-downs (`runtime/guard.py`) and whether the step is skipped (non-finite);
+- `advance(step)`: count the step and enter the next phase.
+
+Events are dicts (step, scope, from, to, reason) handed to `log` in the order they happen.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.profile.phases import Phase
+from nfabric_cli.routes import FP32
+from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime.gate import CapacityGate
+from nfabric_cli.runtime.guard import Held, UpdateGuard
+from nfabric_cli.runtime.health import ALL, HealthMonitor, HealthThresholds, StepStats
+
+SKIP_REASON = "nonfinite gradient or loss: update neutralised on every rank"
+
+
+def fallbacks(events: list[dict[str, Any]]) -> int:
+    """Switches to fp32 in an event log: health trips and gate revocations (a scope pinned
+    while already on fp32 is not another switch)."""
+    return sum(1 for e in events if e.get("to") == "fp32" and e.get("from") != "fp32")
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What happens to one step's reduced update before the optimizer sees it."""
+
+    skip: bool  # zero it on every rank (non-finite)
+    scales: dict[str, float] = field(default_factory=dict)  # scope -> factor (< 1)
+
+
+class StepController:
+    """Phase, health monitor, update guard and capacity gate of one run (see module doc)."""
+
+    def __init__(
+        self,
+        bindings: Bindings,
+        total_steps: int,
+        world_size: int,
+        log: Callable[[dict[str, Any]], None],
+        *,
+        monitor: bool = True,
+        gate: bool = True,
+    ) -> None:
+        self.bindings = bindings
+        self.total_steps = max(1, int(total_steps))
+        self.log = log
+        self.scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
+        thresholds = HealthThresholds.from_dict(bindings.meta.get("health") or {})
+        self.monitor_enabled = monitor
+        self.monitor = HealthMonitor(self.scopes, thresholds)
+        self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
+                                 thresholds.update_cap)
+        self.gate = CapacityGate(bindings.meta.get("substrate"), world_size, enabled=gate)
+        self.step = 0
+        self.skipped_steps: list[int] = []
+        self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down
+        self._holding: set[str] = set()  # held scopes whose hold has been scaled down
+        self.phase = bindings.phase_at(0, self.total_steps)
+        self._enter_phase(self.phase, 0)
+
+    # -- routes ------------------------------------------------------------------------------
+    def effective(self, name: str) -> RouteSpec:
+        """`name`'s route now: the profile's, or fp32 while the monitor holds its region."""
+        pb = self.bindings.params[name]
+        spec = pb.routes[self.phase.name]
+        if spec.lowbit and self.monitor_enabled and self.monitor.forced_fp32(pb.regions[self.phase.name]):
+            return FP32
+        return spec
+
+    def forced(self) -> frozenset[str]:
+        """The scopes the monitor holds on fp32 now."""
+        if not self.monitor_enabled:
+            return frozenset()
+        return frozenset(s for s in self.scopes if self.monitor.forced_fp32(s))
+
+    def region(self, name: str) -> str:
+        return self.bindings.params[name].regions[self.phase.name]
+
+    # -- the step ----------------------------------------------------------------------------
+    def decide(
+        self,
+        step: int,
+        loss: float | None,
+        nonfinite: bool,
+        grad_norms: Mapping[str, float],
+        agreement: Mapping[str, float],
+        update_norms: Mapping[str, float],
+    ) -> StepDecision:
+        """Judge step `step` from agreed numbers: the ranks' mean loss, whether anything was
+        not finite, each scope's gradient norm (before the reduce) and sign agreement, and
+        each parameter's norm of the reduced update (identical on every rank)."""
+        if self.monitor_enabled:
+            # Held: routed on fp32 for this step (held before it), tripped by it, or any scope
+            # a detector fired on (one on an fp32 route too: its raw spike must not pass).
+            routed_fp32 = self.forced()
+            seen = len(self.monitor.detections)
+            stats = StepStats(step, loss, nonfinite, dict(grad_norms), dict(agreement))
+            for ev in self.monitor.check(stats):
+                self.log(ev.to_dict())
+            detected = {scope for _, scope, _ in self.monitor.detections[seen:]}
+            if ALL in detected:
+                detected = set(self.scopes)
+            held = self._guard(step, update_norms, nonfinite,
+                               routed_fp32 | self.forced() | detected)
+        else:
+            held = []
+        if nonfinite:
+            self.skipped_steps.append(step)
+            self.log({"step": step, "scope": "all", "from": "update", "to": "skipped",
+                      "reason": SKIP_REASON})
+        return StepDecision(nonfinite, {h.scope: h.factor for h in held})
+
+    def _guard(self, step: int, update_norms: Mapping[str, float], skipped: bool,
+               scopes: frozenset[str]) -> list[Held]:
+        sums: dict[str, float] = {}
+        for name in self.bindings.params:  # a fixed order: the same float sums everywhere
+            if name in update_norms:
+                scope = self.region(name)
+                sums[scope] = sums.get(scope, 0.0) + update_norms[name] ** 2
+        norms = {s: math.sqrt(v) for s, v in sums.items()}
+        held = self.guard.judge(norms, scopes, skipped)
+        self._holding &= scopes  # a scope released by the monitor logs its next hold again
+        for h in held:
+            self.held.append((step, h.scope, h.factor))
+            if h.scope not in self._holding:  # one event per hold: its first scale-down
+                self._holding.add(h.scope)
+                self.log({"step": step, "scope": h.scope, "from": "update", "to": "held",
+                          "reason": f"update norm {h.norm:.3g} held to {h.cap:.3g} "
+                                    f"({self.guard.cap:g} x median of healthy updates); "
+                                    "every held step is scaled down likewise"})
+        return held
+
+    def advance(self, step: int) -> bool:
+        """Close step `step`; enter the next phase if it changes (True when it did)."""
+        self.step = step + 1
+        nxt = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
+        if nxt.name == self.phase.name:
+            return False
+        self._enter_phase(nxt, self.step)
+        return True
+
+    def _enter_phase(self, phase: Phase, step: int) -> None:
+        self.phase = phase
+        routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
+        self.monitor.set_routes(routes)
+        for ev in self.monitor.on_phase_change(phase.name, step):
+            self.log(ev.to_dict())
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next decisions depend on (JSON-able)."""
+        return {"step": self.step, "skipped_steps": list(self.skipped_steps),
+                "monitor": self.monitor.state_dict(), "gate": self.gate.state_dict(),
+                "guard": self.guard.state_dict(), "held": [list(h) for h in self.held],
+                "holding": sorted(self._holding)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.monitor.load_state_dict(sd["monitor"])
+        self.gate.load_state_dict(sd["gate"])
+        if "guard" in sd:  # states saved before the guard existed resume with empty windows
+            self.guard.load_state_dict(sd["guard"])
+            self.held = [tuple(h) for h in sd["held"]]  # type: ignore[misc]
+            self._holding = set(sd["holding"])
+        self.skipped_steps[:] = list(sd["skipped_steps"])
+        self.step = int(sd["step"])
+        self.phase = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)

@@ -1,0 +1,79 @@
+"""`UpdateGuard`: while the health monitor holds a scope, its update keeps the magnitude it had.
+
+Why: a low-bit route bounds what it delivers (`sign` sends at most the chunk's mean |g| per
+element: an implicit clip), so the moment the monitor switches a scope to FP32, mid-spike, is
+the moment the raw heavy-tailed gradient would reach the optimizer. Measured on `vision`
+(seed 0, W = 4, 300 steps): the fp32-reduced gradient at the spike had norm 9.6 against
+sign's 6.5; momentum carried it on and the run ended at 0.794 accuracy against 0.983 with no
+monitor at all. Holding the update norm of a held scope to its recent median (the updates it
+delivered while healthy) ends that run at 0.989 (see docs/health.md for the whole matrix).
+
+The rule, per scope and step, on the reduced gradient (identical on every rank, so is the
+decision):
+- the scope is held (tripped this step, cooling down, on probation or pinned) and its window
+  holds at least `min_history` norms: the update is scaled down to ``update_cap * median``
+  when larger (never up);
+- otherwise the step's update norm joins the scope's window (a skipped, non-finite step's
+  never does), so the median is always that of healthy, profile-routed updates.
+
+Pure and deterministic like `HealthMonitor`; nothing here talks to a process group.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Held:
+    """One scope's update scaled down at one step."""
+
+    scope: str
+    factor: float  # what the update was multiplied by (< 1)
+    norm: float  # its norm before
+    cap: float  # the norm it was held to
+
+
+class UpdateGuard:
+    """Per-scope windows of healthy update norms; see the module docstring."""
+
+    def __init__(self, scopes: Iterable[str], window: int, min_history: int, cap: float) -> None:
+        self.cap = float(cap)
+        self.min_history = int(min_history)
+        self._windows: dict[str, deque[float]] = {s: deque(maxlen=window) for s in scopes}
+
+    def judge(
+        self, norms: Mapping[str, float], held: Iterable[str], skipped: bool
+    ) -> list[Held]:
+        """The scale-downs for one step's update norms (per scope) given the held scopes;
+        records the healthy norms. Returns one `Held` per scope scaled, in scope order."""
+        if skipped:
+            return []
+        held = set(held)
+        out = []
+        for scope, window in self._windows.items():
+            norm = norms.get(scope)
+            if norm is None or not math.isfinite(norm):
+                continue
+            if scope not in held:
+                window.append(float(norm))
+                continue
+            if self.cap <= 0 or len(window) < self.min_history:
+                continue
+            cap = self.cap * statistics.median(window)
+            if norm > cap > 0:
+                out.append(Held(scope, cap / norm, norm, cap))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"windows": {s: list(w) for s, w in self._windows.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for scope, values in state["windows"].items():
+            self._windows[scope].clear()
+            self._windows[scope].extend(values)

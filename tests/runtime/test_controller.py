@@ -1,0 +1,171 @@
+"""The step controller's rule per trigger: what leaves the hook after a trip, and re-admission."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+from torch import nn
+
+from nfabric_cli.binding import compile_profile, static_profile
+from nfabric_cli.errors import InputError
+from nfabric_cli.runtime.controller import StepController
+from nfabric_cli.runtime.guard import UpdateGuard
+from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
+
+HEALTH = {"window": 8, "min_history": 4, "cooldown": 2, "healthy_to_readmit": 2}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+
+def controller(**health) -> tuple[StepController, list[dict]]:
+    model = Net()
+    profile = static_profile(model, "sign", world_size=2)
+    bindings = compile_profile(profile, model, world_size=2, total_steps=100)
+    bindings.meta["health"] = {**HEALTH, **health}
+    log: list[dict] = []
+    return StepController(bindings, 100, 2, log.append), log
+
+
+def step(c: StepController, loss: float, grad: float, update: float, nonfinite: bool = False):
+    """One step: every parameter's update norm is `update` / 2 (4 parameters: scope norm =
+    `update`), the scope's gradient norm `grad`."""
+    s = c.step
+    each = update / 2
+    names = list(c.bindings.params)
+    d = c.decide(s, loss, nonfinite, {"*": grad}, {}, {n: each for n in names})
+    c.advance(s)
+    return d
+
+
+def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step():
+    c, log = controller()
+    healthy = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
+    for u in healthy:
+        assert step(c, 1.0, 1.0, u).scales == {}
+    d = step(c, 1.0, 50.0, 30.0)  # the raw spike, reduced on the low-bit route
+    median = statistics.median(healthy)
+    assert d.scales == {"*": pytest.approx(median / 30.0, rel=1e-12)}
+    assert 30.0 * d.scales["*"] == pytest.approx(median, rel=1e-12)  # norm that leaves = median
+    held = [e for e in log if e["to"] == "held"]
+    assert len(held) == 1 and held[0]["step"] == 6 and "held to 1" in held[0]["reason"]
+    assert [e["to"] for e in log if e["to"] in ("fp32", "sign")] == ["fp32"]
+
+
+def test_every_held_step_is_capped_and_a_smaller_update_is_never_scaled_up():
+    c, _ = controller(update_cap=1.5)
+    for u in [2.0] * 6:
+        step(c, 1.0, 1.0, u)
+    step(c, 1.0, 50.0, 10.0)  # trip
+    d_big = step(c, 1.0, 1.0, 9.0)  # cooldown, fp32 raw update is large
+    d_small = step(c, 1.0, 1.0, 1.0)  # cooldown, small update
+    assert d_big.scales == {"*": pytest.approx(3.0 / 9.0)}  # 1.5 x median 2.0
+    assert d_small.scales == {}
+    assert [s for s, _, _ in c.held] == [6, 7]
+
+
+def test_held_updates_never_enter_the_window_and_readmission_restores_the_route():
+    c, log = controller()
+    for u in [1.0] * 6:
+        step(c, 1.0, 1.0, u)
+    step(c, 1.0, 50.0, 30.0)  # trip at 6: cooldown 7-8, probation from 9
+    for _ in range(6):
+        step(c, 1.0, 1.0, 5.0)  # fp32 updates 5x larger: held to 1.0 until re-admitted
+    readmit = [e for e in log if e["to"] == "sign"]
+    assert [e["step"] for e in readmit] == [10]
+    assert [s for s, _, _ in c.held] == [6, 7, 8, 9, 10]
+    # After re-admission the updates count again, and the window still says 1.0 then 5.0s.
+    assert c.guard.state_dict()["windows"]["*"] == [1.0] * 6 + [5.0] * 2
+
+
+def test_readmission_keeps_the_update_magnitude_continuous():
+    """Across the trip and the re-admission, the norm that leaves the hook never jumps by
+    more than the healthy window's own spread, although fp32 delivers 4x sign's norm."""
+    c, log = controller()
+    sign_norms = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0]
+    delivered = []
+    for u in sign_norms:
+        step(c, 1.0, 1.0, u)
+        delivered.append(u)
+    raw = [40.0] + [4.0] * 4 + [1.0, 1.02]  # trip at 6; fp32 for 7-10; re-admitted at 10: sign
+    for u in raw:
+        d = step(c, 1.0, 50.0 if u == 40.0 else 1.0, u)
+        delivered.append(u * d.scales.get("*", 1.0))
+    assert [e["to"] for e in log if e["to"] in ("fp32", "sign")] == ["fp32", "sign"]
+    lo, hi = min(sign_norms), max(sign_norms)
+    jumps = [b / a for a, b in zip(delivered, delivered[1:], strict=False)]
+    assert max(jumps) <= hi / lo + 1e-12 and min(jumps) >= lo / hi - 1e-12
+
+
+def test_a_nonfinite_step_is_skipped_and_its_update_is_not_recorded():
+    c, log = controller()
+    for u in [1.0] * 5:
+        step(c, 1.0, 1.0, u)
+    d = step(c, math.nan, math.nan, math.nan, nonfinite=True)
+    assert d.skip and c.skipped_steps == [5]
+    assert [e["to"] for e in log[-2:]] == ["fp32", "skipped"]
+    assert c.guard.state_dict()["windows"]["*"] == [1.0] * 5
+
+
+def test_scopes_on_fp32_and_the_monitor_switched_off_are_never_scaled():
+    c, _ = controller()
+    c.monitor_enabled = False
+    for u in [1.0] * 6:
+        step(c, 1.0, 1.0, u)
+    assert step(c, 1.0, 50.0, 30.0).scales == {}
+
+
+def test_guard_window_and_cap_rules():
+    g = UpdateGuard(["a", "b"], window=3, min_history=2, cap=1.0)
+    assert g.judge({"a": 1.0}, held={"a"}, skipped=False) == []  # no history yet
+    for v in (2.0, 4.0, 8.0, 16.0):
+        g.judge({"a": v, "b": 1.0}, held=(), skipped=False)
+    assert g.state_dict()["windows"] == {"a": [4.0, 8.0, 16.0], "b": [1.0, 1.0, 1.0]}
+    (held,) = g.judge({"a": 80.0, "b": 1.0}, held={"a"}, skipped=False)
+    assert (held.scope, held.cap, held.factor) == ("a", 8.0, 0.1)
+    assert UpdateGuard(["a"], 3, 1, cap=0.0).judge({"a": 9.0}, {"a"}, False) == []
+
+
+def test_loss_spike_needs_many_robust_deviations_as_well_as_a_ratio():
+    """Small-batch losses near zero triple on noise: not a spike. A jump far outside the
+    window's spread is one."""
+    t = HealthThresholds(window=10, min_history=5)
+    noisy = [0.01, 0.03, 0.02, 0.05, 0.01, 0.04, 0.02, 0.03]
+    m = HealthMonitor(["a"], t)
+    m.set_routes({"a": "sign"})
+    for i, v in enumerate(noisy):
+        m.check(StepStats(i, v, False, {"a": 1.0}))
+    assert m.check(StepStats(8, 0.09, False, {"a": 1.0})) == []  # 3.6x median, ~4 sd
+    (ev,) = m.check(StepStats(9, 0.9, False, {"a": 1.0}))
+    assert ev.to_route == "fp32" and ev.reason.startswith("loss spike 30.0x median (")
+    off = HealthMonitor(["a"], HealthThresholds(window=10, min_history=5, loss_spike_z=0))
+    off.set_routes({"a": "sign"})
+    for i, v in enumerate(noisy):
+        off.check(StepStats(i, v, False, {"a": 1.0}))
+    assert [e.to_route for e in off.check(StepStats(8, 0.09, False, {"a": 1.0}))] == ["fp32"]
+
+
+def test_readmission_is_judged_against_the_run_before_the_trip():
+    """The spike's own losses never fill the window: a run stuck at 4x its pre-trip loss
+    stays on fp32 (before, the window filled with high losses and re-admitted it)."""
+    t = HealthThresholds(window=6, min_history=3, cooldown=1, healthy_to_readmit=2,
+                         loss_spike_z=0)
+    m = HealthMonitor(["a"], t)
+    m.set_routes({"a": "sign"})
+    losses = [1.0, 1.0, 1.0, 5.0] + [4.0] * 12
+    for i, v in enumerate(losses):
+        m.check(StepStats(i, v, False, {"a": 1.0}))
+    assert [e.to_route for e in m.events] == ["fp32"]
+    assert m.forced_fp32("a")
+
+
+@pytest.mark.parametrize(("field", "value"), [("update_cap", -1.0), ("loss_spike_z", -0.5)])
+def test_new_thresholds_are_validated(field: str, value: float):
+    with pytest.raises(InputError, match=f"health threshold {field} must be >= 0"):
+        HealthThresholds.from_dict({field: value})
