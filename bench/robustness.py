@@ -27,16 +27,14 @@ arms (goal <= 1 % of steps).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from nfabric_cli.binding import compile_profile
+from nfabric_cli.binding import compile_profile, on_route
 from nfabric_cli.calibration.simulate import simulate_run
-from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.registry import get_workload
@@ -46,20 +44,13 @@ PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 WORSE = {True: 0.005, False: 0.01}
 
 
-def fp32_variant(profile: OperatingProfile) -> OperatingProfile:
-    """The profile with every row on fp32: the same regions (health scopes) and phases."""
-    rows = [dataclasses.replace(r, route="fp32", error_feedback=False, tau=None, rounding=None,
-                                mode=None) for r in profile.rows]
-    return OperatingProfile(rows, dict(profile.meta))
-
-
 def run_cell(name: str, seed: int, steps: int, world: int) -> dict:
     workload = get_workload(name)
     profile = read_profile(resolve_profile(PROFILES / name))
     target = profile.meta["target"]
     model = workload.build_model(seed)
     bindings = compile_profile(profile, model, world_size=world, total_steps=steps)
-    reference = compile_profile(fp32_variant(profile), model, world_size=world, total_steps=steps)
+    reference = compile_profile(on_route(profile, "fp32"), model, world_size=world, total_steps=steps)
     at = int(0.4 * steps)
     faults = {"spike": (Injection("spike", at, 1),), "nan": (Injection("nan", at, 1),)}
     arms = {"fp32": (reference, True, ()), "static": (bindings, False, ()),

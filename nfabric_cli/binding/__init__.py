@@ -6,7 +6,7 @@ from nfabric_cli.binding.buckets import bucket_caps, plan_buckets, trace_ready_o
 from nfabric_cli.binding.compile import compile_profile
 from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
 from nfabric_cli.binding.selectors import select, selector_matches
-from nfabric_cli.binding.static import parse_rule, static_profile
+from nfabric_cli.binding.static import on_route, parse_rule, static_profile
 from nfabric_cli.binding.store import load_bindings_or_profile, read_bindings, write_bindings
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "read_bindings",
     "select",
     "selector_matches",
+    "on_route",
     "static_profile",
     "trace_ready_order",
     "trainable_parameters",

@@ -8,6 +8,7 @@ not at launch time. Without substrate information the runtime admits it as writt
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -89,3 +90,12 @@ def static_profile(
     profile = OperatingProfile(rows, meta).validate()
     compile_profile(profile, model, world_size=world_size)  # fails now on a dead selector
     return profile
+
+
+def on_route(profile: OperatingProfile, route: str = "fp32") -> OperatingProfile:
+    """`profile` with every row on `route` (no route options): the same regions, hence the same
+    health scopes, and the same phases. The reference arm of a like-for-like comparison."""
+    RouteSpec(route)
+    rows = [dataclasses.replace(r, route=route, error_feedback=False, tau=None, rounding=None,
+                                mode=None, chunk=None) for r in profile.rows]
+    return OperatingProfile(rows, dict(profile.meta))
