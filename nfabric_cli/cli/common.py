@@ -11,13 +11,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from nfabric_cli.cli.tables import FittingConsole
 from nfabric_cli.errors import CheckFailed, InputError
 
-console = Console()
-err_console = Console(stderr=True)
+console = FittingConsole()
+err_console = FittingConsole(stderr=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
