@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import typer
@@ -17,18 +16,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# Each module exposes `register(app)`. Order is the order of `nfabric --help`.
-_COMMAND_MODULES = (
-    "calibrate",
-    "profile",
-    "validate",
-    "capacity",
-    "replay",
-    "workloads",
-    "bench",
-)
-
-
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
@@ -42,16 +29,31 @@ def _root(
 
 
 def _register_all() -> None:
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"nfabric_cli.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"nfabric_cli.cli.{name}":
-                continue  # stage not built yet
-            raise
+    """Every command, explicitly: a module that is missing is an import error, not a command
+    that silently disappears. Order is the order of `nfabric --help`."""
+    from nfabric_cli.cli import bench, calibrate, capacity, profile, replay, validate, workloads
+
+    for module in (calibrate, profile, validate, capacity, replay, workloads, bench):
         module.register(app)
 
 
+def _flags_take_no_value() -> None:
+    """Typer 0.29's rich help prints `<bool>` beside every flag (`--json <bool>`), which reads
+    as if the flag took a value. A flag's type column is left empty, as click prints it."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_nfabric", False):
+        return
+
+    def display_type_rich(self: TyperOption, ctx: typer.Context) -> str | None:
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich._nfabric = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_flags_take_no_value()
 _register_all()
 
 

@@ -72,8 +72,10 @@ def calibrate_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best, "
                                  "written_by} (with --status: the study's state)."),
 ) -> None:
-    """Calibrate: FP32 reference, sensitivity sweep, Optuna search; write the cheapest profile
-    within tolerance to OUT/<workload>/<workload>.v<N>.parquet (and a PNG of the search).
+    """Search routes per region and phase (Optuna); write the cheapest profile within tolerance.
+
+    The FP32 reference, a sensitivity sweep, then the search; the profile goes to
+    OUT/<workload>/<workload>.v<N>.parquet, with a PNG of the search.
 
     Several workers (machines, or processes) given the same --storage and --study share one
     study: the reference runs once, the budget is the study's, one of them writes the profile."""

@@ -7,9 +7,7 @@ same order as the torch reference in sign.py / intq.py / ternary.py, so payloads
 values are bit-identical whichever path runs (the simulator and a rank without a compiler keep
 agreeing with everyone else).
 
-Built by the system C compiler into `NFABRIC_CACHE_DIR` (else `$XDG_CACHE_HOME/nfabric` or
-`~/.cache/nfabric`), named by a hash of source, flags and compiler, written atomically, loaded
-with ctypes. `native()` is None (torch fallback) with `NFABRIC_NO_NATIVE=1`, without a working
+Built by `native_build.py` (system C compiler, cached by hash), loaded here with ctypes. `native()` is None (torch fallback) with `NFABRIC_NO_NATIVE=1`, without a working
 compiler, or when the load-time check finds torch behaving unlike what the kernels mirror;
 `status()` says which and why.
 """
@@ -18,28 +16,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shlex
-import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from nfabric_cli.routes.chunks import ChunkLayout, chunk_layout
+from nfabric_cli.routes.native_build import ISA_FLAGS, build
 
-SOURCE = Path(__file__).with_name("_kernels.c")
-CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
-#: Builds: baseline (SSE2 on x86-64) runs anywhere; avx2 where the CPU has it; portable is the
-#: plain-C path other architectures compile (chosen only on request: tests compare all three).
-ISA_FLAGS: dict[str, tuple[str, ...]] = {
-    "baseline": (), "avx2": ("-mavx2",), "portable": ("-U__SSE2__", "-U__AVX2__"),
-}
+__all__ = ["ISA_FLAGS", "Kernels", "build", "native", "status", "variant"]
+
 #: Set to 1 to force the pure-torch path (checked on every call, so tests can flip it).
 DISABLE_ENV = "NFABRIC_NO_NATIVE"
 #: Set to a build name (e.g. "baseline") to use that build (results are identical).
@@ -70,54 +58,6 @@ _SIGNATURES: dict[str, list] = {
 }
 #: Code kinds `sum_codes` adds up, with elements per byte.
 SUM_KINDS: dict[str, tuple[int, int]] = {"int8": (0, 1), "nibble": (1, 2), "trit": (2, 5), "bit": (3, 8)}
-
-
-def cache_dir() -> Path:
-    if os.environ.get("NFABRIC_CACHE_DIR"):
-        return Path(os.environ["NFABRIC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "nfabric"
-
-
-def _compiler() -> list[str] | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shlex.split(cc)
-    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return [found] if found else None
-
-
-def build(isa: str = "baseline", directory: Path | None = None) -> Path:
-    """Compile `_kernels.c` for `isa` (once per source/flags/compiler hash); the library path.
-
-    Raises OSError or subprocess.SubprocessError when it cannot; `native()` turns that into
-    the torch fallback."""
-    cc = _compiler()
-    if cc is None:
-        raise OSError("no C compiler (cc, gcc or clang) on PATH")
-    flags = [*CFLAGS, *ISA_FLAGS[isa]]
-    key = hashlib.sha256(
-        b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), " ".join(cc).encode(),
-                    platform.machine().encode()])
-    ).hexdigest()[:16]
-    directory = directory or cache_dir()
-    target = directory / f"routes_kernels-{isa}-{key}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        subprocess.run([*cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
-                       check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)  # atomic: ranks building at once each rename a whole file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    for old in directory.glob(f"routes_kernels-{isa}-*.so"):  # builds of older sources
-        if old != target:
-            old.unlink(missing_ok=True)  # a process that loaded it keeps its mapping
-    return target
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -12,22 +12,15 @@ that bucket falls back to fp32 (decided from all-reduced timings, so every rank 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from nfabric_cli.substrate.cost import Verdict
 
 if TYPE_CHECKING:
     from nfabric_cli.substrate.cost import BucketGroups
 
 
-@dataclass(frozen=True)
-class Verdict:
-    admit: bool
-    reason: str
-    fp32_time_s: float | None = None
-    lowbit_time_s: float | None = None
-
-
-ADMIT_AS_WRITTEN = Verdict(True, "no substrate: admitted as written")
+ADMIT_AS_WRITTEN = Verdict("admit", "no substrate: admitted as written")
 
 
 class CapacityGate:
@@ -51,17 +44,16 @@ class CapacityGate:
         if not self.enabled or self.substrate is None:
             return ADMIT_AS_WRITTEN
         if key in self._revoked:
-            return Verdict(False, self._revoked[key])
+            return Verdict("fallback", self._revoked[key])
         cached = self._cache.get(key)
         if cached is None:
             from nfabric_cli.substrate.cost import as_groups, bucket_verdict
 
             pairs = as_groups(groups)
             if not any(spec.lowbit for spec, _ in pairs):
-                cached = Verdict(True, "all fp32")
+                cached = Verdict("admit", "all fp32")
             else:
-                v, reason, t32, tlow = bucket_verdict(self.substrate, pairs, self.world_size)
-                cached = Verdict(v == "admit", reason, t32, tlow)
+                cached = bucket_verdict(self.substrate, pairs, self.world_size)
             self._cache[key] = cached
         return cached
 
@@ -74,15 +66,14 @@ class CapacityGate:
         def rows(d: dict[tuple, Any]) -> list[list[Any]]:
             return [[list(names), phase, value] for (names, phase), value in d.items()]
 
-        cache = {k: [v.admit, v.reason, v.fp32_time_s, v.lowbit_time_s]
-                 for k, v in self._cache.items()}
+        cache = {k: list(v) for k, v in self._cache.items()}
         return {"cache": rows(cache), "revoked": rows(self._revoked), "slow": rows(self._slow)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def keyed(rows: list[list[Any]]) -> dict[tuple, Any]:
             return {(tuple(names), phase): value for names, phase, value in rows}
 
-        self._cache = {k: Verdict(*v) for k, v in keyed(state["cache"]).items()}
+        self._cache = {k: _verdict(*v) for k, v in keyed(state["cache"]).items()}
         self._revoked = keyed(state["revoked"])
         self._slow = keyed(state["slow"])
 
@@ -104,6 +95,13 @@ class CapacityGate:
             self._revoked[key] = reason
             return reason
         return None
+
+
+def _verdict(verdict: str | bool, reason: str, fp32_s: float | None, low_s: float | None) -> Verdict:
+    """A saved verdict (states saved before the verdicts were unified hold admit as a bool)."""
+    if isinstance(verdict, bool):
+        verdict = "admit" if verdict else "fallback"
+    return Verdict(verdict, reason, fp32_s, low_s)
 
 
 def _as_substrate(substrate: Any | None) -> Any | None:

@@ -96,12 +96,17 @@ class Cost:
 
 
 class Verdict(NamedTuple):
-    """A bucket's capacity verdict: unpacks as (verdict, reason, fp32_time_s, lowbit_time_s)."""
+    """A bucket's capacity verdict: unpacks as (verdict, reason, fp32_time_s, lowbit_time_s).
+    The times are the model's predictions (None where nothing was priced: no substrate)."""
 
     verdict: str  # "admit" | "fallback"
     reason: str
-    fp32_time_s: float
-    lowbit_time_s: float
+    fp32_time_s: float | None = None
+    lowbit_time_s: float | None = None
+
+    @property
+    def admit(self) -> bool:
+        return self.verdict == "admit"
 
 
 class OpTerms(NamedTuple):

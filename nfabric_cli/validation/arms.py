@@ -114,7 +114,7 @@ class HookArm:
     def __init__(self, ddp: DistributedDataParallel, ctx: ArmContext, kind: str) -> None:
         from nfabric_cli.validation import baselines
 
-        self.meter = baselines.StepBytes(ctx.world_size, ctx.rank)
+        self.meter = baselines.HookByteMeter(ctx.world_size, ctx.rank)
         group = ddp.process_group
         if kind == "fp16":
             state = baselines.fp16_state(group, self.meter)

@@ -26,7 +26,7 @@ from nfabric_cli.routes.plan import op_wire_bytes
 Price = Callable[[object, dist.GradBucket], list]
 
 
-class StepBytes:
+class HookByteMeter:
     """Bytes one rank sends and receives per step, filled bucket by bucket."""
 
     __slots__ = ("world_size", "rank", "step", "sent", "received")
@@ -50,7 +50,7 @@ class MeteredHookState:
 
     __slots__ = ("inner", "hook", "price", "meter")
 
-    def __init__(self, inner: object, hook: Callable, price: Price, meter: StepBytes) -> None:
+    def __init__(self, inner: object, hook: Callable, price: Price, meter: HookByteMeter) -> None:
         self.inner, self.hook, self.price, self.meter = inner, hook, price, meter
 
 
@@ -89,12 +89,12 @@ def price_powersgd(state: psgd.PowerSGDState, bucket: dist.GradBucket) -> list:
     return [("allreduce", uncompressed * size), ("allreduce", ps * size), ("allreduce", qs * size)]
 
 
-def fp16_state(group: dist.ProcessGroup | None, meter: StepBytes) -> MeteredHookState:
+def fp16_state(group: dist.ProcessGroup | None, meter: HookByteMeter) -> MeteredHookState:
     return MeteredHookState(group, default_hooks.fp16_compress_hook, price_fp16, meter)
 
 
 def powersgd_state(
-    group: dist.ProcessGroup | None, meter: StepBytes, rank: int, start_iter: int, seed: int
+    group: dist.ProcessGroup | None, meter: HookByteMeter, rank: int, start_iter: int, seed: int
 ) -> MeteredHookState:
     """PowerSGD with rank `rank`, error feedback and warm start on (its docs' advice), the
     default `min_compression_rate`, compression from `start_iter`."""
