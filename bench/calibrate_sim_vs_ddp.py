@@ -19,14 +19,11 @@ parameter difference between the simulated model and rank 0.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile
@@ -34,6 +31,8 @@ from nfabric_cli.calibration.ranks import default_processes, usable_cpus
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.spec import parse_spec
+from nfabric_cli.ranks.functions import run_function_ranks
+from nfabric_cli.ranks.loop import train_workload
 from nfabric_cli.workloads.registry import get_workload
 
 
@@ -49,15 +48,9 @@ def bindings_for(workload_name: str, model: torch.nn.Module, world: int, steps: 
     return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=steps)
 
 
-def _rank(
-    rank: int, workload_name: str, world: int, steps: int, seed: int, head: str, tmp: str
-) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, workload_name: str, steps: int, seed: int, head: str) -> dict:
     from nfabric_cli import attach
 
-    store = dist.FileStore(os.path.join(tmp, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     wl = get_workload(workload_name)
     model = wl.build_model(seed)
     ddp = DDP(model)
@@ -65,30 +58,18 @@ def _rank(
     opt, sched = wl.make_optimizer(ddp.parameters(), steps)
     dist.barrier()
     t0 = time.perf_counter()
-    for step in range(steps):
-        loss = wl.loss(ddp, wl.train_batch(step, rank, world, seed))
-        state.observe(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+    train_workload(ddp, state, wl, opt, sched, steps, rank, world, seed)
     loop = time.perf_counter() - t0
     state.close()
-    torch.save({"loop": loop, "params": {n: p.detach() for n, p in model.named_parameters()}},
-               os.path.join(tmp, f"r{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"loop": loop, "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
 def real_run(
     workload: str, world: int, steps: int, seed: int, head: str
 ) -> tuple[float, float, dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        mp.start_processes(_rank, args=(workload, world, steps, seed, head, tmp), nprocs=world,
-                           start_method="spawn")
-        wall = time.perf_counter() - t0
-        results = [torch.load(os.path.join(tmp, f"r{r}.pt")) for r in range(world)]
+    t0 = time.perf_counter()
+    results = run_function_ranks(_rank, world, workload, steps, seed, head)
+    wall = time.perf_counter() - t0
     return wall, max(r["loop"] for r in results), results[0]["params"]
 
 

@@ -7,16 +7,14 @@ the hook's cost (worker-thread hand-off, statistics all-reduce, bookkeeping).
 
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfabric_cli.ranks.functions import run_function_ranks
 
 
 def _model() -> nn.Module:
@@ -43,14 +41,11 @@ def _time_steps(ddp: DDP, steps: int, rank: int, state=None) -> float:
     return statistics.median(times[2:])
 
 
-def _worker(rank: int, world: int, steps: int, tmp: str, rounds: int) -> None:
+def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list, list]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     from nfabric_cli import attach
     from nfabric_cli.binding import compile_profile, static_profile
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tmp, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     plain = DDP(_model())
     hooked = DDP(_model())  # PyTorch's own Python allreduce_hook: the floor for any Python hook
@@ -65,16 +60,11 @@ def _worker(rank: int, world: int, steps: int, tmp: str, rounds: int) -> None:
         hook_t.append(_time_steps(hooked, steps, rank))
         fabric_t.append(_time_steps(fabric, steps, rank, state))
     state.close()
-    if rank == 0:
-        torch.save((plain_t, hook_t, fabric_t), os.path.join(tmp, "out.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return plain_t, hook_t, fabric_t
 
 
 def bench_runtime(world_size: int = 2, steps: int = 60, rounds: int = 5) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world_size, steps, tmp, rounds), nprocs=world_size, start_method="spawn")
-        plain_t, hook_t, fabric_t = torch.load(os.path.join(tmp, "out.pt"))
+    plain_t, hook_t, fabric_t = run_function_ranks(_worker, world_size, steps, rounds)[0]
     plain, hook, fabric = (statistics.median(t) for t in (plain_t, hook_t, fabric_t))
     return {"world_size": world_size, "steps": steps, "rounds": rounds,
             "plain_step_s": plain, "allreduce_hook_step_s": hook, "fabric_step_s": fabric,

@@ -12,9 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from nfabric_cli.atomic import atomic_write_text
-from nfabric_cli.errors import CheckFailed
+from nfabric_cli.ranks.sessions import kill, rank_env, start
+from nfabric_cli.ranks.wait import wait_all
 from nfabric_cli.replay.plan import ReplayPlan, estimated_seconds
 
 WORKER_MODULE = "nfabric_cli.replay.worker"
@@ -37,56 +35,18 @@ def run_ranks(plan: ReplayPlan) -> list[dict[str, Any]]:
         run = Path(tmp)
         plan_path = run / "plan.json"
         atomic_write_text(plan_path, json.dumps(plan.to_dict()))
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   GLOO_SOCKET_IFNAME="lo")
+        deadline = time.monotonic() + plan.timeout_s
         procs = []
         try:
             for rank in range(plan.world_size):
                 cmd = wrap([sys.executable, "-m", WORKER_MODULE, str(plan_path), str(rank),
                             str(run / "store"), str(run)])
-                with open(run / f"rank{rank}.log", "wb") as log:
-                    procs.append(subprocess.Popen(
-                        cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                        env=env, start_new_session=True,
-                    ))  # fmt: skip
-            _wait(procs, run, time.monotonic() + plan.timeout_s)
-        finally:
-            _kill(procs)
+                procs.append(start(cmd, rank_env(), run / f"rank{rank}.log", rank))
+        except BaseException:
+            kill(procs)
+            raise
+        wait_all(procs, deadline, "replay rank")  # kills every rank on any failure
         return [json.loads((run / f"rank{r}.json").read_text()) for r in range(plan.world_size)]
-
-
-def _wait(procs: list[subprocess.Popen], run: Path, deadline: float) -> None:
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            r = failed[0]
-            raise CheckFailed(f"replay rank {r} exited with code {codes[r]}: "
-                              f"{_last_line(run / f'rank{r}.log')}")
-        if all(c == 0 for c in codes):
-            return
-        if time.monotonic() > deadline:
-            raise CheckFailed("replay ranks did not finish in time (a rank hung); killed them")
-        time.sleep(0.1)
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    """SIGKILL the sessions of the ranks this run started that are still alive; reap all."""
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=10)
-
-
-def _last_line(log: Path) -> str:
-    try:
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return "no log"
-    return lines[-1].strip() if lines else "no output"
 
 
 @contextlib.contextmanager
@@ -94,7 +54,7 @@ def _link(plan: ReplayPlan) -> Iterator[Callable[[list[str]], list[str]]]:
     if plan.link_mbit is None:
         yield lambda cmd: cmd
         return
-    from nfabric_cli.validation.netns import ShapedLink
+    from nfabric_cli.ranks.netns import ShapedLink
 
     with ShapedLink(plan.link_mbit) as link:
         yield link.wrap

@@ -111,7 +111,7 @@ def replay_trace(
     from nfabric_cli.replay.launch import run_ranks
 
     if link_mbit is not None:
-        from nfabric_cli.validation.netns import link_available
+        from nfabric_cli.ranks.netns import link_available
 
         reason = link_available()
         if reason:

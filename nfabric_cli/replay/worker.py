@@ -58,7 +58,7 @@ def _measure_all(plan: Any, rank: int) -> list[dict[str, Any]]:
     if plan.link_mbit is not None:
         import torch
 
-        from nfabric_cli.validation.netns import burst_bytes
+        from nfabric_cli.ranks.netns import burst_bytes
 
         drain = torch.zeros(burst_bytes(plan.link_mbit), dtype=torch.uint8)
     out: list[dict[str, Any]] = [

@@ -16,17 +16,14 @@ an exception (its peers fail after it, on a closed connection).
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from nfabric_cli.errors import CheckFailed
+from nfabric_cli.ranks import sessions
+from nfabric_cli.ranks.sessions import Launched
 from nfabric_cli.validation.config import ValidateConfig
 from nfabric_cli.validation.progress import DONE, FAILED, KILLED, Progress, read_progress
 
@@ -39,34 +36,11 @@ STARTUP_GRACE_S = 120.0
 ProgressCallback = Callable[[dict[int, Progress]], None]
 
 
-@dataclass
-class Launched:
-    """A started process: which rank it is (None: the torchrun agent) and its log file."""
-
-    proc: subprocess.Popen
-    rank: int | None
-    log: Path
-
-
 def rank_env(cfg: ValidateConfig) -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
+    env = sessions.rank_env(loopback=cfg.link_mbit is not None)  # a shaped link is loopback
     if cfg.nnodes == 1:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback, never a real NIC
-    if cfg.link_mbit is not None:
-        env["GLOO_SOCKET_IFNAME"] = "lo"
     return env
-
-
-def _start(cmd: list[str], env: dict[str, str], log: Path, rank: int | None) -> Launched:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,  # its own process group: killpg takes it and its children
-        )  # fmt: skip
-    return Launched(proc, rank, log)
 
 
 def spawn_ranks(
@@ -74,7 +48,7 @@ def spawn_ranks(
 ) -> list[Launched]:
     env = rank_env(cfg)
     return [
-        _start(
+        sessions.start(
             wrap([sys.executable, "-m", WORKER_MODULE, str(config_path), str(rank)]),
             env,
             logs / f"rank{rank}.log",
@@ -105,7 +79,7 @@ def start_torchrun(
     cfg: ValidateConfig, config_path: Path, logs: Path, wrap: Callable[[list[str]], list[str]]
 ) -> list[Launched]:
     cmd = wrap(torchrun_command(cfg, config_path))
-    return [_start(cmd, rank_env(cfg), logs / f"torchrun.node{cfg.node_rank}.log", None)]
+    return [sessions.start(cmd, rank_env(cfg), logs / f"torchrun.node{cfg.node_rank}.log", None)]
 
 
 # -- supervision ---------------------------------------------------------------------------------
@@ -223,18 +197,8 @@ def _stalled(
 def kill_all(procs: list[Launched], run_dir: Path) -> None:
     """SIGKILL every started session, and any rank (torchrun's workers have their own
     sessions) whose progress file names a live nfabric worker; reap them all."""
-    pids = {launched.proc.pid for launched in procs if launched.proc.poll() is None}
-    for p, _ in read_progress(run_dir).values():
-        if _is_worker(p.pid):
-            pids.add(p.pid)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    for launched in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            launched.proc.wait(timeout=10)
+    workers = [p.pid for p, _ in read_progress(run_dir).values() if _is_worker(p.pid)]
+    sessions.kill(procs, workers)
 
 
 def _is_worker(pid: int) -> bool:

@@ -82,7 +82,7 @@ def plan(cfg: ValidateConfig) -> RunPlan:
 
     cfg.check()
     if cfg.link_mbit is not None:
-        from nfabric_cli.validation.netns import link_available
+        from nfabric_cli.ranks.netns import link_available
 
         reason = link_available()
         if reason:
@@ -179,7 +179,7 @@ def _link(cfg: ValidateConfig) -> Iterator[Any]:
     if cfg.link_mbit is None:
         yield None
         return
-    from nfabric_cli.validation.netns import ShapedLink
+    from nfabric_cli.ranks.netns import ShapedLink
 
     with ShapedLink(cfg.link_mbit) as link:
         yield link

@@ -128,14 +128,13 @@ def _run_arm(
     progress: ProgressWriter,
     count_link: bool,
 ) -> ArmRecord:
-    import time
-
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from nfabric_cli.ranks.loop import workload_steps
+    from nfabric_cli.ranks.netns import read_lo_counters
     from nfabric_cli.runtime.inject import KILL_EXIT_CODE, should_kill
     from nfabric_cli.validation.arms import make_arm
-    from nfabric_cli.validation.netns import read_lo_counters
 
     progress.update(name, index, 0)
     model = workload.build_model(ctx.seed)
@@ -146,22 +145,18 @@ def _run_arm(
     times: list[float] = []
     dist.barrier()
     before = read_lo_counters() if count_link and ctx.rank == 0 else None
-    for step in range(ctx.steps):
+
+    def before_step(step: int) -> None:
         if should_kill(kills, step, ctx.rank):
             progress.update(name, index, step)
             progress.finish(KILLED, KILL_EXIT_CODE, f"injected kill@{step}:{ctx.rank}")
             os._exit(KILL_EXIT_CODE)
-        batch = workload.train_batch(step, ctx.rank, ctx.world_size, ctx.seed)
-        t0 = time.perf_counter()
-        loss = workload.loss(ddp, batch)
-        arm.observe(loss)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
+
+    for step, loss, seconds in workload_steps(ddp, arm, workload, optimizer, scheduler,
+                                              ctx.steps, ctx.rank, ctx.world_size, ctx.seed,
+                                              before_step):
+        times.append(seconds)
+        losses.append(loss)
         progress.update(name, index, step + 1)
     dist.barrier()
     link = None

@@ -14,6 +14,7 @@ from nfabric_cli.binding import compile_profile
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.traffic import step_bytes
+from nfabric_cli.ranks.loop import train_workload
 from nfabric_cli.routes import FP32, make_route
 from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.inject import Injection
@@ -54,13 +55,7 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
     state = attach_with(ddp, _bindings(model, world, health), total_steps=STEPS, seed=SEED,
                         injections=injections)
     opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
-    for step in range(STEPS):
-        loss = wl.loss(ddp, wl.train_batch(step, rank, world, SEED))
-        state.observe(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
+    train_workload(ddp, state, wl, opt, sched, STEPS, rank, world, SEED)
     state.close()
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from nfabric_cli.validation.netns import link_available
+from nfabric_cli.ranks.netns import link_available
 from tests.validation.common import WIDE, head_fp32_profile, nfabric, summary
 from tests.validation.tiny import build_wide
 

@@ -1,4 +1,4 @@
-"""A bandwidth-shaped link for a validation run: a network namespace with only loopback.
+"""A bandwidth-shaped link for ranks on one machine: a network namespace with only loopback.
 
 `ShapedLink(mbit)` creates namespace ``nfabric-<pid>``, sets ``lo`` up with MTU 9000 and a
 `tc tbf` root qdisc at the given rate, and `wrap(cmd)` runs a command inside it
