@@ -129,7 +129,7 @@ def compile_profile(
     - `find_unused_parameters` / `ready_order`: pick DDP's layout (see `binding.buckets`).
     """
     profile.validate()
-    ws = world_size if world_size is not None else (profile.meta.get("world_size") or 2)
+    ws = default_world_size(profile, world_size)
     if not isinstance(ws, int) or ws < 1:
         raise InputError(f"world size must be a positive integer, got {ws!r}")
     if total_steps is not None and total_steps < 1:
@@ -171,6 +171,36 @@ def compile_profile(
         remember_substrate(bindings, substrate)
     fill_buckets(bindings, bindings.meta.get("substrate"))
     return bindings
+
+
+def default_world_size(profile: OperatingProfile, world_size: int | None = None) -> Any:
+    """The ranks to compile for: `world_size`, else the profile's, else 2."""
+    return world_size if world_size is not None else (profile.meta.get("world_size") or 2)
+
+
+def compile_for_workload(
+    profile: OperatingProfile,
+    model: nn.Module,
+    workload: Any | None,
+    world_size: int | None = None,
+    bucket_cap_mb: float | None = 25.0,
+    total_steps: int | None = None,
+    substrate: Any = None,
+    find_unused_parameters: bool = False,
+) -> Bindings:
+    """`compile_profile` for a run on `workload` (None: a bare model): a workload has data, so
+    DDP's bucket order is observed from one real backward pass (`trace_ready_order`) instead
+    of assumed from the parameter order (not with `find_unused_parameters`, where DDP keeps
+    its initial assignment)."""
+    from nfabric_cli.binding.buckets import trace_ready_order
+
+    order = None
+    if workload is not None and not find_unused_parameters:
+        ws = default_world_size(profile, world_size)
+        order = trace_ready_order(
+            model, lambda: workload.loss(model, workload.train_batch(0, 0, ws, 0)).backward())
+    return compile_profile(profile, model, world_size, bucket_cap_mb, total_steps, substrate,
+                           find_unused_parameters, order)
 
 
 def remember_substrate(bindings: Bindings, substrate: Any) -> None:

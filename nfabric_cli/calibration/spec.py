@@ -285,6 +285,22 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
     return spec
 
 
+def run_spec(workload: Any, path: str | Path | None = None, *, steps: int | None = None,
+             sampler: str | None = None, pruner: str | None = None,
+             substrate: Any = None, **overrides: Any) -> CalibrationSpec:
+    """The spec `nfabric calibrate` runs: the workload's (`resolve_spec`) with the command
+    line's overrides (None: not given). A new `steps` keeps the spec's number of checkpoints;
+    `substrate` is a TOML path or table. Refuses a pruner with the multi-objective sampler."""
+    base = resolve_spec(workload.name, workload.head_selector, workload.default_steps, path)
+    if pruner is not None and (sampler or base.sampler) == "nsga2" and pruner != "none":
+        raise InputError("--sampler nsga2 runs a multi-objective study, which Optuna cannot "
+                         "prune: use --pruner none")
+    every = None if steps is None else max(1, round(base.eval_every * steps / base.steps))
+    return base.with_overrides(steps=steps, sampler=sampler, pruner=pruner, eval_every=every,
+                               substrate=None if substrate is None else substrate_dict(substrate),
+                               **overrides)
+
+
 def substrate_dict(value: Any) -> dict[str, Any]:
     """The fabric the capacity gate prices: a substrate TOML path or an inline table, checked
     by `Substrate` (one-line errors); None or {}: no substrate (every bucket admitted)."""

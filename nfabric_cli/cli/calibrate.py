@@ -81,8 +81,8 @@ def calibrate_cmd(
     study: the reference runs once, the budget is the study's, one of them writes the profile."""
     import optuna
 
-    from nfabric_cli.calibration import calibrate, resolve_spec
-    from nfabric_cli.calibration.spec import substrate_dict
+    from nfabric_cli.calibration import calibrate
+    from nfabric_cli.calibration.spec import run_spec
     from nfabric_cli.workloads.registry import get_workload
 
     if status and workload is None:
@@ -100,15 +100,8 @@ def calibrate_cmd(
     if processes is not None and processes < 1:
         raise InputError(f"--processes must be >= 1, got {processes}")
     wl = get_workload(workload, data_dir)
-    base = resolve_spec(wl.name, wl.head_selector, wl.default_steps, spec)
-    if pruner is not None and (sampler or base.sampler) == "nsga2" and pruner != "none":
-        raise InputError("--sampler nsga2 runs a multi-objective study, which Optuna cannot "
-                         "prune: use --pruner none")
-    # --steps keeps the spec's number of checkpoints
-    every = None if steps is None else max(1, round(base.eval_every * steps / base.steps))
-    cal = base.with_overrides(world_size=world_size, trials=trials, steps=steps, sampler=sampler,
-                              pruner=pruner, seed=seed, tolerance=tolerance, eval_every=every,
-                              substrate=None if substrate is None else substrate_dict(substrate))
+    cal = run_spec(wl, spec, steps=steps, sampler=sampler, pruner=pruner, substrate=substrate,
+                   world_size=world_size, trials=trials, seed=seed, tolerance=tolerance)
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
 

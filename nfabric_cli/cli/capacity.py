@@ -76,18 +76,13 @@ def capacity(
         raise InputError("--shape is for --project")
     bindings = _load_bindings(path, workload, model, world_size, bucket_cap_mb)
     sub = build_substrate(substrate, base=(bindings.meta or {}).get("substrate"), **overrides)
-    w = world_size or sub.world_size or bindings.world_size
-    if not w:
-        raise InputError("world size unknown: pass --world-size N")
-    phase_name = _pick_phase(bindings, phase)
-    from nfabric_cli.substrate.report import capacity_report, link_sweep
+    from nfabric_cli.substrate.report import bindings_report, link_sweep
 
-    buckets = [(b.index, bindings.bucket_groups(b.index, phase_name)) for b in bindings.buckets]
-    report = {"phase": phase_name, "world_size": w, "substrate": sub.to_dict()}
-    report.update(capacity_report(buckets, w, sub))
+    report, buckets = bindings_report(bindings, sub, world_size, phase)
     if plot:
         from nfabric_cli.substrate.plot import plot_link_sweep
 
+        w = report["world_size"]
         plot_link_sweep(SWEEP_LINKS_GBPS, link_sweep(buckets, w, sub, SWEEP_LINKS_GBPS), w, plot)
     if json_out:
         print_json(report)
@@ -115,13 +110,6 @@ def _load_bindings(path: Path, workload, model, world_size, bucket_cap_mb):
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
     return load_bindings_or_profile(path, _load_model(workload, model), **kwargs)
-
-
-def _pick_phase(bindings, phase: str | None) -> str:
-    """The named phase, or by default the longest one (the phase that dominates the run)."""
-    if phase is None:
-        return max(bindings.phases, key=lambda p: p.end - p.start).name
-    return bindings.phase(phase).name
 
 
 def _ms(seconds: float | None) -> str:

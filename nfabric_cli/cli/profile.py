@@ -137,7 +137,8 @@ def compile_profile_cmd(
     json_out: bool = _JSON,
 ) -> None:
     """Resolve a profile against a model: bindings, DDP bucket plan, modelled traffic."""
-    from nfabric_cli.binding import compile_profile, trace_ready_order, write_bindings
+    from nfabric_cli.binding import write_bindings
+    from nfabric_cli.binding.compile import compile_for_workload
     from nfabric_cli.profile import read_profile, resolve_profile
 
     check_one_model_option(workload, model)
@@ -148,13 +149,8 @@ def compile_profile_cmd(
 
         sub = load_substrate(substrate)
     net, wl, _ = load_model_from(workload, model)
-    order = None
-    if wl is not None and not find_unused:  # a workload has data: observe DDP's ready order
-        ws = world_size or prof.meta.get("world_size") or 2
-        order = trace_ready_order(net, lambda: wl.loss(net, wl.train_batch(0, 0, ws, 0)).backward())
-    bindings = compile_profile(
-        prof, net, world_size, bucket_cap_mb, total_steps, sub, find_unused, order
-    )
+    bindings = compile_for_workload(prof, net, wl, world_size, bucket_cap_mb, total_steps, sub,
+                                    find_unused)
     if out is not None:
         write_bindings(bindings, out)
     summary = bindings.summary()

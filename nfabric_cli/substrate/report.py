@@ -139,3 +139,29 @@ def link_sweep(
                          "verdict": v.verdict})
         out.append(_step_times(rows))
     return out
+
+
+def longest_phase(bindings: Any, phase: str | None = None) -> str:
+    """The named phase, or by default the longest one (the phase that dominates the run)."""
+    if phase is None:
+        return max(bindings.phases, key=lambda p: p.end - p.start).name
+    return bindings.phase(phase).name
+
+
+def bindings_report(
+    bindings: Any, substrate: Substrate, world_size: int | None = None, phase: str | None = None
+) -> tuple[dict[str, Any], list[tuple[int, list[BucketGroup]]]]:
+    """`nfabric capacity`'s report on bindings: the phase (default: the longest), the world
+    size (given, else the substrate's, else the bindings'), the substrate, and per bucket the
+    predicted fp32 and low-bit times with the gate's verdict (`capacity_report`). Also returns
+    the buckets' groups, for a link sweep of the same buckets."""
+    from nfabric_cli.errors import InputError
+
+    w = world_size or substrate.world_size or bindings.world_size
+    if not w:
+        raise InputError("world size unknown: pass --world-size N")
+    name = longest_phase(bindings, phase)
+    buckets = [(b.index, bindings.bucket_groups(b.index, name)) for b in bindings.buckets]
+    report = {"phase": name, "world_size": w, "substrate": substrate.to_dict()}
+    report.update(capacity_report(buckets, w, substrate))
+    return report, buckets
