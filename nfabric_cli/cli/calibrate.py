@@ -44,6 +44,8 @@ def register(app: typer.Typer) -> None:
 def calibrate_cmd(
     workload: str = typer.Argument(None, help="Built-in workload (vision, transformer, lm) or "
                                    "MODULE:FN (optional with --status --study)."),
+    workload_opt: str = typer.Option(None, "--workload", help="The workload, as the other "
+                                     "commands take it (same as the argument)."),
     spec: Path = typer.Option(None, "--spec", help="Calibration spec (default calibrate/<workload>.toml)."),
     world_size: int = typer.Option(None, "--world-size", help="Simulated ranks (overrides the spec)."),
     trials: int = typer.Option(None, "--trials", help="The study's trial budget: workers stop "
@@ -85,6 +87,10 @@ def calibrate_cmd(
     from nfabric_cli.calibration.spec import run_spec
     from nfabric_cli.workloads.registry import get_workload
 
+    if workload_opt is not None:
+        if workload is not None and workload != workload_opt:
+            raise InputError(f"two workloads given: {workload!r} and --workload {workload_opt!r}")
+        workload = workload_opt
     if status and workload is None:
         if study is None:
             raise InputError("--status needs --study NAME (or a workload, for its default study)")

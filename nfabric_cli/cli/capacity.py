@@ -29,6 +29,8 @@ def capacity(
                                      "pythia-1b, pythia-160m."),
     substrate: Path | None = typer.Option(None, "--substrate", help="Substrate TOML file."),
     link_gbps: float | None = typer.Option(None, "--link-gbps", help="Link, Gbit/s per rank."),
+    link_mbit: float | None = typer.Option(None, "--link-mbit", help="Link, Mbit/s per rank "
+                                           "(as validate and replay take it)."),
     latency_us: float | None = typer.Option(None, "--latency-us", help="Latency per hop, us."),
     endpoint_gbps: float | None = typer.Option(
         None, "--endpoint-gbps", help="Central reducer endpoint capacity, Gbit/s."
@@ -57,6 +59,12 @@ def capacity(
 
     if world_size is not None and world_size < 1:
         raise InputError(f"--world-size must be >= 1, got {world_size}")
+    if link_mbit is not None:
+        if link_gbps is not None:
+            raise InputError("give the link once: --link-gbps or --link-mbit")
+        if not link_mbit > 0:
+            raise InputError(f"--link-mbit must be > 0, got {link_mbit:g}")
+        link_gbps = link_mbit / 1000.0
     overrides: dict[str, Any] = dict(
         link_gbps=link_gbps, latency_us=latency_us, endpoint_gbps=endpoint_gbps,
         topology=topology, margin=margin, include_codec=False if no_codec else None,

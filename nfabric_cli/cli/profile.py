@@ -26,6 +26,10 @@ _JSON = typer.Option(False, "--json", help="Machine-readable output.")
 
 
 def register(app: typer.Typer) -> None:
+    """`profile init|show|compile|diff`, and the top-level `compile-profile` / `diff-profile`
+    (the spellings docs and CI jobs use) for the same two commands."""
+    profile_app.command("compile")(compile_profile_cmd)
+    profile_app.command("diff")(diff_profile_cmd)
     app.add_typer(profile_app, name="profile")
     app.command("compile-profile")(compile_profile_cmd)
     app.command("diff-profile")(diff_profile_cmd)

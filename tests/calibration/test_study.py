@@ -301,6 +301,7 @@ def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
         (["--storage", "sqlite:////nonexistent/dir/s.db"], "cannot open storage"),
         (["--sampler", "nsga2", "--pruner", "hyperband"], "cannot prune"),
         (["--processes", "0"], "--processes must be >= 1, got 0"),
+        (["--workload", "vision"], "and --workload 'vision'"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:

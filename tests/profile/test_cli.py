@@ -252,3 +252,12 @@ def test_compile_with_substrate_file(tmp_path):
         run("compile-profile", out, "--model", MLP, "--substrate", tmp_path / "none.toml"),
         "no such file",
     )
+
+
+def test_grouped_spellings_run_the_same_commands(prof, tmp_path):
+    top = run("compile-profile", prof, "--model", MLP, "--world-size", "4", "--json")
+    grouped = run("profile", "compile", prof, "--model", MLP, "--world-size", "4", "--json")
+    assert top.exit_code == grouped.exit_code == 0, grouped.output
+    assert json.loads(grouped.stdout) == json.loads(top.stdout)
+    same = run("profile", "diff", prof, prof, "--json")
+    assert same.exit_code == 0 and json.loads(same.stdout)["equal"] is True

@@ -204,3 +204,13 @@ def test_projection_json_and_plot(files):
     assert list(sat.values()) == sorted(sat.values())
     assert any("alpha = 5 us" in a for a in doc["assumptions"])
     assert (files / "proj.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_link_speed_in_mbit_as_validate_takes_it(files):
+    gbps = invoke("b.parquet", "--link-gbps", "0.1", "--latency-us", "50", "--json")
+    mbit = invoke("b.parquet", "--link-mbit", "100", "--latency-us", "50", "--json")
+    assert gbps.exit_code == mbit.exit_code == 0, mbit.output
+    assert json.loads(mbit.output) == json.loads(gbps.output)
+    assert_one_line_error(invoke("b.parquet", "--link-mbit", "100", "--link-gbps", "0.1"),
+                          "give the link once")
+    assert_one_line_error(invoke("b.parquet", "--link-mbit", "0"), "--link-mbit must be > 0")
