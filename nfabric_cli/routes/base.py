@@ -82,7 +82,31 @@ class Payload:
 
 
 class Route:
-    """One way a gradient slice crosses the fabric. Subclasses: float and code routes."""
+    """One way a gradient slice crosses the fabric. Subclasses: float and code routes.
+
+    Contract for a new route (`CodeRoute` implements the flow of the low-bit ones, so a
+    low-bit route usually only fills in its codes, see there):
+
+    - **Implement** `plan` (the collectives it issues, for exact byte accounting), `reduce`
+      (the real collective: this rank's flat gradient in, the mean every rank agrees on out),
+      `simulate` (the same result for N ranks' gradients in one process), and `encode` /
+      `decode` (the local roundtrip error feedback subtracts).
+    - **Agreement.** `reduce` must return bit-identical tensors on every rank, and equal to
+      `simulate` on the same gradients bit for bit. The simulator, calibration and the update
+      guard rely on this (`tests/calibration/test_simulate.py`). A result depends only on its
+      own chunk: chunks never span the parameters given as `segments`.
+    - **Collectives.** Issue them only through `comm`, in the same order on every rank, and
+      synchronously. The hook calls `reduce` on its one worker thread, group after group.
+    - **Thread safety.** One instance may serve several groups of a step. Keep no per-call
+      state on `self`; per-step results go into the `stats` dict passed in (e.g. the sign
+      vote's `agree_sum` / `agree_n`).
+    - **Raises.** `check_world` raises `InputError` for a world size the route cannot aggregate
+      exactly (`max_world_size`); bad input tensors raise `InputError` (`check_input`).
+      Nothing else is expected to raise: the hook turns an exception into a failed step on
+      every rank.
+    - **Register** it in `routes/__init__.py` (`make_route`) and `routes/spec.py`
+      (`ROUTE_NAMES`), so profiles can name it.
+    """
 
     name = "route"
     max_world_size = 1 << 20

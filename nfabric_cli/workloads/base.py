@@ -17,8 +17,23 @@ from torch import nn
 class Workload(Protocol):
     """Protocol for workloads; built-ins subclass `BaseWorkload` (`workloads/common.py`).
 
-    Determinism: the same seed gives the same initial weights and the same batches.
-    Sharding: rank r of W sees only its own shard of the training set (disjoint, covering).
+    Contract for a plug-in workload (`MODULE:FN` returning one; see docs/workloads.md):
+
+    - **Implement** the attributes and methods below. `BaseWorkload` supplies
+      `shard_indices`, `data_fingerprint` and the batch plumbing from a tensor dataset.
+    - **Determinism.** The same seed gives the same initial weights (`build_model`), and
+      `train_batch(step, rank, W, seed)` gives the same batch every time it is called, in any
+      order (random access). The simulator calls it for all W ranks in one process, the real
+      ranks each for their own, and both must train on the same data.
+    - **Sharding.** Rank r of W sees only its own shard of the training set (disjoint,
+      covering).
+    - **Offline and cheap.** Building the data must not download anything. Build it once per
+      object (cache it) and keep `evaluate` side-effect free. It is called on the trained
+      model in eval mode, at every calibration checkpoint.
+    - **Thread safety.** One object serves one process's runs, one call at a time; forked
+      simulator children get their own copy.
+    - **Raises.** Bad construction arguments (a missing data directory, say) raise
+      `InputError` with one line: the CLI prints it and exits 2.
     """
 
     name: str
