@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 #: Most tolerances of excess an out-of-tolerance trial is charged (keeps values finite).
 PENALTY_CAP = 1e3
@@ -93,3 +94,17 @@ def intermediate_value(traffic: float, degr: float, tolerance: float, slack: flo
     if last:
         return objective_value(traffic, degr, tolerance)
     return INTERMEDIATE[formula](traffic, degr, tolerance, slack, loss_degr)
+
+
+def store_result(trial: Any, record: dict[str, Any], result: Any) -> None:
+    """Keep a trained trial's result in its user attributes (what `--status`, the dashboard,
+    reuse of an identical configuration and the profile's evidence read back)."""
+    from nfabric_cli.runtime.controller import fallbacks
+
+    for key, value in record.items():
+        if key != "number":
+            trial.set_user_attr(key, value)
+    trial.set_user_attr("curve", [list(c) for c in result.curve])
+    trial.set_user_attr("row_traffic", {f"{r}@{p}": v for (r, p), v in result.row_traffic.items()})
+    trial.set_user_attr("fallbacks", fallbacks(result.events))
+    trial.set_user_attr("skipped_steps", len(result.skipped_steps))

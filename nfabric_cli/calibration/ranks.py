@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import signal
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -49,34 +47,15 @@ import torch
 from torch import nn
 
 from nfabric_cli.calibration.aggregate import Aggregator, Agreement, Plan, merge_agreement, shard
+from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_thread, usable_cpus
 from nfabric_cli.runtime.inject import Injection, apply_injection
+
+__all__ = ["PER_PARAMETER", "Decide", "RanksStep", "SimulatedRanks", "default_processes",
+           "one_thread", "usable_cpus"]
 from nfabric_cli.workloads.base import Workload
 
 #: Seconds a closing child may take to exit before it is terminated.
 JOIN_TIMEOUT_S = 5.0
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def default_processes(world_size: int) -> int:
-    """One process per usable CPU, at most one per simulated rank."""
-    return max(1, min(world_size, usable_cpus()))
-
-
-#: Optimizers whose step updates each parameter from its own gradient and state alone (for
-#: a parameter without a gradient it does nothing), so stepping disjoint shards of the
-#: parameters gives the whole step's result. Exact types: a subclass may couple parameters.
-PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
-    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
-    torch.optim.Adadelta, torch.optim.Rprop, torch.optim.ASGD,
-)
 
 
 @dataclass
@@ -97,17 +76,6 @@ class RanksStep:
 #: The caller's decision on a step, from its `RanksStep`: scope -> factor the aggregate of
 #: that scope's parameters is multiplied by before the optimizer step (absent: 1).
 Decide = Callable[[RanksStep], Mapping[str, float]]
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch with one intra-op thread (as every real rank and forked child does)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _finite(loss: float, norms: Sequence[float]) -> bool:

@@ -37,6 +37,7 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import phase_names
 from nfabric_cli.routes.spec import REDUCERS, ROUNDINGS, ROUTE_NAMES, SIGN_MODES
 from nfabric_cli.runtime.health import HealthThresholds
+from nfabric_cli.substrate.model import substrate_dict
 from nfabric_cli.textfiles import read_toml
 
 SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random")
@@ -299,20 +300,6 @@ def run_spec(workload: Any, path: str | Path | None = None, *, steps: int | None
     return base.with_overrides(steps=steps, sampler=sampler, pruner=pruner, eval_every=every,
                                substrate=None if substrate is None else substrate_dict(substrate),
                                **overrides)
-
-
-def substrate_dict(value: Any) -> dict[str, Any]:
-    """The fabric the capacity gate prices: a substrate TOML path or an inline table, checked
-    by `Substrate` (one-line errors); None or {}: no substrate (every bucket admitted)."""
-    from nfabric_cli.substrate.model import Substrate, load_substrate
-
-    if value is None or value == {}:
-        return {}
-    if isinstance(value, (str, Path)):
-        return load_substrate(value).to_dict()
-    if isinstance(value, dict):
-        return Substrate.from_dict(value, source="[substrate]").to_dict()
-    raise InputError(f"substrate must be a path or a table, got {value!r}")
 
 
 # -- parsing helpers --------------------------------------------------------------------------

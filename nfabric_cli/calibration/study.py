@@ -42,6 +42,7 @@ from nfabric_cli.calibration.objective import (
     intermediate_value,
     loss_scale,
     objective_value,
+    store_result,
 )
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, simulate_run
@@ -59,15 +60,13 @@ from nfabric_cli.calibration.workers import (
     counted,
     duplicate_of,
     fail_dead_trials,
+    finished_by,
     live_workers,
     surplus,
     wait_for_same,
 )
-from nfabric_cli.runtime.controller import fallbacks
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.base import Workload
-
-FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 
 
 class ProgressSink:
@@ -303,13 +302,7 @@ class Calibrator:
             "degradation": d,
             "steps_run": result.steps_run,
         }
-        for key, value in record.items():
-            if key != "number":
-                trial.set_user_attr(key, value)
-        trial.set_user_attr("curve", [list(c) for c in result.curve])
-        trial.set_user_attr("row_traffic", {f"{r}@{p}": v for (r, p), v in result.row_traffic.items()})
-        trial.set_user_attr("fallbacks", fallbacks(result.events))
-        trial.set_user_attr("skipped_steps", len(result.skipped_steps))
+        store_result(trial, record, result)
         return record
 
     def _reuse(self, trial: optuna.Trial, config: Config) -> float | tuple[float, float] | None:
@@ -349,11 +342,6 @@ class Calibrator:
             enqueue_seeds(study, self.spec)
 
 
-def _finished_by(study: optuna.Study, worker: Worker) -> int:
-    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED)
-               if t.user_attrs.get("worker") == worker.id)
-
-
 def run_study(
     workload: Workload,
     spec: CalibrationSpec,
@@ -390,7 +378,7 @@ def run_study(
         study.sampler = make_sampler(spec, offset)
         fail_dead_trials(study, worker)  # a killed run's trial: failed, its sweep re-queued
         calibrator.reference = reference = calibrator.reference_for(study)
-        before = _finished_by(study, worker)
+        before = finished_by(study, worker)
         calibrator.after_trial(study)
         if budget_reached(study, spec.trials, worker):
             calibrator.sink.note(f"the study holds its budget of {spec.trials} trials")
@@ -403,7 +391,7 @@ def run_study(
                 callbacks=[calibrator.after_trial, calibrator.stop_at_budget, *callbacks],
                 gc_after_trial=False,
             )
-        new = _finished_by(study, worker) - before
+        new = finished_by(study, worker) - before
         log.set("finishing")
     return StudyRun(study, spec, workload, reference, resumed, new, calibrator.multi,
                     {"sensitivity": calibrator.sensitivity(study) or {}}, worker)

@@ -42,6 +42,7 @@ from optuna.trial import FrozenTrial, TrialState
 from nfabric_cli.calibration import storage as _storage
 
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
 WORKER_PREFIX = "worker:"
 CLAIM_SEP = "~"
 POLL_S = 1.0
@@ -333,3 +334,9 @@ def live_workers(user_attrs: dict[str, Any], me: Worker) -> list[dict[str, Any]]
            for key, record in user_attrs.items()
            if key.startswith(WORKER_PREFIX) and isinstance(record, dict)]
     return sorted(out, key=lambda r: r.get("started", 0))
+
+
+def finished_by(study: optuna.Study, worker: Worker) -> int:
+    """Finished trials of `study` that `worker` ran."""
+    return sum(1 for t in study.get_trials(deepcopy=False, states=FINISHED)
+               if t.user_attrs.get("worker") == worker.id)

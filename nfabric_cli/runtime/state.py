@@ -29,6 +29,7 @@ from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
 from nfabric_cli.routes.base import rounding_noise
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime.agree import agree_step
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor
@@ -120,10 +121,6 @@ class FabricState:
         return self.controller.phase
 
     @property
-    def _phase(self) -> Phase:
-        return self.controller.phase
-
-    @property
     def step(self) -> int:
         """Steps completed (the next step's index)."""
         return self.controller.step
@@ -203,7 +200,7 @@ class FabricState:
             raise RuntimeError("nfabric state is closed")
         if self._step_started is None:
             self._step_started = time.perf_counter()
-        if self._phase.name in self._fp32_phases:
+        if self.phase.name in self._fp32_phases:
             return self._fp32_direct(buffer, is_last)
         fut: torch.futures.Future = torch.futures.Future()
         names = [self._names[id(p)] for p in params]
@@ -219,7 +216,7 @@ class FabricState:
         all-reduce overlaps backward exactly as in plain DDP. Phases change only between
         steps, and the worker is idle in such a phase, so collective order stays identical.
         """
-        step, phase = self.step, self._phase.name
+        step, phase = self.step, self.phase.name
         if self.injections:
             apply_injection(self.injections, step, self.rank, [buffer])
         buffer.div_(self.world_size)
@@ -240,7 +237,7 @@ class FabricState:
     def _reduce_bucket(
         self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool, fut: torch.futures.Future
     ) -> None:
-        step, phase = self.step, self._phase.name
+        step, phase = self.step, self.phase.name
         offsets = [0]
         for n in numels[:-1]:
             offsets.append(offsets[-1] + n)
@@ -286,7 +283,7 @@ class FabricState:
             if not math.isfinite(norm):
                 self._nonfinite = True
                 continue
-            key = "norm2:" + self.bindings.params[name].regions[self._phase.name]
+            key = "norm2:" + self.bindings.params[name].regions[self.phase.name]
             acc[key] = acc.get(key, 0.0) + norm * norm
 
     def _reduce_groups(
@@ -343,35 +340,17 @@ class FabricState:
     def _finish_step(self, step: int) -> None:
         with self._lock:
             loss, self._loss = self._loss, None
-        keys = [f"{k}:{s}" for s in self._scopes for k in ("norm2", "agree_sum", "agree_n")]
-        bucket_keys = [k for k, _ in self._bucket_times]
-        local = [1.0 if self._nonfinite else 0.0, 0.0 if loss is None else 1.0]
-        local.append(loss if loss is not None and math.isfinite(loss) else 0.0)
-        local += [self._step_acc.get(k, 0.0) for k in keys]
-        local += [t for _, t in self._bucket_times]
-        if loss is not None and not math.isfinite(loss):
-            local[0] = 1.0
-        vec = torch.tensor(local, dtype=torch.float64)
-        if self.world_size > 1:
-            self.comm.allreduce(vec)
-        self.meter.add(step, self._phase.name, "control", self.comm.take())
-        v = vec.tolist()
-        nonfinite = v[0] > 0
-        loss_mean = v[2] / v[1] if v[1] > 0 else None
-        vals = dict(zip(keys, v[3 : 3 + len(keys)], strict=True))
-        norms = {s: math.sqrt(vals[f"norm2:{s}"]) for s in self._scopes}
-        agree = {
-            s: vals[f"agree_sum:{s}"] / vals[f"agree_n:{s}"]
-            for s in self._scopes
-            if vals[f"agree_n:{s}"] > 0
-        }
+        agreed = agree_step(self.comm, self._scopes, self._nonfinite, loss, self._step_acc,
+                            [t for _, t in self._bucket_times])
+        self.meter.add(step, self.phase.name, "control", self.comm.take())
         updates: dict[str, float] = {}
         if self._update_norms:
             values = torch.cat([t for _, t in self._update_norms]).tolist()
             updates = dict(zip([n for names, _ in self._update_norms for n in names], values, strict=True))
-        decision = self.controller.decide(step, loss_mean, nonfinite, norms, agree, updates)
-        for key, total in zip(bucket_keys, v[3 + len(keys) :], strict=True):
-            reason = self.gate.observe(key, total / self.world_size)
+        decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
+                                          agreed.agreement, updates)
+        for (key, _), seconds in zip(self._bucket_times, agreed.bucket_seconds, strict=True):
+            reason = self.gate.observe(key, seconds)
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
         if decision.skip:

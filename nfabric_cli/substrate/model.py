@@ -351,3 +351,15 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return json.dumps(value)
     return repr(value)
+
+
+def substrate_dict(value: Any) -> dict[str, Any]:
+    """The fabric the capacity gate prices: a substrate TOML path or an inline table, checked
+    by `Substrate` (one-line errors); None or {}: no substrate (every bucket admitted)."""
+    if value is None or value == {}:
+        return {}
+    if isinstance(value, (str, Path)):
+        return load_substrate(value).to_dict()
+    if isinstance(value, dict):
+        return Substrate.from_dict(value, source="[substrate]").to_dict()
+    raise InputError(f"substrate must be a path or a table, got {value!r}")
