@@ -24,6 +24,7 @@ LONG = [
     ("validation: step time behind shaped links vs PyTorch hooks (root)", [sys.executable, "-m", "bench.validate_link"]),
     ("capacity: cost-model error on shaped links, fit by replay (root)", [sys.executable, "-m", "bench.capacity_model_error"]),
     ("workloads: fp32 vs all-sign vs head-fp32 at 4 workers", [sys.executable, "-m", "bench.workload_sensitivity"]),
+    ("health: monitor never worse than none, faults rescued, false trips (goal 0 / all / <= 1 %)", [sys.executable, "-m", "bench.robustness"]),
 ]
 
 
