@@ -18,7 +18,7 @@ from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_paramet
 from nfabric_cli.binding.matching import params_record
 from nfabric_cli.binding.selectors import check_selector
 from nfabric_cli.errors import InputError
-from nfabric_cli.profile.operating import OperatingProfile, ProfileRow
+from nfabric_cli.profile.operating import OperatingProfile, route_row
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.profile.provenance import base_provenance
 from nfabric_cli.routes.spec import REDUCERS, RouteSpec
@@ -62,20 +62,9 @@ def static_profile(
     rows = []
     for phase in phases:
         for priority, (selector, route) in enumerate(ordered):
-            lowbit = route != "fp32"
-            rows.append(
-                ProfileRow(
-                    region=selector,
-                    phase=phase.name,
-                    phase_start=phase.start,
-                    phase_end=phase.end,
-                    priority=priority,
-                    route=route,
-                    tau=tau if route == "ternary" else None,
-                    error_feedback=error_feedback and lowbit,
-                    reducer=reducer if lowbit else "sharded",
-                )
-            )
+            rows.append(route_row(selector, phase, priority, route, tau=tau,
+                                  error_feedback=error_feedback, reducer=reducer,
+                                  any_lossy=True))
     meta: dict[str, Any] = {
         "workload": workload,
         "model_fingerprint": model_fingerprint(model),

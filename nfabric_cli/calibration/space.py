@@ -17,7 +17,7 @@ from typing import Any
 import optuna
 
 from nfabric_cli.calibration.spec import CalibrationSpec
-from nfabric_cli.profile.operating import OperatingProfile, ProfileRow
+from nfabric_cli.profile.operating import OperatingProfile, route_row
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes.spec import LOWBIT_ROUTES
 
@@ -184,27 +184,11 @@ def config_profile(
     for p, phase in enumerate(config.phases(spec)):
         for priority, region in enumerate(spec.regions):
             route = config.routes[p][priority]
-            lowbit = route in LOWBIT_ROUTES
             ev = (evidence or {}).get((region.name, phase.name), {})
-            rows.append(
-                ProfileRow(
-                    region=region.selector,
-                    phase=phase.name,
-                    phase_start=phase.start,
-                    phase_end=phase.end,
-                    priority=priority,
-                    route=route,
-                    tau=config.tau if route == "ternary" else None,
-                    # defaults stay unset, so profiles diff as they did before these options
-                    rounding=config.rounding
-                    if route in ("int8", "int4") and config.rounding != "nearest" else None,
-                    mode=config.sign_mode if route == "sign" and config.sign_mode != "majority"
-                    else None,
-                    error_feedback=config.error_feedback and lowbit,
-                    reducer=spec.reducer if lowbit else "sharded",
-                    traffic_fraction=ev.get("traffic_fraction"),
-                    metric_delta=ev.get("metric_delta"),
-                    trials=ev.get("trials"),
-                )
-            )
+            rows.append(route_row(
+                region.selector, phase, priority, route, tau=config.tau,
+                error_feedback=config.error_feedback, reducer=spec.reducer,
+                rounding=config.rounding, mode=config.sign_mode,
+                traffic_fraction=ev.get("traffic_fraction"),
+                metric_delta=ev.get("metric_delta"), trials=ev.get("trials")))
     return OperatingProfile(rows, dict(meta or {})).validate()

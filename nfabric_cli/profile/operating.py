@@ -14,7 +14,7 @@ from typing import Any
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase, check_tiling
 from nfabric_cli.profile.schema import SCHEMA_VERSION
-from nfabric_cli.routes.spec import DEFAULT_TAU, RouteSpec
+from nfabric_cli.routes.spec import DEFAULT_TAU, LOWBIT_ROUTES, RouteSpec
 
 #: Every metadata key a profile carries (missing ones are filled with these defaults).
 META_DEFAULTS: dict[str, Any] = {
@@ -78,6 +78,30 @@ class ProfileRow:
 
 
 ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ProfileRow))
+
+
+def route_row(region: str, phase: Phase, priority: int, route: str, *,
+              tau: float | None = None, error_feedback: bool = False, reducer: str = "sharded",
+              rounding: str | None = None, mode: str | None = None,
+              any_lossy: bool = False, **evidence: Any) -> ProfileRow:
+    """A row for `route` with each option set only where the route uses it, and defaults left
+    unset (so profiles diff as they always did): `tau` for ternary, `rounding` for int8/int4
+    when not nearest, `mode` for sign when not majority, error feedback and the reducer for
+    the low-bit routes (with `any_lossy`, as `profile init` writes them: for every route but
+    fp32). `evidence`: traffic_fraction, metric_delta, trials. The one rule hand-written
+    (`binding/static.py`) and calibrated (`calibration/space.py`) rows share."""
+    lowbit = route != "fp32" if any_lossy else route in LOWBIT_ROUTES
+    return ProfileRow(
+        region=region, phase=phase.name, phase_start=phase.start, phase_end=phase.end,
+        priority=priority, route=route,
+        tau=tau if route == "ternary" else None,
+        error_feedback=bool(error_feedback) and lowbit,
+        reducer=reducer if lowbit else "sharded",
+        rounding=rounding if route in ("int8", "int4") and rounding not in (None, "nearest")
+        else None,
+        mode=mode if route == "sign" and mode not in (None, "majority") else None,
+        **evidence,
+    )
 
 
 @dataclass
