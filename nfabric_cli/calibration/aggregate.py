@@ -30,7 +30,7 @@ PER_GROUP_ELEMS = 50_000
 
 
 @dataclass(frozen=True)
-class Plan:
+class StepRoutes:
     """One step's decisions, per parameter (in the simulator's parameter order): the health
     scope it reports to and the route it takes (fp32 where the monitor or the gate says so)."""
 
@@ -87,7 +87,7 @@ class Aggregator:
     def run(
         self,
         step: int,
-        plan: Plan,
+        plan: StepRoutes,
         grads: Sequence[Sequence[torch.Tensor]],
         out: Sequence[torch.Tensor],
     ) -> Agreement:

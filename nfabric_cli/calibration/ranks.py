@@ -46,7 +46,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from nfabric_cli.calibration.aggregate import Aggregator, Agreement, Plan, merge_agreement, shard
+from nfabric_cli.calibration.aggregate import (
+    Aggregator,
+    Agreement,
+    StepRoutes,
+    merge_agreement,
+    shard,
+)
 from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_thread, usable_cpus
 from nfabric_cli.runtime.inject import Injection, apply_injection
 
@@ -132,7 +138,7 @@ class SimulatedRanks:
         self.bad = torch.zeros(world_size, dtype=torch.bool)  # per rank: non-finite this step
         self.shards = shard(self.numels, self.processes, groups)
         self.aggregators = [Aggregator(names, world_size, seed, owned) for owned in self.shards]
-        self._plans: dict[Plan, int] = {}
+        self._plans: dict[StepRoutes, int] = {}
         self.conns: list[Connection] = []
         self.children: list[Any] = []
         self.barrier: Any = None
@@ -174,7 +180,7 @@ class SimulatedRanks:
     def _norms(self, owned: Sequence[int]) -> dict[int, float]:
         return {i: float(torch.linalg.vector_norm(self.out_views[i])) for i in owned}
 
-    def _update(self, owned: Sequence[int], nonfinite: bool, plan: Plan,
+    def _update(self, owned: Sequence[int], nonfinite: bool, plan: StepRoutes,
                 scales: Mapping[str, float]) -> None:
         """The optimizer (and scheduler) step on the parameters `owned`, from the aggregate
         scaled by the decision's `scales` (per scope); a neutralised step updates from zero
@@ -194,7 +200,7 @@ class SimulatedRanks:
             self.scheduler.step()
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self, step: int, plan: Plan, decide: Decide | None = None) -> RanksStep:
+    def step(self, step: int, plan: StepRoutes, decide: Decide | None = None) -> RanksStep:
         """Train `step` under `plan`: every rank's gradient, loss and norms, their aggregate,
         `decide`'s scale-downs (with `decide` only, which also measures the aggregate's norms)
         and the optimizer step."""
@@ -307,7 +313,7 @@ class SimulatedRanks:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         torch.set_num_threads(1)
         ranks = range(p, self.world_size, self.processes)
-        plans: dict[int, Plan] = {}
+        plans: dict[int, StepRoutes] = {}
         ahead: tuple[int, tuple[Any, ...], list[torch.Tensor]] | None = None
         while True:
             try:

@@ -25,7 +25,7 @@ import torch
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
-from nfabric_cli.calibration.aggregate import Plan
+from nfabric_cli.calibration.aggregate import StepRoutes
 from nfabric_cli.calibration.ranks import RanksStep, SimulatedRanks
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.interrupt import deferred_sigint
@@ -100,7 +100,7 @@ class SimulatedDDP:
         self.tally = TrafficTally()
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
         self._planned: dict[str, StepBytes] = {}
-        self._plans: dict[tuple[str, frozenset[str]], Plan] = {}
+        self._plans: dict[tuple[str, frozenset[str]], StepRoutes] = {}
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
@@ -141,7 +141,7 @@ class SimulatedDDP:
         return sent / ref if ref else 1.0
 
     # -- one step --------------------------------------------------------------------------------
-    def _plan(self) -> tuple[Plan, tuple[str, frozenset[str]]]:
+    def _plan(self) -> tuple[StepRoutes, tuple[str, frozenset[str]]]:
         """This step's routes and scopes per parameter, and the key they are cached under (the
         gate's verdicts are static here: no timings)."""
         phase = self.phase.name
@@ -149,7 +149,7 @@ class SimulatedDDP:
         if key not in self._plans:
             by_name = {n: self.effective(n) for n in self.names}
             routes = gated(self.bindings, phase, by_name.__getitem__, self.gate)
-            self._plans[key] = Plan(
+            self._plans[key] = StepRoutes(
                 tuple(self.bindings.params[n].regions[phase] for n in self.names),
                 tuple(routes(n) for n in self.names),
             )

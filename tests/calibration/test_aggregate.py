@@ -9,7 +9,7 @@ from nfabric_cli.calibration.aggregate import (
     PER_GROUP_ELEMS,
     PER_PARAM_ELEMS,
     Aggregator,
-    Plan,
+    StepRoutes,
     merge_agreement,
     shard,
 )
@@ -21,7 +21,7 @@ NUMELS = [700, 5, 64, 2048, 33, 1500]
 NAMES = [f"p{i}" for i in range(len(NUMELS))]
 SIGN = RouteSpec("sign", error_feedback=True)
 INT8 = RouteSpec("int8", error_feedback=True, rounding="stochastic")
-PLAN = Plan(("a", "a", "b", "b", "head", "b"), (SIGN, SIGN, INT8, SIGN, FP32, INT8))
+PLAN = StepRoutes(("a", "a", "b", "b", "head", "b"), (SIGN, SIGN, INT8, SIGN, FP32, INT8))
 
 
 def _grads(step: int) -> list[list[torch.Tensor]]:
@@ -59,7 +59,7 @@ def test_one_parameter_equals_the_route_and_agreement_is_the_mean_margin() -> No
     grads = _grads(0)
     agg = Aggregator(NAMES, W, 0, owned=[3])
     out = [torch.zeros(n) for n in NUMELS]
-    agree = agg.run(0, Plan(("r",) * 6, (spec,) * 6), grads, out)
+    agree = agg.run(0, StepRoutes(("r",) * 6, (spec,) * 6), grads, out)
     expected = make_route(spec).simulate([g[3] for g in grads], (2048,))
     assert torch.equal(out[3], expected)
     assert all(torch.equal(out[i], torch.zeros(NUMELS[i])) for i in (0, 1, 2, 4, 5))  # not owned

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nfabric_cli.binding import compile_profile
-from nfabric_cli.calibration.aggregate import Plan
+from nfabric_cli.calibration.aggregate import StepRoutes
 from nfabric_cli.calibration.ranks import SimulatedRanks, default_processes
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
@@ -53,9 +53,9 @@ def _ranks(wl: TinyWorkload, model: nn.Module, world: int, seed: int, processes:
     return SimulatedRanks(wl, model, list(model.parameters()), names, world, seed, processes)
 
 
-def _fp32_plan(model: nn.Module) -> Plan:
+def _fp32_plan(model: nn.Module) -> StepRoutes:
     n = len(list(model.parameters()))
-    return Plan(("all",) * n, (FP32,) * n)
+    return StepRoutes(("all",) * n, (FP32,) * n)
 
 
 def _bindings(model: nn.Module, world: int):  # noqa: ANN202
@@ -324,7 +324,7 @@ import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import torch
 from tests.calibration.tiny import TinyWorkload
-from nfabric_cli.calibration.aggregate import Plan
+from nfabric_cli.calibration.aggregate import StepRoutes
 from nfabric_cli.calibration.ranks import SimulatedRanks
 from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.routes import FP32
@@ -338,7 +338,7 @@ wl = Slow()
 model = wl.build_model(0)
 names = [n for n, _ in model.named_parameters()]
 ranks = SimulatedRanks(wl, model, list(model.parameters()), names, 4, 0, processes=2)
-plan = Plan(("all",) * len(names), (FP32,) * len(names))
+plan = StepRoutes(("all",) * len(names), (FP32,) * len(names))
 with open(sys.argv[1], "w") as f:
     f.write(" ".join(str(c.pid) for c in ranks.children))
 try:
