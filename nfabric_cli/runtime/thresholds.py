@@ -34,7 +34,7 @@ class HealthThresholds:
     cooldown: int = 10  # steps a tripped scope is held on FP32 before re-admission checks
     healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
     max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
-    update_cap: float = 1.0  # a held scope's update norm <= update_cap * its healthy median (0: off)
+    update_cap: float = 2.0  # a held scope's update norm <= update_cap * its healthy median (0: off)
 
     def __post_init__(self) -> None:
         for f in fields(self):

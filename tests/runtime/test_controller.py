@@ -14,7 +14,7 @@ from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.guard import UpdateGuard
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
 
-HEALTH = {"window": 8, "min_history": 4, "cooldown": 2, "healthy_to_readmit": 2}
+HEALTH = {"window": 8, "min_history": 4, "cooldown": 2, "healthy_to_readmit": 2, "update_cap": 1.0}
 
 
 class Net(nn.Module):
