@@ -5,14 +5,15 @@ element: an implicit clip), so the moment the monitor switches a scope to FP32, 
 the moment the raw heavy-tailed gradient would reach the optimizer. Measured on `vision`
 (seed 0, W = 4, 300 steps): the fp32-reduced gradient at the spike had norm 9.6 against
 sign's 6.5; momentum carried it on and the run ended at 0.794 accuracy against 0.983 with no
-monitor at all. Holding the update norm of a held scope to its recent median (the updates it
-delivered while healthy) ends that run at 0.989 (see docs/health.md for the whole matrix).
+monitor at all. Holding the update norm of a held scope to twice its recent median (the
+updates it delivered while healthy) ends that run at 0.992 (see docs/health.md).
 
 The rule, per scope and step, on the reduced gradient (identical on every rank, so is the
 decision):
 - the scope is held (tripped this step, cooling down, on probation or pinned) and its window
   holds at least `min_history` norms: the update is scaled down to ``update_cap * median``
-  when larger (never up);
+  when larger (never up; the default cap, 2, sits above the healthy updates' own spread, so
+  an ordinary update passes and a spike does not);
 - otherwise the step's update norm joins the scope's window (a skipped, non-finite step's
   never does), so the median is always that of healthy, profile-routed updates.
 
