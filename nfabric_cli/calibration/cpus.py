@@ -39,8 +39,13 @@ PER_PARAMETER: tuple[type[torch.optim.Optimizer], ...] = (
 
 @contextmanager
 def one_thread() -> Iterator[None]:
-    """Run torch with one intra-op thread (as every real rank and forked child does)."""
+    """Run torch with one intra-op thread (as every real rank and forked child does). Already
+    on one thread (a whole simulated run sits inside one of these), it changes nothing: no
+    thread-pool resize per step."""
     before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
     torch.set_num_threads(1)
     try:
         yield

@@ -200,17 +200,18 @@ class SimulatedRanks:
             self.scheduler.step()
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self, step: int, plan: StepRoutes, decide: Decide | None = None) -> RanksStep:
-        """Train `step` under `plan`: every rank's gradient, loss and norms, their aggregate,
-        `decide`'s scale-downs (with `decide` only, which also measures the aggregate's norms)
-        and the optimizer step."""
+    def step(self, step: int, plan: StepRoutes, decide: Decide | None = None,
+             measure: bool = True) -> RanksStep:
+        """Train `step`: gradients, losses, norms, the aggregate under `plan`, `decide`'s
+        scale-downs (given `measure`, from the aggregate's norms) and the optimizer step."""
+        measure = measure and decide is not None
         if not self.conns:
             with one_thread():
                 done = [self._rank_gradient(step, r) for r in range(self.world_size)]
                 agree = self.aggregators[0].run(step, plan, self.views, self.out_views)
                 nonfinite = bool(self.bad.any())
                 owned = self.shards[0]
-                norms = self._norms(owned) if decide is not None else {}
+                norms = self._norms(owned) if measure else {}
                 out = RanksStep([d[0] for d in done], [d[1] for d in done], nonfinite, agree,
                                 [norms[i] for i in range(len(self.params))] if norms else None)
                 scales = decide(out) if decide is not None else {}
@@ -220,7 +221,7 @@ class SimulatedRanks:
         if not known:
             self._plans[plan] = len(self._plans)
         for conn in self.conns:  # a plan crosses the pipe once; then its number does
-            conn.send((step, self._plans[plan], None if known else plan, decide is not None))
+            conn.send((step, self._plans[plan], None if known else plan, measure))
         losses = [0.0] * self.world_size
         norms: list[list[float]] = [[] for _ in range(self.world_size)]
         agreements = []

@@ -26,6 +26,7 @@ import torch
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration.aggregate import StepRoutes
+from nfabric_cli.calibration.cpus import one_thread
 from nfabric_cli.calibration.ranks import RanksStep, SimulatedRanks
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.interrupt import deferred_sigint
@@ -181,7 +182,9 @@ class SimulatedDDP:
                                               agreement, updates)
             return decision.scales
 
-        self.ranks.step(step, plan, decide)  # gradients, aggregate, decision, optimizer step
+        # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
+        # update guard, so a run without the monitor does not measure them)
+        self.ranks.step(step, plan, decide, measure=self.controller.monitor_enabled)
         self.controller.advance(step)
 
     def evaluate(self) -> float:
@@ -211,7 +214,7 @@ def simulate_run(
     curve: list[tuple[int, float]] = []
     loss_curve: list[tuple[int, float]] = []
     stopped = False
-    with torch.random.fork_rng(devices=[]), deferred_sigint() as interrupt:
+    with torch.random.fork_rng(devices=[]), one_thread(), deferred_sigint() as interrupt:
         torch.manual_seed(seed)
         sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor, processes,
                            injections)
