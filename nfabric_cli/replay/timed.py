@@ -66,7 +66,7 @@ class TimedComm(Comm):
     def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
         return self._timed("all_to_all", t, lambda: super(TimedComm, self).all_to_all(t))
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         return self._timed("all_gather", t, lambda: super(TimedComm, self).all_gather(t))
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:

@@ -819,6 +819,60 @@ void nf_sign_combine(const uint8_t *const *shards, int64_t w, int64_t nbytes, in
     }
 }
 
+/* Store the codes of `n` elements (n * bits a multiple of 8) at `bits` in {1, 2, 4, 8, 16, 32},
+ * little-endian within a byte and as native words for 16/32 bits: what `pack_uint` writes. */
+static void pack_codes(const uint32_t *code, int64_t n, int bits, uint8_t *out) {
+    if (bits == 8) {
+        for (int64_t i = 0; i < n; ++i) out[i] = (uint8_t)code[i];
+    } else if (bits == 16) {
+        uint16_t *o = (uint16_t *)out;
+        for (int64_t i = 0; i < n; ++i) o[i] = (uint16_t)code[i];
+    } else if (bits == 32) {
+        memcpy(out, code, sizeof(uint32_t) * (size_t)n);
+    } else {
+        const int per = 8 / bits;
+        for (int64_t j = 0; j < n / per; ++j) {
+            unsigned byte = 0;
+            for (int k = 0; k < per; ++k) byte |= code[per * j + k] << (bits * k);
+            out[j] = (uint8_t)byte;
+        }
+    }
+}
+
+/* The sharded reducer's combine, packed: per element, c = the sum over the W shards of its raw
+ * code (`kind`, as nf_sum_codes); its result code is table[c] when `table` is given (sign: a
+ * vote count -> code; `table` has W + 1 entries), else c + offset; codes are written packed at
+ * `bits` into `out` (nbytes * per * bits / 8 bytes). `margin` (may be
+ * NULL) gets the sum of |2c - W| over the first `valid` elements: the sign vote's agreement,
+ * exact in int64. One pass, tile by tile: no int64 values, no float agreement array. */
+void nf_combine_pack(const uint8_t *const *shards, int64_t w, int64_t nbytes, int kind,
+                     int64_t offset, const int32_t *table, int bits, int64_t valid, uint8_t *out,
+                     int64_t *margin) {
+    int32_t acc[NF_SUM_TILE * 8];
+    uint32_t code[NF_SUM_TILE * 8];
+    const int per = elems_per_byte(kind);
+    int64_t m = 0;
+    for (int64_t j0 = 0; j0 < nbytes; j0 += NF_SUM_TILE) {
+        const int64_t nb = nbytes - j0 < NF_SUM_TILE ? nbytes - j0 : NF_SUM_TILE;
+        const int64_t e0 = j0 * per, ne = nb * per;
+        sum_tile(shards, w, j0, nb, kind, acc);
+        if (table) {
+            for (int64_t i = 0; i < ne; ++i) code[i] = (uint32_t)table[acc[i]];
+        } else {
+            for (int64_t i = 0; i < ne; ++i) code[i] = (uint32_t)(acc[i] + offset);
+        }
+        if (margin) {
+            const int64_t stop = valid - e0 < ne ? valid - e0 : ne;
+            for (int64_t i = 0; i < stop; ++i) {
+                const int64_t d = 2 * (int64_t)acc[i] - w;
+                m += d < 0 ? -d : d;
+            }
+        }
+        pack_codes(code, ne, bits, out + e0 * bits / 8);
+    }
+    if (margin) *margin = m;
+}
+
 /* ---- decode of combined results ---------------------------------------------------------- */
 
 /* A combined value v before its chunk's scale, each step rounded to float32 as torch does:

@@ -214,6 +214,13 @@ class CodeRoute(Route):
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def native_combine(self, world_size: int) -> tuple[str, int | torch.Tensor] | None:
+        """How the native kernels combine this route's codes (`combine_packed`): the raw code
+        kind they sum (a `kernels.SUM_KINDS` key) and the combined value of a sum c, either
+        `c + offset` (an int) or `values[c]` (a tensor per possible sum: the sign vote). None:
+        `combine` then `_pack_result`, in torch."""
+        return None
+
     def decode_mode(self, scales: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int, float]:
         """How the native kernels decode combined values v: (scales s, mode, d), mode 0 `v * s`,
         1 `(v / d) * s`, 2 `((2v - d) / d) * s`; the same float ops as `decode_values`."""
@@ -274,18 +281,49 @@ class CodeRoute(Route):
 
     def _decode_result(
         self, packed: torch.Tensor, numel: int, world_size: int, scales: torch.Tensor,
-        layout: ChunkLayout,
+        layout: ChunkLayout, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The packed combined result -> what every rank returns. Natively straight from the
         codes (unpacking to int64 first cost 10-30x the decode: two fresh 8-byte-per-element
-        tensors, mostly page faults); else unpacked and `decode_values`. Same bits either way."""
+        tensors, mostly page faults), into `out` when given (the rank's own input: memory
+        that is already mapped); else unpacked and `decode_values`. Same bits either way."""
         k = kernels.native()
         if k is None:
             values = self._unpack_result(packed, numel, world_size)
             return self.decode_values(values, scales, layout, world_size)
         mul, lo = self.result_map(world_size)
         s, mode, d = self.decode_mode(scales, world_size)
-        return k.decode_codes(packed, self.result_bits(world_size), layout, s, mode, d, mul, lo)
+        return k.decode_codes(packed, self.result_bits(world_size), layout, s, mode, d, mul, lo,
+                              out=out)
+
+    def combine_packed(
+        self, shards: Sequence[torch.Tensor], world_size: int, valid: int,
+        stats: dict[str, float] | None,
+    ) -> torch.Tensor:
+        """The shards' combined result, packed as it travels back (`_pack_result`), with the
+        agreement of the first `valid` elements added to `stats`. Natively in one pass over the
+        shards (`native_combine`), else `combine`, `_record_agreement` and `_pack_result`: the
+        same bytes and the same agreement sums either way."""
+        k = kernels.native()
+        how = self.native_combine(world_size) if k is not None else None
+        if how is None:
+            values, agree = self.combine(shards, world_size)
+            self._record_agreement(agree, valid, world_size, stats)
+            return self._pack_result(values, world_size)
+        kind, value = how
+        mul, lo = self.result_map(world_size)
+        bits = self.result_bits(world_size)
+        if isinstance(value, torch.Tensor):  # a code per possible sum
+            table = torch.div(value.to(torch.int64) - lo, mul, rounding_mode="floor")
+            packed, margin = k.combine_pack(shards, kind, bits, table=table.to(torch.int32),
+                                            valid=valid, margin=stats is not None)
+        else:
+            assert mul == 1, "an offset result needs codes of unit step"
+            packed, margin = k.combine_pack(shards, kind, bits, offset=value - lo)
+        if stats is not None and margin is not None:
+            stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(margin)
+            stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid * world_size)
+        return packed
 
     def _pad(self, codes: torch.Tensor, padded: int) -> torch.Tensor:
         if codes.numel() == padded:
@@ -320,31 +358,29 @@ class CodeRoute(Route):
         if w == 1 or n == 0:
             return self.simulate([x], segments, stats, [generator])
         layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
-        local = self.local_scales(x, layout)
-        if self.scale_agreement == "max":
-            agreed = comm.allreduce(local.clone(), op=torch.distributed.ReduceOp.MAX)
-            code_scales = agreed
-        else:
-            agreed = sum_in_rank_order(comm.all_gather(local)) / w
-            code_scales = local
         padded, result_nbytes = self._sizes(n, w)
-        codes = self._pad(self.encode_codes(x, layout, code_scales, generator), padded)
+        if self.scale_agreement == "max":
+            local = self.local_scales(x, layout)
+            agreed = comm.allreduce(local.clone(), op=torch.distributed.ReduceOp.MAX)
+            codes = self.encode_codes(x, layout, agreed, generator)
+        else:  # codes from the local scales: both in one visit where the codec can
+            payload = self.encode(x, segments, generator)
+            local, codes = payload.scales, payload.codes
+            agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
+        codes = self._pad(codes, padded)
         shard_elems = padded * self.elems_per_byte // w
         if self.spec.reducer == "sharded":
             mine = comm.all_to_all(codes).view(w, padded // w)
-            values, agree = self.combine(list(mine.unbind(0)), w)
-            start = comm.rank * shard_elems
-            self._record_agreement(agree, max(0, min(shard_elems, n - start)), w, stats)
-            packed = torch.cat(comm.all_gather(self._pack_result(values, w)))
+            valid = max(0, min(shard_elems, n - comm.rank * shard_elems))
+            packed = comm.all_gather(self.combine_packed(list(mine.unbind(0)), w, valid, stats))
         else:
             parts = comm.gather(codes)
             packed = torch.empty(result_nbytes, dtype=torch.uint8)
             if parts is not None:
-                values, agree = self.combine(parts, w)
-                self._record_agreement(agree, n, w, stats)
-                packed = self._pack_result(values, w)
+                packed = self.combine_packed(parts, w, n, stats)
             comm.broadcast(packed)
-        return self._decode_result(packed, n, w, agreed, layout)
+        # decoded into the input's own memory (the contract lets reduce reuse `flat`)
+        return self._decode_result(packed, n, w, agreed, layout, out=x)
 
     def simulate(
         self,

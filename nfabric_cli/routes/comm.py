@@ -50,11 +50,12 @@ class Comm:
         dist.all_to_all_single(out, t, group=self.group)
         return out
 
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        outs = [torch.empty_like(t) for _ in range(self.world_size)]
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t`, concatenated in rank order, received straight into one tensor."""
+        out = torch.empty((self.world_size * t.numel(),), dtype=t.dtype)
         self._meter("all_gather", t.numel() * t.element_size())
-        dist.all_gather(outs, t, group=self.group)
-        return outs
+        _all_gather_single(out, t.reshape(-1), group=self.group)
+        return out
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Gather to group rank 0 (the central reducer); other ranks get None."""
@@ -77,6 +78,11 @@ class Comm:
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
+
+
+#: torch >= 2.13 names the flat all-gather `all_gather_single`; older ones
+#: `all_gather_into_tensor` (deprecated since).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:

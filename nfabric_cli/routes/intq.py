@@ -88,6 +88,11 @@ class IntRoute(CodeRoute):
             total += self._unpack_codes(s)
         return total, None
 
+    def native_combine(self, world_size: int) -> tuple[str, int]:
+        if self.elems_per_byte == 1:
+            return "int8", 0
+        return "nibble", -8 * world_size  # nibbles hold code + 8
+
     def result_range(self, world_size: int) -> tuple[int, int]:
         return -self.qmax * world_size, self.qmax * world_size
 

@@ -53,6 +53,7 @@ _SIGNATURES: dict[str, list] = {
     "nf_ternary_decode": [_P, _P, _I, _P, _P],
     "nf_sum_codes": [_P, _I, _I, ctypes.c_int, _I, _P],
     "nf_sign_combine": [_P, _I, _I, ctypes.c_int, _P, _P],
+    "nf_combine_pack": [_P, _I, _I, ctypes.c_int, _I, _P, ctypes.c_int, _I, _P, _P],
     "nf_decode_values": [_P, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
 }
@@ -269,6 +270,28 @@ class Kernels:
                                  agree.data_ptr())
         return values, agree
 
+    def combine_pack(
+        self, shards: Sequence[torch.Tensor], kind: str, bits: int, *, offset: int = 0,
+        table: torch.Tensor | None = None, valid: int = 0, margin: bool = False,
+    ) -> tuple[torch.Tensor, int | None]:
+        """The combined result of the shards' codes, packed at `bits`, in one pass: per element
+        the code `table[c]` (int32, one entry per possible sum) or `c + offset`, c = the sum of
+        the shards' raw `kind` codes (as `sum_codes`); with `margin`, also the sum of |2c - W|
+        over the first `valid` elements (the sign vote's agreement), else None."""
+        if bits not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"unsupported code width {bits}")
+        code, per = SUM_KINDS[kind]
+        ptrs, nbytes = self._shard_ptrs(shards)
+        if (nbytes * per * bits) % 8:
+            raise ValueError(f"{nbytes * per} codes of {bits} bits do not fill whole bytes")
+        if table is not None and (table.dtype != torch.int32 or table.numel() < len(shards) + 1):
+            raise ValueError("table must be int32 with one entry per count 0..W")
+        out = self.empty(nbytes * per * bits // 8, torch.uint8)
+        total = ctypes.c_int64(0)
+        self.lib.nf_combine_pack(ptrs, len(shards), nbytes, code, offset, _ptr(table), bits,
+                                 valid, out.data_ptr(), ctypes.byref(total) if margin else None)
+        return out, (total.value if margin else None)
+
     def decode_values(
         self, values: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, mode: int, d: float = 1.0
     ) -> torch.Tensor:
@@ -285,10 +308,11 @@ class Kernels:
 
     def decode_codes(
         self, packed: torch.Tensor, bits: int, layout: ChunkLayout, scales: torch.Tensor,
-        mode: int, d: float = 1.0, mul: int = 1, lo: int = 0,
+        mode: int, d: float = 1.0, mul: int = 1, lo: int = 0, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`decode_values(mul * code + lo)` straight from packed codes (uint8, `bits` per element,
-        little-endian; 16/32-bit codes as native words), bit for bit, without the int64 values."""
+        little-endian; 16/32-bit codes as native words), bit for bit, without the int64 values.
+        `out`: a contiguous float32 tensor of `layout.numel` to decode into (e.g. the bucket)."""
         if bits not in (1, 2, 4, 8, 16, 32) or mode not in (0, 1, 2):
             raise ValueError(f"unsupported code width {bits} or decode mode {mode}")
         if packed.dtype != torch.uint8:
@@ -297,7 +321,10 @@ class Kernels:
         if packed.data_ptr() % max(bits // 8, 1):
             packed = packed.clone()  # wide codes are read as aligned words
         scales = _need(scales.float(), 4 * layout.nchunks, "scales")
-        out = self.empty(layout.numel)
+        if out is None:
+            out = self.empty(layout.numel)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
+            raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
         self.lib.nf_decode_codes(packed.data_ptr(), bits, mul, lo, _blocks(layout).data_ptr(),
                                  len(layout.blocks), scales.data_ptr(), mode, d, out.data_ptr())
         return out

@@ -1,6 +1,6 @@
 """Building the native codec kernels: `_kernels.c` compiled by the system C compiler, cached.
 
-Built into `NFABRIC_CACHE_DIR` (else `$XDG_CACHE_HOME/nfabric` or `~/.cache/nfabric`), named
+Built into the cache directory (`nfabric_cli/cache.py`, `NFABRIC_CACHE_DIR`), named
 by a hash of source, flags and compiler, written atomically (ranks building at once each
 rename a whole file). `routes/kernels.py` loads what this builds.
 """
@@ -16,6 +16,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from nfabric_cli.cache import cache_dir
+
 SOURCE = Path(__file__).with_name("_kernels.c")
 CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math")
 #: Builds: baseline (SSE2 on x86-64) runs anywhere; avx2 where the CPU has it; portable is the
@@ -23,13 +25,6 @@ CFLAGS = ("-O3", "-std=c99", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
     "baseline": (), "avx2": ("-mavx2",), "portable": ("-U__SSE2__", "-U__AVX2__"),
 }
-
-
-def cache_dir() -> Path:
-    if os.environ.get("NFABRIC_CACHE_DIR"):
-        return Path(os.environ["NFABRIC_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "nfabric"
 
 
 def _compiler() -> list[str] | None:

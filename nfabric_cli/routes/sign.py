@@ -64,6 +64,10 @@ class SignRoute(CodeRoute):
         agree = margin.abs().float() / world_size
         return (count if self.spec.mode == "count" else torch.sign(margin)), agree
 
+    def native_combine(self, world_size: int) -> tuple[str, torch.Tensor]:
+        counts = torch.arange(world_size + 1)
+        return "bit", counts if self.spec.mode == "count" else torch.sign(2 * counts - world_size)
+
     def result_range(self, world_size: int) -> tuple[int, int]:
         if self.spec.mode == "count":
             return 0, world_size

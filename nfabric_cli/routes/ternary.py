@@ -87,6 +87,9 @@ class TernaryRoute(CodeRoute):
             total += unpack_trits(s, n)
         return total - len(shards), None
 
+    def native_combine(self, world_size: int) -> tuple[str, int]:
+        return "trit", -world_size  # digits hold vote + 1
+
     def result_range(self, world_size: int) -> tuple[int, int]:
         return -world_size, world_size
 

@@ -267,7 +267,7 @@ class FabricState:
                 self.trace.record(step, phase, bucket, buffer.numel(), len(names), FP32,
                                   tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
         else:
-            self._reduce_groups(names, slices, groups, step, phase, bucket)
+            self._reduce_groups(buffer, offsets, names, slices, groups, step, phase, bucket)
         ref = full.wire_bytes(buffer.numel(), self.world_size, self.rank)  # in its own dtype
         self.meter.add_fp32_reference(step, ref, buffer.dtype)
         if self.monitor_enabled:  # the update guard's input; read once per step
@@ -288,6 +288,8 @@ class FabricState:
 
     def _reduce_groups(
         self,
+        buffer: torch.Tensor,
+        offsets: list[int],
         names: list[str],
         slices: list[torch.Tensor],
         groups: list[BucketGroup],
@@ -301,8 +303,16 @@ class FabricState:
             route = make_route(spec, buffer_dtype)
             group_names = [names[i] for i in idx]
             parts = [slices[i] for i in idx]
+            # A group of consecutive parameters without error feedback reduces the bucket's
+            # own memory: routes decode into their input, so nothing is copied back.
+            view = None
+            if not spec.error_feedback and idx == list(range(idx[0], idx[0] + len(idx))):
+                start = offsets[idx[0]]
+                view = buffer[start : start + sum(p.numel() for p in parts)]
             if spec.error_feedback:
                 flat = self.ef.compensate_flat(group_names, spec.label(), parts)
+            elif view is not None:
+                flat = view
             else:
                 flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
             segs = tuple(p.numel() for p in parts)
@@ -326,11 +336,15 @@ class FabricState:
                 # roundtrips, concatenated), drawing stochastic rounding's noise as sent.
                 sent = route.roundtrip(compensated, segs, gen)
                 self.ef.update_flat(group_names, compensated, sent, segs)
-            off = 0
-            for i in idx:
-                n = slices[i].numel()
-                slices[i].copy_(out[off : off + n])
-                off += n
+            if view is not None:
+                if out.data_ptr() != view.data_ptr():
+                    view.copy_(out)
+            else:
+                off = 0
+                for i in idx:
+                    n = slices[i].numel()
+                    slices[i].copy_(out[off : off + n])
+                    off += n
             if "agree_n" in stats:
                 acc = self._step_acc
                 acc["agree_sum:" + region] = acc.get("agree_sum:" + region, 0.0) + stats["agree_sum"]

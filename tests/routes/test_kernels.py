@@ -184,6 +184,31 @@ def test_sum_codes_exact(isa: str) -> None:
         assert torch.equal(k.sum_codes(shards, "nibble", offset=-8 * world), nib.sum(0) - 8 * world)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("spec", [RouteSpec("sign"), RouteSpec("sign", mode="count"),
+                                  RouteSpec("int8"), RouteSpec("int4"), RouteSpec("ternary")],
+                         ids=lambda s: f"{s.name}-{s.mode}")
+def test_combine_packed_matches_torch(isa: str, spec: RouteSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused combine-and-pack (one pass over the shards, no int64 values) gives the bytes
+    `combine` + `_pack_result` give, and the same agreement sums over the valid elements, at
+    odd and even world sizes (sign: 1- and 2-bit majority results, counts up to 8 bits)."""
+    route = make_route(spec)
+    for world in (1, 2, 3, 4, 7, 16):
+        payloads = [route.encode(g).codes for g in _grads(16_000, world, world)]
+        padded, _ = route._sizes(16_000, world)
+        shards = [route._pad(c, padded) for c in payloads]
+        valid = 16_000 - 123  # the agreement counts real elements only, not padding
+
+        def combined(shards: list = shards, world: int = world) -> tuple:
+            stats: dict[str, float] = {}
+            return route.combine_packed(shards, world, valid, stats), stats
+
+        (ref, ref_stats), (nat, nat_stats) = _both(isa, combined, monkeypatch)
+        assert_same(ref, nat, f"W={world}")
+        assert ref_stats == nat_stats, world
+        assert ("agree_n" in nat_stats) == (spec.name == "sign")
+
+
 def test_disable_env_forces_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.DISABLE_ENV, "1")
     assert kernels.native() is None
