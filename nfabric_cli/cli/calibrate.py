@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
 
 @handle_errors
 def calibrate_cmd(
-    workload: str = typer.Argument(None, help="Built-in workload (vision, transformer, lm) or "
+    workload: str = typer.Argument(None, help="Built-in workload (vision, transformer, lm, glyphs) or "
                                    "MODULE:FN (optional with --status --study)."),
     workload_opt: str = typer.Option(None, "--workload", help="The workload, as the other "
                                      "commands take it (same as the argument)."),
@@ -96,7 +96,7 @@ def calibrate_cmd(
             raise InputError("--status needs --study NAME (or a workload, for its default study)")
         return _status(storage, study, as_json)
     if workload is None:
-        raise InputError("missing WORKLOAD: a built-in (vision, transformer, lm) or MODULE:FN")
+        raise InputError("missing WORKLOAD: a built-in (vision, transformer, lm, glyphs) or MODULE:FN")
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     optimize_log = logging.getLogger("optuna.study._optimize")

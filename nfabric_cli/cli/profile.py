@@ -17,7 +17,7 @@ profile_app = typer.Typer(
 )
 
 _WORKLOAD = typer.Option(
-    None, "--workload", help="Built-in workload (vision, transformer, lm) or MODULE:FN."
+    None, "--workload", help="Built-in workload (vision, transformer, lm, glyphs) or MODULE:FN."
 )
 _MODEL = typer.Option(
     None, "--model", help="MODULE:FN returning an nn.Module (cwd is on the path)."

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def validate(
     source: Path = typer.Argument(..., help="Profile (file or directory) or bindings file."),
-    workload: str = typer.Option(..., "--workload", help="vision, transformer, lm or MODULE:FN."),
+    workload: str = typer.Option(..., "--workload", help="vision, transformer, lm, glyphs or MODULE:FN."),
     data_dir: str | None = typer.Option(None, "--data-dir", help="The workload's data directory."),
     world_size: int = typer.Option(
         2, "--world-size", help="Ranks in all (torchrun: nnodes x nproc-per-node)."

@@ -35,6 +35,14 @@ def _transformer(data_dir: str | None) -> Workload:
     return TransformerWorkload()
 
 
+def _glyphs(data_dir: str | None) -> Workload:
+    if data_dir is not None:
+        raise InputError("workload 'glyphs' reads no --data-dir (it renders bundled fonts)")
+    from nfabric_cli.workloads.glyphs import GlyphsWorkload
+
+    return GlyphsWorkload()
+
+
 def _lm(data_dir: str | None) -> Workload:
     from nfabric_cli.workloads.lm import LMWorkload
 
@@ -46,6 +54,7 @@ BUILTINS: dict[str, Callable[[str | None], Workload]] = {
     "vision": _vision,
     "transformer": _transformer,
     "lm": _lm,
+    "glyphs": _glyphs,
 }
 
 _SCALARS: tuple[tuple[str, type], ...] = (
@@ -68,7 +77,7 @@ _METHODS = (
 
 
 def get_workload(spec: str, data_dir: str | None = None) -> Workload:
-    """A built-in workload (`vision`, `transformer`, `lm`) or a plugin `MODULE:FN`.
+    """A built-in workload (`vision`, `transformer`, `lm`, `glyphs`) or a plugin `MODULE:FN`.
 
     A plugin FN is called with `data_dir=...` when `data_dir` is given (and must accept it).
     """

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nfabric_cli.workloads.common import BaseWorkload, accuracy, model_device, warmup_cosine
-from nfabric_cli.workloads.images import load_cifar, load_digits_data
+from nfabric_cli.workloads.images import ImageData, load_cifar, load_digits_data
 
 
 class ResBlock(nn.Module):
@@ -62,29 +62,23 @@ class ResNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-class VisionWorkload(BaseWorkload):
-    """Residual CNN image classifier; metric: test accuracy (higher is better)."""
+class ImageWorkload(BaseWorkload):
+    """A residual CNN classifier on `ImageData`; metric: test accuracy (higher is better).
 
-    name = "vision"
+    SGD with Nesterov momentum 0.9, weight decay 5e-4, linear warm-up then cosine decay.
+    """
+
     metric_name = "accuracy"
     higher_is_better = True
     head_selector = "head.*"
 
-    def __init__(self, data_dir: str | None = None) -> None:
-        if data_dir is None:
-            self.data = load_digits_data()
-            self.widths: tuple[int, ...] = (32, 64)
-            self.default_steps, self.batch_size = 200, 32
-            self.lr = 0.1
-            self.eval_limit: int | None = None
-            self.description = "residual CNN, scikit-learn digits 8x8"
-        else:
-            self.data = load_cifar(data_dir)
-            self.widths = (32, 64, 128)
-            self.default_steps, self.batch_size = 2000, 64
-            self.lr = 0.05
-            self.eval_limit = 1000  # a fixed subset keeps evaluation near a second
-            self.description = f"residual CNN, {self.data.source} from {data_dir}"
+    def __init__(self, data: ImageData, widths: tuple[int, ...], default_steps: int,
+                 batch_size: int, lr: float, description: str,
+                 eval_limit: int | None = None) -> None:
+        self.data, self.widths = data, widths
+        self.default_steps, self.batch_size, self.lr = default_steps, batch_size, lr
+        self.description = description
+        self.eval_limit = eval_limit  # a fixed test subset, to keep evaluation near a second
 
     def _train_size(self) -> int:
         return len(self.data.y_train)
@@ -114,3 +108,19 @@ class VisionWorkload(BaseWorkload):
 
     def data_fingerprint(self) -> str:
         return self.data.fingerprint
+
+
+class VisionWorkload(ImageWorkload):
+    """`vision`: digits 8x8 (10 classes), or CIFAR-10/100 binaries from `data_dir`."""
+
+    name = "vision"
+
+    def __init__(self, data_dir: str | None = None) -> None:
+        if data_dir is None:
+            super().__init__(load_digits_data(), (32, 64), default_steps=200, batch_size=32,
+                             lr=0.1, description="residual CNN, scikit-learn digits 8x8")
+        else:
+            data = load_cifar(data_dir)
+            super().__init__(data, (32, 64, 128), default_steps=2000, batch_size=64, lr=0.05,
+                             description=f"residual CNN, {data.source} from {data_dir}",
+                             eval_limit=1000)

@@ -25,7 +25,7 @@ def test_json_lists_builtins() -> None:
     result = runner.invoke(app, ["workloads", "--json"])
     assert result.exit_code == 0, result.stderr
     rows = json.loads(result.stdout)
-    assert [r["name"] for r in rows] == ["vision", "transformer", "lm"]
+    assert [r["name"] for r in rows] == ["vision", "transformer", "lm", "glyphs"]
     assert list(rows[0]) == [
         "name",
         "metric",

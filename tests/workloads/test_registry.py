@@ -79,7 +79,7 @@ def test_builtin_and_unknown_names() -> None:
     with pytest.raises(InputError) as err:
         get_workload("resnet")
     assert str(err.value) == (
-        "unknown workload 'resnet' (built-ins: vision, transformer, lm; or MODULE:FN for a plugin)"
+        "unknown workload 'resnet' (built-ins: vision, transformer, lm, glyphs; or MODULE:FN for a plugin)"
     )
     with pytest.raises(InputError, match="reads no --data-dir"):
         get_workload("transformer", "/tmp")
@@ -167,16 +167,18 @@ def test_model_errors_and_data_dir_refused(plugin) -> None:
 
 def test_list_workloads_rows() -> None:
     rows = list_workloads()
-    assert [r["name"] for r in rows] == ["vision", "transformer", "lm"]
+    assert [r["name"] for r in rows] == ["vision", "transformer", "lm", "glyphs"]
     assert [(r["metric"], r["higher_is_better"]) for r in rows] == [
         ("accuracy", True),
         ("accuracy", True),
         ("val_loss", False),
+        ("accuracy", True),
     ]
     assert [(r["default_steps"], r["batch_size"], r["params"]) for r in rows] == [
         (200, 32, 77290),
         (300, 32, 101962),
         (400, 16, 167360),
+        (600, 32, 1033168),
     ]
     assert all(r["head_selector"] == "head.*" and r["description"] for r in rows)
 
