@@ -14,9 +14,11 @@ import sys
 QUICK = [
     ("routes: codec GB/s vs a read pass of the same buffer", [sys.executable, "-m", "nfabric_cli", "bench", "routes"]),
     ("runtime: all-fp32 profile step time / plain DDP (goal <= 1.05)", [sys.executable, "-m", "nfabric_cli", "bench", "runtime"]),
+    ("routes: one route's reduce / the fp32 all-reduce of 9.4M elements, W=2 (goal sign <= 0.35, int8 <= 0.6)", [sys.executable, "-m", "bench.reduce_path", "--world-sizes", "2"]),
     ("calibration: simulated 4 workers vs real 4-rank DDP (goal <= 0.5x)", [sys.executable, "-m", "bench.calibrate_sim_vs_ddp"]),
 ]
 LONG = [
+    ("runtime: 47M-parameter step, fabric fp32/sign/int8, fp16, PowerSGD / plain DDP (goal sign <= 1.0)", [sys.executable, "-m", "bench.model_step"]),
     ("teardown: 30 runs of a multi-collective hook, abnormal exits (goal 0)", [sys.executable, "-m", "bench.teardown", "30"]),
     ("calibration: Hyperband vs no pruning, steps to the same best (goal <= 40 %)", [sys.executable, "-m", "bench.calibrate_pruning"]),
     ("calibration: 1 vs 2 workers on one study, SQLite vs PostgreSQL", [sys.executable, "-m", "bench.calibrate_workers"]),

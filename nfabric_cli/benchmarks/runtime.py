@@ -24,21 +24,30 @@ def _model() -> nn.Module:
     )
 
 
-def _time_steps(ddp: DDP, steps: int, rank: int, state=None) -> float:
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+def step_time(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps: int,
+              state=None, loss: str = "ce") -> float:  # noqa: ANN001 - a FabricState or None
+    """Median seconds of one training step (forward, `observe`, backward, SGD) over `steps`
+    steps on `batch`, the first two left out (warm-up); `loss` is "ce" or "mse"."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    fn = nn.functional.cross_entropy if loss == "ce" else nn.functional.mse_loss
+    x, y = batch
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss = nn.functional.cross_entropy(ddp(x), y)
+        value = fn(model(x), y)
         if state is not None:
-            state.observe(loss)
+            state.observe(value)
         opt.zero_grad()
-        loss.backward()
+        value.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])
+
+
+def _time_steps(ddp: DDP, steps: int, rank: int, state=None) -> float:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(rank)
+    batch = torch.randn(64, 256, generator=gen), torch.randint(0, 10, (64,), generator=gen)
+    return step_time(ddp, batch, steps, state)
 
 
 def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list, list]:
