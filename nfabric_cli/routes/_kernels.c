@@ -873,6 +873,75 @@ void nf_combine_pack(const uint8_t *const *shards, int64_t w, int64_t nbytes, in
     if (margin) *margin = m;
 }
 
+/* 32 bits of x spread to the even bits of a uint64 (bit k -> bit 2k): Morton interleave. */
+static inline uint64_t spread32(uint64_t x) {
+    x &= 0xffffffffULL;
+    x = (x | x << 16) & 0x0000ffff0000ffffULL;
+    x = (x | x << 8) & 0x00ff00ff00ff00ffULL;
+    x = (x | x << 4) & 0x0f0f0f0f0f0f0f0fULL;
+    x = (x | x << 2) & 0x3333333333333333ULL;
+    return (x | x << 1) & 0x5555555555555555ULL;
+}
+
+/* The sign route's majority vote over W shards of packed votes, bit-sliced: 64 elements at a
+ * time, each shard's word is added into a vertical counter (bit b of every element's count in
+ * planes[b]), then compared with K = W / 2 on the planes. Result codes as `_pack_result`
+ * writes them: odd W, 1 bit (c > K); even W, 2 bits (0: c < K, 1: a tie, 2: c > K). `margin`
+ * gets the sum of |2c - W| over the first `valid` elements. `nbytes` is a multiple of 8; every
+ * shard is read once, 8 bytes at a time. */
+void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes, int64_t valid,
+                      uint8_t *out, int64_t *margin) {
+    uint64_t planes[9];
+    int nplanes = 1;
+    while ((1LL << nplanes) <= w) ++nplanes;
+    const int64_t k = w / 2;
+    const int even = (w % 2) == 0;
+    int64_t m = 0;
+    for (int64_t j = 0; j < nbytes / 8; ++j) {
+        memset(planes, 0, sizeof planes);
+        for (int64_t r = 0; r < w; ++r) {
+            uint64_t carry;
+            memcpy(&carry, shards[r] + 8 * j, 8);
+            for (int b = 0; b < nplanes && carry; ++b) {
+                const uint64_t t = planes[b] & carry;
+                planes[b] ^= carry;
+                carry = t;
+            }
+        }
+        uint64_t gt = 0, eq = ~0ULL; /* c > K, c == K: most significant plane first */
+        for (int b = nplanes - 1; b >= 0; --b) {
+            if ((k >> b) & 1) {
+                eq &= planes[b];
+            } else {
+                gt |= eq & planes[b];
+                eq &= ~planes[b];
+            }
+        }
+        if (!even) eq = 0; /* c == K is 2c = W - 1: a lost vote, not a tie */
+        if (even) {
+            const uint64_t lo = spread32(eq) | spread32(gt) << 1;
+            const uint64_t hi = spread32(eq >> 32) | spread32(gt >> 32) << 1;
+            memcpy(out + 16 * j, &lo, 8);
+            memcpy(out + 16 * j + 8, &hi, 8);
+        } else {
+            memcpy(out + 8 * j, &gt, 8);
+        }
+        const int64_t left = valid - 64 * j;
+        if (left > 0) {
+            const uint64_t vm = left >= 64 ? ~0ULL : ((1ULL << left) - 1);
+            const uint64_t g = gt & vm, l = ~gt & ~eq & vm;
+            int64_t sum_g = 0, sum_l = 0;
+            for (int b = 0; b < nplanes; ++b) {
+                sum_g += (int64_t)__builtin_popcountll(planes[b] & g) << b;
+                sum_l += (int64_t)__builtin_popcountll(planes[b] & l) << b;
+            }
+            m += 2 * sum_g - w * (int64_t)__builtin_popcountll(g)
+                 + w * (int64_t)__builtin_popcountll(l) - 2 * sum_l;
+        }
+    }
+    *margin = m;
+}
+
 /* ---- decode of combined results ---------------------------------------------------------- */
 
 /* A combined value v before its chunk's scale, each step rounded to float32 as torch does:

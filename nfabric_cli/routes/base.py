@@ -320,9 +320,8 @@ class CodeRoute(Route):
         else:
             assert mul == 1, "an offset result needs codes of unit step"
             packed, margin = k.combine_pack(shards, kind, bits, offset=value - lo)
-        if stats is not None and margin is not None:
-            stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(margin)
-            stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid * world_size)
+        if margin is not None:
+            self._add_margins(margin, valid, world_size, stats)
         return packed
 
     def _pad(self, codes: torch.Tensor, padded: int) -> torch.Tensor:
@@ -340,9 +339,14 @@ class CodeRoute(Route):
         order) and W per element: agree_sum / agree_n is the mean agreement |2c - W| / W."""
         if stats is None or agree is None:
             return
-        margins = torch.round(agree[:valid].double() * w).sum()
-        stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(margins)
-        stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid * w)
+        CodeRoute._add_margins(int(torch.round(agree[:valid].double() * w).sum()), valid, w, stats)
+
+    @staticmethod
+    def _add_margins(margins: int, valid: int, w: int, stats: dict[str, float] | None) -> None:
+        """Add `margins` (the sum of |2c - W| over `valid` elements) to the step's stats."""
+        if stats is not None:
+            stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(margins)
+            stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid * w)
 
     def reduce(
         self,

@@ -53,6 +53,7 @@ _SIGNATURES: dict[str, list] = {
     "nf_ternary_decode": [_P, _P, _I, _P, _P],
     "nf_sum_codes": [_P, _I, _I, ctypes.c_int, _I, _P],
     "nf_sign_combine": [_P, _I, _I, ctypes.c_int, _P, _P],
+    "nf_sign_majority": [_P, _I, _I, _I, _P, _P],
     "nf_combine_pack": [_P, _I, _I, ctypes.c_int, _I, _P, ctypes.c_int, _I, _P, _P],
     "nf_decode_values": [_P, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
@@ -291,6 +292,21 @@ class Kernels:
         self.lib.nf_combine_pack(ptrs, len(shards), nbytes, code, offset, _ptr(table), bits,
                                  valid, out.data_ptr(), ctypes.byref(total) if margin else None)
         return out, (total.value if margin else None)
+
+    def sign_majority(self, shards: Sequence[torch.Tensor], valid: int) -> tuple[torch.Tensor, int]:
+        """The sign majority vote of W shards of packed votes (each a multiple of 8 bytes),
+        packed as `SignRoute._pack_result` packs it (1 bit for odd W, 2 for even), and the sum
+        of |2c - W| over the first `valid` elements; bit-sliced, 64 elements per word."""
+        if not 1 <= len(shards) <= 255:
+            raise ValueError(f"sign votes combine 1 to 255 ranks, got {len(shards)}")
+        ptrs, nbytes = self._shard_ptrs(shards)
+        if nbytes % 8:
+            raise ValueError(f"shards of {nbytes} bytes: need a multiple of 8")
+        bits = 1 if len(shards) % 2 else 2
+        out = self.empty(nbytes * bits, torch.uint8)
+        total = ctypes.c_int64(0)
+        self.lib.nf_sign_majority(ptrs, len(shards), nbytes, valid, out.data_ptr(), ctypes.byref(total))
+        return out, total.value
 
     def decode_values(
         self, values: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, mode: int, d: float = 1.0
