@@ -7,13 +7,17 @@ the single-process simulator (`simulate`); for code-based routes the two agree b
 
 Low-bit reduction, for every code route:
 1. each rank computes per-chunk scales (`chunks.py`) and agrees them with the other ranks
-   (exact MAX for int8/int4, or a mean summed in rank order for sign/ternary);
+   (exact MAX for int8/int4, in an all-reduce of its own since their codes need the agreed
+   scale; or a mean summed in rank order for sign/ternary, whose codes use the local scales);
 2. each rank packs integer codes into bytes;
 3. the codes are combined exactly as integers, either `sharded` (all-to-all of packed shards,
-   each rank combines its shard, all-gather of packed results) or `central` (gather to rank 0,
-   combine, broadcast back);
+   each rank combines its shard, all-gather of packed results; sign/ternary's local scales
+   ride in the same all-to-all, so they cost two collectives, int8/int4 three) or `central`
+   (gather to rank 0, combine, broadcast back);
 4. every rank decodes the combined integers with the agreed scales; the native kernels decode
-   straight from the packed result (`_decode_result`), without an int64 copy of it.
+   straight from the packed result (`_decode_result`) into the rank's own input memory,
+   without an int64 copy of it. The sharded combine packs its result in the same pass
+   (`combine_packed`); the sign majority vote is bit-sliced, 64 votes per word operation.
 """
 
 from __future__ import annotations
@@ -248,9 +252,15 @@ class CodeRoute(Route):
         if world_size == 1 or numel == 0:
             return []
         layout = chunk_layout(check_segments(numel, segments), self.spec.effective_chunk)
-        scale_kind = "allreduce" if self.scale_agreement == "max" else "all_gather"
-        ops = [CommOp(scale_kind, 4 * layout.nchunks)]
+        scales = 4 * layout.nchunks
         padded, result = self._sizes(numel, world_size)
+        if self.scale_agreement == "max":  # codes need the agreed scales: a round of their own
+            ops = [CommOp("allreduce", scales)]
+        elif self.spec.reducer == "sharded":  # local scales ride with the codes (`_exchange`)
+            return [CommOp("all_to_all", padded + world_size * scales),
+                    CommOp("all_gather", result // world_size)]
+        else:
+            ops = [CommOp("all_gather", scales)]
         if self.spec.reducer == "sharded":
             ops += [CommOp("all_to_all", padded), CommOp("all_gather", result // world_size)]
         else:
@@ -370,14 +380,19 @@ class CodeRoute(Route):
         else:  # codes from the local scales: both in one visit where the codec can
             payload = self.encode(x, segments, generator)
             local, codes = payload.scales, payload.codes
-            agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
+            agreed = None
         codes = self._pad(codes, padded)
         shard_elems = padded * self.elems_per_byte // w
         if self.spec.reducer == "sharded":
-            mine = comm.all_to_all(codes).view(w, padded // w)
+            if agreed is None:
+                mine, agreed = self._exchange(comm, codes, local)
+            else:
+                mine = comm.all_to_all(codes).view(w, padded // w)
             valid = max(0, min(shard_elems, n - comm.rank * shard_elems))
             packed = comm.all_gather(self.combine_packed(list(mine.unbind(0)), w, valid, stats))
         else:
+            if agreed is None:
+                agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
             parts = comm.gather(codes)
             packed = torch.empty(result_nbytes, dtype=torch.uint8)
             if parts is not None:
@@ -385,6 +400,22 @@ class CodeRoute(Route):
             comm.broadcast(packed)
         # decoded into the input's own memory (the contract lets reduce reuse `flat`)
         return self._decode_result(packed, n, w, agreed, layout, out=x)
+
+    @staticmethod
+    def _exchange(
+        comm: Comm, codes: torch.Tensor, local: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One all-to-all for codes and scales: to every rank its shard of the codes followed by
+        all of this rank's local scales. Returns the W shards this rank combines, (W, shard),
+        and the agreed scales (the rank-ordered mean, as an all-gather of them would give)."""
+        w, shard = comm.world_size, codes.numel() // comm.world_size
+        scale_bytes = local.numel() * 4
+        send = torch.empty((w, shard + scale_bytes), dtype=torch.uint8)
+        send[:, :shard] = codes.view(w, shard)
+        send[:, shard:] = local.contiguous().view(torch.uint8)
+        got = comm.all_to_all(send.view(-1)).view(w, shard + scale_bytes)
+        scales = got[:, shard:].contiguous().view(torch.float32)  # (W, nchunks)
+        return got[:, :shard], sum_in_rank_order(scales.unbind(0)) / w
 
     def simulate(
         self,

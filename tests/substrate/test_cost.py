@@ -125,17 +125,17 @@ def test_predict_fp32_is_one_ring_allreduce():
 
 
 def test_predict_sign_sharded_from_the_real_plan():
-    # 2^20 elements, chunk 4096 -> 256 scales (1024 bytes, all-gathered for the mean);
-    # payload 2^20 / 8 = 131072 bytes; even W majority result travels in 2 bits: 262144
-    # bytes, all-gathered in shards of 65536.
+    # 2^20 elements, chunk 4096 -> 256 scales (1024 bytes, sent to every rank for the mean,
+    # riding in the codes' all-to-all: W x 1024 bytes); payload 2^20 / 8 = 131072 bytes;
+    # even W majority result travels in 2 bits: 262144 bytes, all-gathered in shards of 65536.
+    # Two rounds: the bytes of the old scale all-gather, without its latency.
     n, w = 1 << 20, 4
     assert route_plan(SIGN, n, w) == [
-        CommOp("all_gather", 1024),
-        CommOp("all_to_all", 131072),
+        CommOp("all_to_all", 131072 + 4 * 1024),
         CommOp("all_gather", 65536),
     ]
     s = Substrate(link_gbps=8.0, latency_us=10.0, include_codec=False)
-    expected = (3 * A + 3 * 1024 / B) + (3 * A + 0.75 * 131072 / B) + (3 * A + 3 * 65536 / B)
+    expected = (3 * A + 0.75 * (131072 + 4096) / B) + (3 * A + 3 * 65536 / B)
     assert predict_route(SIGN, n, w, s) == pytest.approx(expected)
     # with codec, the codec term adds exactly codec_seconds: 4n/1e9 + 4n/5e8 + 4n/2.5e8
     assert codec_seconds(SIGN, n, w, S) == pytest.approx(4 * n * (1e-9 + 2e-9 + 4e-9))
@@ -172,12 +172,17 @@ def test_verdict_fast_link_codec_falls_back_naming_the_slow_stage():
 
 
 def test_verdict_tiny_bucket_is_latency_bound():
-    # 256 elements: fp32 = 6a; sign = 3 collectives of 3 hops each = 9a
+    # 256 elements: fp32 = 6a; int8 = 3 collectives (its codes need the agreed max scale
+    # first: a 6-hop all-reduce, then 3 + 3 hops) = 12a; sign = 2 of them (its scales ride
+    # with the codes) = 6a, no faster than fp32, so below the margin
     s = Substrate(link_gbps=10.0, latency_us=50.0, include_codec=False)
-    v = bucket_verdict(s, {SIGN: 256}, 4)
+    v = bucket_verdict(s, {RouteSpec("int8"): 256}, 4)
     assert v.verdict == "fallback"
     assert v.reason.startswith("latency-bound: 3 collectives vs 1")
-    assert v.lowbit_time_s == pytest.approx(9 * 5e-5, rel=1e-3)
+    assert v.lowbit_time_s == pytest.approx(12 * 5e-5, rel=1e-3)
+    v = bucket_verdict(s, {SIGN: 256}, 4)
+    assert v.verdict == "fallback" and v.reason.startswith("below margin")
+    assert v.lowbit_time_s == pytest.approx(6 * 5e-5, rel=1e-2)
 
 
 def test_verdict_saturated_central_endpoint_falls_back_where_sharded_admits():
@@ -303,29 +308,29 @@ def test_fixed_cost_names_itself_in_the_fallback_reason():
 
 def test_two_sign_regions_in_one_bucket_pay_two_reduces():
     # W=4, 2^20 elements per region, 500 us fixed per sign reduce. One reduce of 2^20 (see
-    # test_predict_sign_sharded_from_the_real_plan): 3 collectives x 3 hops = 9a = 90 us;
-    # wire 3*1024/B + 0.75*131072/B + 3*65536/B = 297.984 us; codec 0.5 ms + 4n(1+2+4)/1e9
-    # = 29.860128 ms; together 30.248112 ms. The hook issues two: 60.496224 ms.
+    # test_predict_sign_sharded_from_the_real_plan): 2 collectives x 3 hops = 6a = 60 us;
+    # wire 0.75*(131072 + 4096)/B + 3*65536/B = 297.984 us; codec 0.5 ms + 4n(1+2+4)/1e9
+    # = 29.860128 ms; together 30.218112 ms. The hook issues two: 60.436224 ms.
     s = Substrate(link_gbps=8.0, latency_us=10.0, codec_call_us={"sign": 500.0}, **CODEC)
     n = 1 << 20
     two = bucket_cost([(SIGN, n), (SIGN, n)], 4, s)
-    assert two.total_s == pytest.approx(0.060496224)
-    assert (two.collectives, two.calls) == (6, 2)
+    assert two.total_s == pytest.approx(0.060436224)
+    assert (two.collectives, two.calls) == (4, 2)
     assert two.call_s == pytest.approx(1e-3)
-    assert two.latency_s == pytest.approx(18 * A)
+    assert two.latency_s == pytest.approx(12 * A)
     # Merged by route (the old pricing) it was one reduce of 2^21 elements: scales 2048 B,
     # payload 262144 B, result shards 131072 B -> 595.968 us of wire, one fixed cost:
-    # 59.906224 ms, i.e. one fixed cost and one set of latencies (0.59 ms) less.
+    # 59.876224 ms, i.e. one fixed cost and one set of latencies (0.56 ms) less.
     merged = bucket_cost({SIGN: 2 * n}, 4, s)
-    assert merged.total_s == pytest.approx(0.059906224)
-    assert two.total_s - merged.total_s == pytest.approx(5e-4 + 9 * A)
+    assert merged.total_s == pytest.approx(0.059876224)
+    assert two.total_s - merged.total_s == pytest.approx(5e-4 + 6 * A)
     v = bucket_verdict(s, [(SIGN, n), (SIGN, n)], 4)
     # fp32 stays one all-reduce of the whole bucket: 6a + 1.5 * 8388608 / B
     assert (v.fp32_time_s, v.lowbit_time_s) == (pytest.approx(0.012642912),
-                                                 pytest.approx(0.060496224))
+                                                 pytest.approx(0.060436224))
     # A float group rides along as its own all-reduce; a mapping is one group per route.
     mixed = bucket_verdict(s, [(FP32, 1000), (SIGN, n), (SIGN, n)], 4)
-    assert mixed.lowbit_time_s == pytest.approx(0.060496224 + predict_fp32(1000, 4, s))
+    assert mixed.lowbit_time_s == pytest.approx(0.060436224 + predict_fp32(1000, 4, s))
     assert bucket_verdict(s, {SIGN: n}, 4) == bucket_verdict(s, [(SIGN, n)], 4)
     assert bucket_cost([(SIGN, 0), (SIGN, n)], 4, s) == bucket_cost([(SIGN, n)], 4, s)
 
@@ -333,15 +338,15 @@ def test_two_sign_regions_in_one_bucket_pay_two_reduces():
 def test_two_reduces_can_turn_an_admit_into_a_fallback():
     # W=2, 10 Mbit/s (B = 1.25e6 B/s), 1 us per hop, 4 ms fixed per sign reduce.
     # fp32 of 2000 elements: 2 us + 8000/B = 6.402 ms; admit below 0.9x = 5.7618 ms.
-    # One sign reduce of 2000: 3 hops 3 us, wire (4 + 256/2 + 256)/B = 310.4 us, codec
-    # 4 ms + 8000 * 7e-9 = 4.056 ms: 4.3694 ms, admitted. Two reduces of 1000 (two regions):
-    # each 3 us + (4 + 128/2 + 128)/B = 156.8 us + 4.028 ms: 8.3756 ms, refused.
+    # One sign reduce of 2000: 2 hops 2 us, wire (256 + 2 * 4)/2 + 256 = 388 B / B = 310.4 us,
+    # codec 4 ms + 8000 * 7e-9 = 4.056 ms: 4.3684 ms, admitted. Two reduces of 1000 (two
+    # regions): each 2 us + ((128 + 8)/2 + 128)/B = 156.8 us + 4.028 ms: 8.3736 ms, refused.
     s = Substrate(link_gbps=0.01, latency_us=1.0, codec_call_us={"sign": 4000.0}, **CODEC)
     one = bucket_verdict(s, {SIGN: 2000}, 2)
     assert (one.verdict, one.fp32_time_s, one.lowbit_time_s) == (
-        "admit", pytest.approx(6.402e-3), pytest.approx(4.3694e-3))
+        "admit", pytest.approx(6.402e-3), pytest.approx(4.3684e-3))
     two = bucket_verdict(s, [(SIGN, 1000), (SIGN, 1000)], 2)
     assert (two.verdict, two.fp32_time_s, two.lowbit_time_s) == (
-        "fallback", pytest.approx(6.402e-3), pytest.approx(8.3756e-3))
+        "fallback", pytest.approx(6.402e-3), pytest.approx(8.3736e-3))
     assert two.reason == ("codec call overhead: codec 8.06 ms (8 ms fixed over 2 calls) vs fp32 "
                           "6.4 ms (0.76x)")
