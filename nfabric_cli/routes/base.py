@@ -22,6 +22,7 @@ Low-bit reduction, for every code route:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -254,18 +255,17 @@ class CodeRoute(Route):
         layout = chunk_layout(check_segments(numel, segments), self.spec.effective_chunk)
         scales = 4 * layout.nchunks
         padded, result = self._sizes(numel, world_size)
-        if self.scale_agreement == "max":  # codes need the agreed scales: a round of their own
-            ops = [CommOp("allreduce", scales)]
-        elif self.spec.reducer == "sharded":  # local scales ride with the codes (`_exchange`)
-            return [CommOp("all_to_all", padded + world_size * scales),
-                    CommOp("all_gather", result // world_size)]
+        # max-agreed scales need a round of their own (the codes use them); mean-agreed local
+        # scales ride with the codes' all-to-all (`_exchange`), or are all-gathered (central)
+        if self.scale_agreement == "max":
+            agree = [CommOp("allreduce", scales)]
+        elif self.spec.reducer == "sharded":
+            agree, padded = [], padded + world_size * scales
         else:
-            ops = [CommOp("all_gather", scales)]
+            agree = [CommOp("all_gather", scales)]
         if self.spec.reducer == "sharded":
-            ops += [CommOp("all_to_all", padded), CommOp("all_gather", result // world_size)]
-        else:
-            ops += [CommOp("gather", padded), CommOp("broadcast", result)]
-        return ops
+            return [*agree, CommOp("all_to_all", padded), CommOp("all_gather", result // world_size)]
+        return [*agree, CommOp("gather", padded), CommOp("broadcast", result)]
 
     # -- local codec ---------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
@@ -320,19 +320,27 @@ class CodeRoute(Route):
             values, agree = self.combine(shards, world_size)
             self._record_agreement(agree, valid, world_size, stats)
             return self._pack_result(values, world_size)
-        kind, value = how
+        kind, bits, offset, table = self._result_codes(world_size)
+        if table is None:
+            return k.combine_pack(shards, kind, bits, offset=offset)[0]
+        packed, margin = k.combine_pack(shards, kind, bits, table=table, valid=valid,
+                                        margin=stats is not None)
+        if margin is not None:
+            self._add_margins(margin, valid, world_size, stats)
+        return packed
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - routes are cached, stateless singletons
+    def _result_codes(self, world_size: int) -> tuple[str, int, int, torch.Tensor | None]:
+        """`native_combine` as the kernel takes it, once per world size: (code kind, result
+        bits, offset from a sum to its result code, or the int32 code of every sum)."""
+        kind, value = self.native_combine(world_size)
         mul, lo = self.result_map(world_size)
         bits = self.result_bits(world_size)
         if isinstance(value, torch.Tensor):  # a code per possible sum
             table = torch.div(value.to(torch.int64) - lo, mul, rounding_mode="floor")
-            packed, margin = k.combine_pack(shards, kind, bits, table=table.to(torch.int32),
-                                            valid=valid, margin=stats is not None)
-        else:
-            assert mul == 1, "an offset result needs codes of unit step"
-            packed, margin = k.combine_pack(shards, kind, bits, offset=value - lo)
-        if margin is not None:
-            self._add_margins(margin, valid, world_size, stats)
-        return packed
+            return kind, bits, 0, table.to(torch.int32)
+        assert mul == 1, "an offset result needs codes of unit step"
+        return kind, bits, value - lo, None
 
     def _pad(self, codes: torch.Tensor, padded: int) -> torch.Tensor:
         if codes.numel() == padded:
@@ -373,25 +381,25 @@ class CodeRoute(Route):
             return self.simulate([x], segments, stats, [generator])
         layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
         padded, result_nbytes = self._sizes(n, w)
-        if self.scale_agreement == "max":
+        mean = self.scale_agreement == "mean"
+        if mean:  # codes from the local scales: both in one visit where the codec can
+            payload = self.encode(x, segments, generator)
+            local, codes = payload.scales, payload.codes
+        else:
             local = self.local_scales(x, layout)
             agreed = comm.allreduce(local.clone(), op=torch.distributed.ReduceOp.MAX)
             codes = self.encode_codes(x, layout, agreed, generator)
-        else:  # codes from the local scales: both in one visit where the codec can
-            payload = self.encode(x, segments, generator)
-            local, codes = payload.scales, payload.codes
-            agreed = None
         codes = self._pad(codes, padded)
         shard_elems = padded * self.elems_per_byte // w
         if self.spec.reducer == "sharded":
-            if agreed is None:
+            if mean:
                 mine, agreed = self._exchange(comm, codes, local)
             else:
                 mine = comm.all_to_all(codes).view(w, padded // w)
             valid = max(0, min(shard_elems, n - comm.rank * shard_elems))
             packed = comm.all_gather(self.combine_packed(list(mine.unbind(0)), w, valid, stats))
         else:
-            if agreed is None:
+            if mean:
                 agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
             parts = comm.gather(codes)
             packed = torch.empty(result_nbytes, dtype=torch.uint8)

@@ -70,7 +70,7 @@ class SignRoute(CodeRoute):
     ) -> torch.Tensor:
         """The majority vote natively bit-sliced (64 votes per word op); else as CodeRoute."""
         k = kernels.native()
-        if k is None or self.spec.mode != "majority" or shards[0].numel() % 8:
+        if k is None or self.spec.mode != "majority":
             return super().combine_packed(shards, world_size, valid, stats)
         packed, margin = k.sign_majority(shards, valid)
         self._add_margins(margin, valid, world_size, stats)

@@ -303,19 +303,18 @@ class FabricState:
             route = make_route(spec, buffer_dtype)
             group_names = [names[i] for i in idx]
             parts = [slices[i] for i in idx]
+            segs = tuple(p.numel() for p in parts)
             # A group of consecutive parameters without error feedback reduces the bucket's
             # own memory: routes decode into their input, so nothing is copied back.
             view = None
             if not spec.error_feedback and idx == list(range(idx[0], idx[0] + len(idx))):
-                start = offsets[idx[0]]
-                view = buffer[start : start + sum(p.numel() for p in parts)]
+                view = buffer[offsets[idx[0]] : offsets[idx[0]] + sum(segs)]
             if spec.error_feedback:
                 flat = self.ef.compensate_flat(group_names, spec.label(), parts)
             elif view is not None:
                 flat = view
             else:
                 flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-            segs = tuple(p.numel() for p in parts)
             lossy_ef = spec.error_feedback and spec.lowbit
             compensated = flat.clone() if lossy_ef else None  # the reduce may work in place
             stats: dict[str, float] = {}

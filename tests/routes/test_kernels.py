@@ -193,11 +193,11 @@ def test_combine_packed_matches_torch(isa: str, spec: RouteSpec, monkeypatch: py
     `combine` + `_pack_result` give, and the same agreement sums over the valid elements, at
     odd and even world sizes (sign: 1- and 2-bit majority results, counts up to 8 bits)."""
     route = make_route(spec)
+    valid = 16_000 - 123  # the agreement counts real elements only, not padding
     for world in (1, 2, 3, 4, 7, 16):
         payloads = [route.encode(g).codes for g in _grads(16_000, world, world)]
         padded, _ = route._sizes(16_000, world)
         shards = [route._pad(c, padded) for c in payloads]
-        valid = 16_000 - 123  # the agreement counts real elements only, not padding
 
         def combined(shards: list = shards, world: int = world) -> tuple:
             stats: dict[str, float] = {}
