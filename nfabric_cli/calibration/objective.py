@@ -13,20 +13,17 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from nfabric_cli.profile.target import degradation, within_tolerance
+
+__all__ = ["degradation", "within_tolerance"]  # re-exported: calibration's callers use them here
+
 #: Most tolerances of excess an out-of-tolerance trial is charged (keeps values finite).
 PENALTY_CAP = 1e3
 
 
-def degradation(metric: float, reference: float, higher_is_better: bool) -> float:
-    """How much worse than the reference (positive = worse), in metric units."""
-    if math.isnan(metric):
-        return math.inf
-    return reference - metric if higher_is_better else metric - reference
-
-
 def objective_value(traffic: float, degr: float, tolerance: float, slack: float = 0.0) -> float:
     """`traffic` within `tolerance + slack`, else 1 + traffic + the excess in tolerances."""
-    if degr <= tolerance + slack:
+    if within_tolerance(degr, tolerance, slack):
         return traffic
     return 1.0 + traffic + min(PENALTY_CAP, (degr - tolerance - slack) / tolerance)
 
@@ -34,7 +31,7 @@ def objective_value(traffic: float, degr: float, tolerance: float, slack: float 
 def gap_value(traffic: float, degr: float, tolerance: float, slack: float) -> float:
     """`objective_value`, but within the widened tolerance the gap costs too (still < 1):
     ``traffic + (1 - traffic) * max(0, degr) / (tolerance + slack)``."""
-    if degr <= tolerance + slack:
+    if within_tolerance(degr, tolerance, slack):
         return traffic + (1.0 - traffic) * max(0.0, degr) / (tolerance + slack)
     return objective_value(traffic, degr, tolerance, slack)
 

@@ -14,6 +14,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from nfabric_cli.calibration.objective import within_tolerance
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param, suggest
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.storage import redact
@@ -54,7 +55,7 @@ def completed(study: optuna.Study) -> list[FrozenTrial]:
 def best_admissible(study: optuna.Study, tolerance: float) -> FrozenTrial | None:
     """The completed trial of lowest traffic within tolerance (ties: less degradation, then
     the earlier trial), or None."""
-    ok = [t for t in completed(study) if t.user_attrs["degradation"] <= tolerance]
+    ok = [t for t in completed(study) if within_tolerance(t.user_attrs["degradation"], tolerance)]
     if not ok:
         return None
     return min(ok, key=lambda t: (t.user_attrs["traffic_fraction"], t.user_attrs["degradation"],

@@ -19,6 +19,7 @@ import optuna
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.profile.operating import OperatingProfile, route_row
 from nfabric_cli.profile.phases import Phase
+from nfabric_cli.profile.target import within_tolerance
 from nfabric_cli.routes.spec import LOWBIT_ROUTES
 
 BOUNDARY_STEP = 0.01
@@ -157,7 +158,7 @@ def sweep_configs(spec: CalibrationSpec) -> dict[str, Config]:
 def derived_configs(spec: CalibrationSpec, degradation: dict[str, float]) -> list[Config]:
     """Seeds from the sweep: regions within tolerance alone go to their cheapest route; the
     sensitive ones stay on fp32 (first seed) or take their gentlest low-bit route (second)."""
-    safe = {n for n, d in degradation.items() if d <= spec.tolerance}
+    safe = {n for n, d in degradation.items() if within_tolerance(d, spec.tolerance)}
     cheap = {r.name: r.cheapest for r in spec.regions if r.name in safe}
     gentle = dict(cheap)
     for r in spec.regions:

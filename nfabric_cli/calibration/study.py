@@ -43,6 +43,7 @@ from nfabric_cli.calibration.objective import (
     loss_scale,
     objective_value,
     store_result,
+    within_tolerance,
 )
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, simulate_run
@@ -150,7 +151,7 @@ class Calibrator:
         measure less than the cheapest mix of its routes and fp32."""
         ok = [t.user_attrs["traffic_fraction"]
               for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-              if t.user_attrs.get("degradation", math.inf) <= self.spec.tolerance
+              if within_tolerance(t.user_attrs.get("degradation", math.inf), self.spec.tolerance)
               and "traffic_fraction" in t.user_attrs]
         if not ok:
             return

@@ -25,9 +25,9 @@ from typing import Any
 import pandas as pd
 
 from nfabric_cli.atomic import atomic_path, atomic_write_text
+from nfabric_cli.profile.target import within_tolerance
 from nfabric_cli.runtime.controller import fallbacks
 
-PASS_EPS = 1e-12
 STEP_COLUMNS = ["arm", "rank", "step", "loss", "step_time_s", "bytes"]
 
 
@@ -89,7 +89,7 @@ def judge(arms: dict[str, dict[str, Any]], higher_is_better: bool, tolerance: fl
     if delta is None:
         return False
     worse = -delta if higher_is_better else delta
-    return worse <= tolerance + PASS_EPS
+    return within_tolerance(worse, tolerance)
 
 
 def summarize(

@@ -23,8 +23,9 @@ from typing import Any
 import pandas as pd
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.target import within_tolerance
 from nfabric_cli.validation.config import ValidateConfig
-from nfabric_cli.validation.report import PASS_EPS, write_summary
+from nfabric_cli.validation.report import write_summary
 
 PASS_RULE = "worst seed: every seed's profile arm within tolerance of its fp32 arm"
 MAX_SEEDS = 64
@@ -122,7 +123,7 @@ def aggregate(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
         "seeds": list(summaries),
         "worst_profile_delta": None if profile is None else profile["worst"],
         "within_tolerance_at_bound95": None if bound is None
-        else (-bound if higher else bound) <= tol + PASS_EPS,
+        else within_tolerance(-bound if higher else bound, tol),
         "arms": arms,
         "per_seed": per_seed,
     }

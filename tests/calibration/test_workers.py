@@ -21,7 +21,7 @@ import pytest
 from optuna.trial import TrialState
 
 from nfabric_cli.binding.compile import compile_profile
-from nfabric_cli.calibration.outcome import best_admissible, config_of
+from nfabric_cli.calibration.outcome import best_admissible, completed, config_of
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import config_profile
 from nfabric_cli.calibration.storage import open_storage
@@ -86,11 +86,14 @@ def _check_shared_study(tmp_path: Path, url: str, logs: str) -> optuna.Study:
     # the profile is the winner of the study's trials, as one worker would pick it ...
     spec = tiny_spec(trials=BUDGET, steps=STEPS, eval_every=EVERY)
     winner = best_admissible(study, spec.tolerance)
-    assert winner is not None, logs
     profile = read_profile(files[0])
+    routes = [(r.region, r.phase, r.route) for r in profile.sorted_rows()]
+    if winner is None:  # which trials run depends on the workers' timing: none may pass
+        assert {route for _, _, route in routes} == {"fp32"}, logs
+        assert all(t.user_attrs["degradation"] > spec.tolerance for t in completed(study))
+        return study
     expected = config_profile(spec, config_of(winner, spec), {})
-    assert [(r.region, r.phase, r.route) for r in profile.sorted_rows()] == \
-        [(r.region, r.phase, r.route) for r in expected.sorted_rows()]
+    assert routes == [(r.region, r.phase, r.route) for r in expected.sorted_rows()]
     # ... and the winner's result is what one process computes for its configuration alone
     wl = get_workload(TINY)
     bindings = compile_profile(config_profile(spec, config_of(winner, spec),
