@@ -1,8 +1,11 @@
 """From a finished study to an operating profile: the winner, its evidence, the Pareto front.
 
 The winner is the completed trial with the lowest measured traffic fraction whose final metric
-is within tolerance of the FP32 reference (ties: smaller degradation, then earlier trial). If
-no trial qualifies, the all-FP32 profile wins: it is the reference itself.
+is within tolerance of the FP32 reference (ties: smaller degradation, then earlier trial) and,
+when the spec has a confirmation grid, that holds on every cell of it (`choice.py`). If no
+trial qualifies, the all-FP32 profile wins: it is the reference itself. The profile records
+where it was proven (`meta["proven"]`: seeds, lengths, world size, each cell's result), which
+`validate` and `attach` compare with the run they are given (`profile/proven.py`).
 """
 
 from __future__ import annotations
@@ -11,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from nfabric_cli.calibration.objective import within_tolerance
-from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param, suggest
-from nfabric_cli.calibration.spec import CalibrationSpec
+from nfabric_cli.calibration.choice import completed, config_of, grid, robust_winner, verdicts
+from nfabric_cli.calibration.confirm import confirmation_cost
+from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param
 from nfabric_cli.calibration.storage import redact
 from nfabric_cli.calibration.strategy import pruner_label
 from nfabric_cli.calibration.study import StudyRun
@@ -42,28 +44,9 @@ class Outcome:
     note: str | None = None  # why this worker did not write it, when it did not
 
 
-def config_of(trial: FrozenTrial, spec: CalibrationSpec) -> Config:
-    """Rebuild a trial's config from its stored parameters."""
-    return suggest(optuna.trial.FixedTrial(trial.params), spec)
-
-
-def completed(study: optuna.Study) -> list[FrozenTrial]:
-    return [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if "traffic_fraction" in t.user_attrs]
-
-
-def best_admissible(study: optuna.Study, tolerance: float) -> FrozenTrial | None:
-    """The completed trial of lowest traffic within tolerance (ties: less degradation, then
-    the earlier trial), or None."""
-    ok = [t for t in completed(study) if within_tolerance(t.user_attrs["degradation"], tolerance)]
-    if not ok:
-        return None
-    return min(ok, key=lambda t: (t.user_attrs["traffic_fraction"], t.user_attrs["degradation"],
-                                  t.number))
-
-
 def pick_winner(run: StudyRun) -> FrozenTrial | None:
-    return best_admissible(run.study, run.spec.tolerance)
+    """The cheapest admissible trial that holds on the confirmation grid (`choice.py`)."""
+    return robust_winner(run.study, run.spec, run.workload.higher_is_better, run.reference)
 
 
 def pareto_front(run: StudyRun) -> list[dict[str, Any]]:
@@ -84,7 +67,7 @@ def steps_spent(run: StudyRun) -> int:
     trials = run.study.get_trials(deepcopy=False)
     return int(run.reference.get("steps_run", 0)) + sum(
         int(t.user_attrs.get("steps_run", 0)) for t in trials
-    )
+    ) + confirmation_cost(run.study.user_attrs)["train_steps"]
 
 
 def row_evidence(run: StudyRun, config: Config, winner: FrozenTrial | None) -> dict:
@@ -130,8 +113,12 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
         "sign_mode": config.sign_mode if config.uses("sign") else None,
         "boundaries": list(config.boundaries),
     }
+    confirmation = _confirmation(run)
+    if confirmation is not None:
+        best["confirmation"] = confirmation
     if winner is None:
-        best["note"] = "no low-bit configuration stayed within tolerance: all fp32"
+        best["note"] = ("no low-bit configuration stayed within tolerance" +
+                        (" on every confirmation cell" if confirmation else "") + ": all fp32")
     if run.multi_objective:
         best["pareto_front"] = pareto
     wl = run.workload
@@ -157,6 +144,7 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
             data_fingerprint=wl.data_fingerprint(),
             winner_trial=best["trial"],
             sensitivity=run.extra.get("sensitivity", {}),
+            confirmation=None if confirmation is None else confirmation["cost"],
             pareto_front=pareto or None,
             spec=spec.to_dict(),
             model_params=model_params,
@@ -164,8 +152,41 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
     }
     if spec.substrate:  # the fabric the gate priced during the search: validate prices it too
         meta["substrate"] = spec.substrate
+    if winner is not None:
+        meta["proven"] = _proven(run, winner, confirmation)
     profile = config_profile(spec, config, meta, row_evidence(run, config, winner))
     return Outcome(profile, None, None, len(finished), pruned, best, pareto, spent, run.new_trials)
+
+
+def _confirmation(run: StudyRun) -> dict[str, Any] | None:
+    """The confirmation grid, every candidate's verdict and what it cost (None: no grid)."""
+    cells = grid(run.spec)
+    if not cells:
+        return None
+    return {"cells": [list(c) for c in cells],
+            "candidates": verdicts(run.study, run.spec, run.workload.higher_is_better,
+                                   run.reference),
+            "cost": confirmation_cost(run.study.user_attrs)}
+
+
+def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | None
+            ) -> dict[str, Any]:
+    """Where the winner was shown within tolerance: every cell it ran on (the search's own,
+    and the confirmation grid's), in the simulator at the spec's world size."""
+    spec = run.spec
+    if confirmation is None:
+        cells = [{"seed": spec.seed, "steps": spec.steps, "metric": winner.user_attrs["metric"],
+                  "reference": run.reference["metric"],
+                  "degradation": winner.user_attrs["degradation"]}]
+    else:
+        mine = next(v for v in confirmation["candidates"] if v["trial"] == winner.number)
+        cells = [{k: c[k] for k in ("seed", "steps", "metric", "reference", "degradation")}
+                 for c in mine["cells"]]
+    return {"seeds": sorted({c["seed"] for c in cells}),
+            "steps": sorted({c["steps"] for c in cells}),
+            "world_size": spec.world_size, "simulated": True,
+            "rule": "every cell within tolerance of its own fp32 reference",
+            "worst_degradation": max(c["degradation"] for c in cells), "cells": cells}
 
 
 def trial_rows(run: StudyRun) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from typing import Any
 from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
+from nfabric_cli.calibration.choice import pending
 from nfabric_cli.calibration.outcome import Outcome, pick_winner
 from nfabric_cli.calibration.plot import plot_search
 from nfabric_cli.calibration.study import StudyRun
@@ -52,6 +53,10 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
             names = sorted({t.user_attrs.get("worker", "?") for t in running})
             outcome.note = (f"{len(running)} trial(s) still running on {', '.join(names)}: the "
                             "worker that finishes the last one writes the profile")
+            return outcome
+        if pending(study, run.spec, run.workload.higher_is_better, run.reference):
+            outcome.note = ("confirmation cells are still in training (`confirm.py`): the "
+                            "worker that confirms the winner writes the profile")
             return outcome
         claim = workers.Claim(study, key, run.worker)
         if not claim.try_acquire():

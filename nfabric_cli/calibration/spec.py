@@ -21,6 +21,10 @@ Example::
     name = "backbone"
     selector = "*"
     routes = ["fp32", "int8", "ternary", "sign"]
+    [confirm]            # the winner must also hold on these seeds and lengths (choice.py)
+    seeds = [1, 2]
+    steps = [240]
+    candidates = 3
 """
 
 from __future__ import annotations
@@ -33,9 +37,22 @@ from pathlib import Path
 from typing import Any
 
 from nfabric_cli.calibration.hyperband import HyperbandShape
+from nfabric_cli.calibration.spec_values import (
+    Range,
+    Region,
+    boundary,
+    choices,
+    error_feedback,
+    ints,
+    no_unknown,
+    region,
+    table,
+    typed,
+    value_range,
+)
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import phase_names
-from nfabric_cli.routes.spec import REDUCERS, ROUNDINGS, ROUTE_NAMES, SIGN_MODES
+from nfabric_cli.routes.spec import REDUCERS, ROUNDINGS, SIGN_MODES
 from nfabric_cli.runtime.health import HealthThresholds
 from nfabric_cli.substrate.model import substrate_dict
 from nfabric_cli.textfiles import read_toml
@@ -49,48 +66,19 @@ MAX_STEPS = 1_000_000
 _TOP_KEYS = {
     "workload", "world_size", "seed", "steps", "eval_every", "tolerance", "trials",
     "sampler", "pruner", "phases", "routes", "regions", "health", "substrate",
-    "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
+    "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets", "confirm",
 }
-# budget and search strategy: they change which trials run, never a trial's result
+# budget, search strategy and confirmation: they change which trials run and which one wins,
+# never a trial's result (a study confirmed later, or on more seeds, keeps its trials)
 NOT_IN_SEARCH_KEY: tuple[str, ...] = (
     "trials", "sampler", "pruner",
     "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
+    "confirm_seeds", "confirm_steps", "confirm_candidates",
 )
-_REGION_KEYS = {"name", "selector", "routes"}
+_CONFIRM_KEYS = {"seeds", "steps", "candidates"}
+MAX_CONFIRM_CELLS = 64
 _PHASE_KEYS = {"boundaries"}
 _ROUTE_KEYS = {"tau", "error_feedback", "reducer", "rounding", "sign_mode"}
-
-
-@dataclass(frozen=True)
-class Region:
-    """One profile row per phase: parameters matching `selector` take one of `routes`."""
-
-    name: str
-    selector: str
-    routes: tuple[str, ...]
-
-    @property
-    def cheapest(self) -> str:
-        """The route with the fewest bytes on the wire (ROUTE_NAMES is ordered that way)."""
-        return max(self.routes, key=ROUTE_NAMES.index)
-
-    @property
-    def gentlest_lowbit(self) -> str | None:
-        """The least lossy route cheaper than fp32, if the region may take one."""
-        cheaper = [r for r in self.routes if r != "fp32"]
-        return min(cheaper, key=ROUTE_NAMES.index) if cheaper else None
-
-
-@dataclass(frozen=True)
-class Range:
-    """A searched float in [lo, hi] (lo == hi: fixed)."""
-
-    lo: float
-    hi: float
-
-    @property
-    def fixed(self) -> bool:
-        return self.lo == self.hi
 
 
 @dataclass(frozen=True)
@@ -117,6 +105,10 @@ class CalibrationSpec:
     hyperband_brackets: int | None = None
     health: dict[str, Any] = field(default_factory=dict)
     substrate: dict[str, Any] = field(default_factory=dict)  # a Substrate's dict; {}: none
+    # confirmation (choice.py): the leading candidates retrained on these seeds and lengths
+    confirm_seeds: tuple[int, ...] = ()
+    confirm_steps: tuple[int, ...] = ()
+    confirm_candidates: int = 3
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -195,36 +187,40 @@ def default_spec(workload: str, head_selector: str, steps: int) -> CalibrationSp
 
 def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
     """A spec from parsed TOML (see the module docstring for the keys)."""
-    _no_unknown(data, _TOP_KEYS, "")
+    no_unknown(data, _TOP_KEYS, "")
     named = data.get("workload")
     if named is not None and named != workload:
         raise InputError(f"spec is for workload {named!r}, not {workload!r}")
     regions_raw = data.get("regions")
     if not isinstance(regions_raw, list) or not regions_raw:
         raise InputError("needs at least one [[regions]] table (name, selector, routes)")
-    regions = tuple(_region(r, i) for i, r in enumerate(regions_raw))
-    phases = _table(data, "phases", _PHASE_KEYS)
-    routes = _table(data, "routes", _ROUTE_KEYS)
-    health = _table(data, "health", None)
+    regions = tuple(region(r, i) for i, r in enumerate(regions_raw))
+    phases = table(data, "phases", _PHASE_KEYS)
+    routes = table(data, "routes", _ROUTE_KEYS)
+    health = table(data, "health", None)
     HealthThresholds.from_dict(health)  # unknown or out-of-range thresholds fail here
+    confirm = table(data, "confirm", _CONFIRM_KEYS)
     kw: dict[str, Any] = {}
     for key, kind in (("world_size", int), ("seed", int), ("steps", int), ("eval_every", int),
                       ("trials", int), ("tolerance", float), ("sampler", str), ("pruner", str),
                       ("hyperband_min_resource", int), ("hyperband_reduction_factor", int),
                       ("hyperband_brackets", int)):
         if key in data:
-            kw[key] = _typed(data[key], kind, key)
+            kw[key] = typed(data[key], kind, key)
     spec = CalibrationSpec(
         workload=workload,
         regions=regions,
-        boundaries=tuple(_boundary(b, i) for i, b in enumerate(phases.get("boundaries", []))),
-        tau=_range(routes.get("tau", 0.5), "routes.tau"),
-        error_feedback=_ef(routes.get("error_feedback", False)),
-        rounding=_choices(routes.get("rounding", "nearest"), ROUNDINGS, "routes.rounding"),
-        sign_mode=_choices(routes.get("sign_mode", "majority"), SIGN_MODES, "routes.sign_mode"),
-        reducer=_typed(routes.get("reducer", "sharded"), str, "routes.reducer"),
+        boundaries=tuple(boundary(b, i) for i, b in enumerate(phases.get("boundaries", []))),
+        tau=value_range(routes.get("tau", 0.5), "routes.tau"),
+        error_feedback=error_feedback(routes.get("error_feedback", False)),
+        rounding=choices(routes.get("rounding", "nearest"), ROUNDINGS, "routes.rounding"),
+        sign_mode=choices(routes.get("sign_mode", "majority"), SIGN_MODES, "routes.sign_mode"),
+        reducer=typed(routes.get("reducer", "sharded"), str, "routes.reducer"),
         health=dict(health),
         substrate=substrate_dict(data.get("substrate")),
+        confirm_seeds=ints(confirm.get("seeds", []), "confirm.seeds"),
+        confirm_steps=ints(confirm.get("steps", []), "confirm.steps"),
+        confirm_candidates=typed(confirm.get("candidates", 3), int, "confirm.candidates"),
         **kw,
     )
     if "eval_every" not in data and "steps" in data:
@@ -275,6 +271,17 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
         dupes = sorted({v for v in values if values.count(v) > 1})
         if dupes:
             raise InputError(f"regions share a {label}: {', '.join(dupes)}")
+    if any(s < 0 for s in spec.confirm_seeds):
+        raise InputError(f"confirm.seeds must be >= 0, got {list(spec.confirm_seeds)}")
+    if any(not 1 <= n <= MAX_STEPS for n in spec.confirm_steps):
+        raise InputError(f"confirm.steps must each be in [1, {MAX_STEPS}], got "
+                         f"{list(spec.confirm_steps)}")
+    if not 1 <= spec.confirm_candidates <= 100:
+        raise InputError(f"confirm.candidates must be in [1, 100], got {spec.confirm_candidates}")
+    cells = len({spec.seed, *spec.confirm_seeds}) * len({spec.steps, *spec.confirm_steps}) - 1
+    if cells > MAX_CONFIRM_CELLS:
+        raise InputError(f"confirm: {cells} cells (seeds x lengths) is more than "
+                         f"{MAX_CONFIRM_CELLS}")
     previous = 0.0
     for i, b in enumerate(spec.boundaries):
         if not (previous < b.lo <= b.hi < 1):
@@ -300,90 +307,3 @@ def run_spec(workload: Any, path: str | Path | None = None, *, steps: int | None
     return base.with_overrides(steps=steps, sampler=sampler, pruner=pruner, eval_every=every,
                                substrate=None if substrate is None else substrate_dict(substrate),
                                **overrides)
-
-
-# -- parsing helpers --------------------------------------------------------------------------
-def _no_unknown(data: dict[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(data) - known)
-    if unknown:
-        place = f" in {where}" if where else ""
-        raise InputError(
-            f"unknown key(s){place}: {', '.join(unknown)} (known: {', '.join(sorted(known))})"
-        )
-
-
-def _table(data: dict[str, Any], key: str, known: set[str] | None) -> dict[str, Any]:
-    value = data.get(key, {})
-    if not isinstance(value, dict):
-        raise InputError(f"[{key}] must be a table")
-    if known is not None:
-        _no_unknown(value, known, f"[{key}]")
-    return value
-
-
-def _typed(value: Any, kind: type, key: str) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InputError(f"{key} must be {kind.__name__}, got {value!r}")
-    return value
-
-
-def _region(raw: Any, i: int) -> Region:
-    where = f"regions[{i}]"
-    if not isinstance(raw, dict):
-        raise InputError(f"{where} must be a table with name, selector, routes")
-    _no_unknown(raw, _REGION_KEYS, where)
-    missing = [k for k in ("name", "selector", "routes") if k not in raw]
-    if missing:
-        raise InputError(f"{where} is missing {', '.join(missing)}")
-    name = _typed(raw["name"], str, f"{where}.name").strip()
-    selector = _typed(raw["selector"], str, f"{where}.selector").strip()
-    if not name or not selector:
-        raise InputError(f"{where}: name and selector must not be empty")
-    routes = raw["routes"]
-    if not isinstance(routes, list) or not routes or not all(isinstance(r, str) for r in routes):
-        raise InputError(f"{where}.routes must be a non-empty list of route names")
-    unknown = [r for r in routes if r not in ROUTE_NAMES]
-    if unknown:
-        raise InputError(
-            f"{where} ({name}): unknown route {unknown[0]!r} (choose from {', '.join(ROUTE_NAMES)})"
-        )
-    if len(set(routes)) != len(routes):
-        raise InputError(f"{where} ({name}): a route is listed twice")
-    return Region(name, selector, tuple(routes))
-
-
-def _range(value: Any, key: str) -> Range:
-    if isinstance(value, list):
-        if len(value) != 2:
-            raise InputError(f"{key} must be a number or a [lo, hi] pair, got {value!r}")
-        lo, hi = (_typed(v, float, key) for v in value)
-        if not lo <= hi:
-            raise InputError(f"{key}: lo {lo:g} must not exceed hi {hi:g}")
-        return Range(lo, hi)
-    v = _typed(value, float, key)
-    return Range(v, v)
-
-
-def _boundary(value: Any, i: int) -> Range:
-    return _range(value, f"phases.boundaries[{i}]")
-
-
-def _ef(value: Any) -> tuple[bool, ...]:
-    if isinstance(value, bool):
-        return (value,)
-    if isinstance(value, list) and value and all(isinstance(v, bool) for v in value):
-        return tuple(dict.fromkeys(value))
-    raise InputError(f"routes.error_feedback must be true, false or [false, true], got {value!r}")
-
-
-def _choices(value: Any, allowed: tuple[str, ...], key: str) -> tuple[str, ...]:
-    """A fixed option (a string) or the options to search (a list), each one of `allowed`."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not items or not all(isinstance(v, str) for v in items):
-        raise InputError(f"{key} must be a name or a list of names, got {value!r}")
-    bad = [v for v in items if v not in allowed]
-    if bad:
-        raise InputError(f"{key}: unknown {bad[0]!r} (choose from {', '.join(allowed)})")
-    return tuple(dict.fromkeys(items))

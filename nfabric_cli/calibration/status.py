@@ -11,7 +11,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from nfabric_cli.calibration.outcome import best_admissible
+from nfabric_cli.calibration.choice import best_admissible
 from nfabric_cli.calibration.publish import recorded_profiles
 from nfabric_cli.calibration.storage import open_storage, redact
 from nfabric_cli.calibration.workers import Claim, Worker, is_claim, live_workers

@@ -23,7 +23,6 @@ how they share the reference, the budget and the configurations.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,7 +32,7 @@ from optuna.trial import TrialState
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
-from nfabric_cli.calibration import workers as workers_mod
+from nfabric_cli.calibration.confirm import confirm
 from nfabric_cli.calibration.objective import (
     DEFAULT_INTERMEDIATE,
     INTERMEDIATE,
@@ -53,7 +52,6 @@ from nfabric_cli.calibration.storage import load_or_create, open_storage
 from nfabric_cli.calibration.strategy import default_study_name, make_pruner, make_sampler
 from nfabric_cli.calibration.traffic import traffic_lower_bound
 from nfabric_cli.calibration.workers import (
-    Claim,
     Dropped,
     Worker,
     WorkerLog,
@@ -128,14 +126,15 @@ class Calibrator:
         self.log: WorkerLog | None = None
 
     # -- building blocks -------------------------------------------------------------------
-    def bindings_for(self, config: Config) -> Bindings:
+    def bindings_for(self, config: Config, steps: int | None = None) -> Bindings:
+        """`config` compiled for the search's world size, over `steps` (default the spec's)."""
         meta: dict[str, Any] = {"world_size": self.spec.world_size, "health": self.health}
         if self.spec.substrate:
             meta["substrate"] = self.spec.substrate
         profile = config_profile(self.spec, config, meta)
         return compile_profile(
             profile, self.model, world_size=self.spec.world_size, bucket_cap_mb=None,
-            total_steps=self.spec.steps,
+            total_steps=steps or self.spec.steps,
         )
 
     def simulate(self, config: Config, on_checkpoint=None, bindings=None) -> SimResult:  # noqa: ANN001
@@ -170,24 +169,9 @@ class Calibrator:
         """The study's FP32 reference: stored, or run here under a claim while any other
         worker waits for it (a claim whose holder died is taken over)."""
         assert self.log is not None  # run_study sets it
-        claim = Claim(study, "reference", self.worker)
-        told = None
-        while (reference := study.user_attrs.get("reference")) is None:
-            if claim.try_acquire():
-                with self.log.holding(claim):
-                    reference = study.user_attrs.get("reference")  # stored while we claimed
-                    if reference is None:
-                        self.log.set("reference")
-                        reference = {**self.run_reference(), "worker": self.worker.id}
-                        study.set_user_attr("reference", reference)
-                return reference
-            holder = claim.holder.get("worker", "another worker")
-            if told != holder:
-                told = holder
-                self.sink.note(f"waiting for the FP32 reference: {holder} is running it")
-                self.log.set(f"waiting for the reference ({holder})")
-            time.sleep(workers_mod.POLL_S)
-        return reference
+        return self.log.shared(
+            "reference", lambda: {**self.run_reference(), "worker": self.worker.id},
+            lambda holder: self.sink.note(f"waiting for the FP32 reference: {holder} is running it"))
 
     def run_reference(self) -> dict[str, Any]:
         self.sink.trial_started(None, "reference", self.spec.steps)
@@ -393,6 +377,7 @@ def run_study(
                 gc_after_trial=False,
             )
         new = finished_by(study, worker) - before
+        confirm(calibrator, study)
         log.set("finishing")
     return StudyRun(study, spec, workload, reference, resumed, new, calibrator.multi,
                     {"sensitivity": calibrator.sensitivity(study) or {}}, worker)

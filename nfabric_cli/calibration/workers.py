@@ -31,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +230,30 @@ class WorkerLog:
             self._thread.join(timeout=5)
             with contextlib.suppress(Exception):
                 self.set("stopped")
+
+    def shared(self, job: str, compute: Callable[[], dict[str, Any]],
+               on_wait: Callable[[str], None]) -> dict[str, Any]:
+        """The result the study stores under the user attribute `job`; else computed here,
+        under a claim on `job` the heartbeat keeps alive, and stored, while other workers wait
+        (`on_wait(holder)` once per holder). A claim whose holder died is taken over."""
+        claim = Claim(self.study, job, self.worker)
+        told = None
+        while (result := self.study.user_attrs.get(job)) is None:
+            if claim.try_acquire():
+                with self.holding(claim):
+                    result = self.study.user_attrs.get(job)  # stored while we claimed
+                    if result is None:
+                        self.set(job)
+                        result = compute()
+                        self.study.set_user_attr(job, result)
+                return result
+            holder = claim.holder.get("worker", "another worker")
+            if told != holder:
+                told = holder
+                on_wait(holder)
+                self.set(f"waiting for {job} ({holder})")
+            time.sleep(POLL_S)
+        return result
 
     @contextlib.contextmanager
     def holding(self, claim: Claim) -> Iterator[Claim]:

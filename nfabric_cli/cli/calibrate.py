@@ -69,6 +69,13 @@ def calibrate_cmd(
                                   "size); results are identical for any value."),
     no_write: bool = typer.Option(False, "--no-write", help="Only contribute trials to the "
                                   "study; leave the profile to another worker."),
+    confirm_seeds: str = typer.Option(None, "--confirm-seeds", help="Seeds the leading "
+                                      "candidates must also hold on (1-2, 1,3; 'none': no "
+                                      "confirmation; overrides the spec's [confirm] seeds)."),
+    confirm_steps: str = typer.Option(None, "--confirm-steps", help="Run lengths they must "
+                                      "also hold at (300,600; 'none'; overrides [confirm] "
+                                      "steps). Each seed x length is a cell: see "
+                                      "docs/calibration.md, 'Confirmation'."),
     status: bool = typer.Option(False, "--status", help="Print the study's trials, best "
                                 "admissible trial and workers, and exit (trains nothing)."),
     as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best, "
@@ -107,7 +114,9 @@ def calibrate_cmd(
         raise InputError(f"--processes must be >= 1, got {processes}")
     wl = get_workload(workload, data_dir)
     cal = run_spec(wl, spec, steps=steps, sampler=sampler, pruner=pruner, substrate=substrate,
-                   world_size=world_size, trials=trials, seed=seed, tolerance=tolerance)
+                   world_size=world_size, trials=trials, seed=seed, tolerance=tolerance,
+                   confirm_seeds=_ints(confirm_seeds, "--confirm-seeds"),
+                   confirm_steps=_ints(confirm_steps, "--confirm-steps"))
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
 
@@ -124,6 +133,10 @@ def calibrate_cmd(
                                  write=not no_write)
     console.print(_summary(outcome, run.study.study_name))
     console.print(_routes(outcome.best))
+    if "confirmation" in outcome.best:
+        console.print(_confirmation(outcome.best["confirmation"]))
+    if "note" in outcome.best:
+        console.print(outcome.best["note"], highlight=False, soft_wrap=True)
     if outcome.pareto:
         console.print(_pareto(outcome.pareto))
     if outcome.path is None:
@@ -133,6 +146,23 @@ def calibrate_cmd(
         by = "" if outcome.written_by == run.worker.id else f" (written by {outcome.written_by})"
         console.print(f"profile: {outcome.path}{by}\nsearch plot: {outcome.png}", highlight=False,
                       soft_wrap=True)
+
+
+def _ints(text: str | None, option: str) -> tuple[int, ...] | None:
+    """A flag's integers ('1-2,4' for seeds, '300,600' for lengths); 'none': (); None: not
+    given (the spec's value stands)."""
+    from nfabric_cli.validation.seeds import parse_seeds
+
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    if option == "--confirm-steps":
+        try:
+            return tuple(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
+        except ValueError:
+            raise InputError(f"{option}: expected lengths like 300,600 or none, got {text!r}") from None
+    return tuple(parse_seeds(text, option))
 
 
 def _status(storage: str | None, study: str, as_json: bool) -> None:
@@ -210,6 +240,20 @@ def _routes(best: dict[str, Any]) -> Table:
     table.add_column("route")
     for key, route in best["routes"].items():
         table.add_row(key, route)
+    return table
+
+
+def _confirmation(doc: dict[str, Any]) -> Table:
+    cost = doc["cost"]
+    table = Table(title=f"confirmation: {len(doc['cells']) + 1} cells (seed x steps), "
+                        f"{cost['runs']} runs, {cost['train_steps']:,} steps, "
+                        f"{cost['wall_s'] / 60:.1f} min")
+    for col in ("trial", "traffic", "status", "worst degr.", "cells: seed/steps degradation"):
+        table.add_column(col, justify="right" if col != "cells: seed/steps degradation" else "left")
+    for v in doc["candidates"]:
+        cells = ", ".join(f"{c['seed']}/{c['steps']} {c['degradation']:+.4f}" for c in v["cells"])
+        table.add_row(str(v["trial"]), f"{v['traffic_fraction']:.4f}", v["status"],
+                      f"{v['worst_degradation']:+.4f}", cells)
     return table
 
 

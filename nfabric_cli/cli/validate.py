@@ -92,6 +92,7 @@ def validate(
         return
     console.print(_table(summary))
     console.print(f"report: {result.report_dir}")
+    _warn_outside(summary)
     if not summary["passed"]:
         raise CheckFailed(_verdict(summary))
     console.print(f"[bold green]passed[/]: {_verdict(summary)}")
@@ -119,9 +120,15 @@ def _many(cfg: Any, seeds_text: str, json_out: bool) -> None:
         return
     render_seeds(result.summary, console)
     console.print(f"report: {result.report_dir} (per seed: seed-<s>/)")
+    _warn_outside(result.summary)
     if not result.passed:
         raise CheckFailed(_seeds_verdict(result.summary))
     console.print(f"[bold green]passed[/]: {_seeds_verdict(result.summary)}")
+
+
+def _warn_outside(summary: dict[str, Any]) -> None:
+    for line in summary.get("outside_proven") or []:
+        err_console.print(f"[yellow]warning[/]: {line}", highlight=False, soft_wrap=True)
 
 
 def _seeds_verdict(doc: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.binding.store import load_bindings_or_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
+from nfabric_cli.profile.proven import outside_proven
 from nfabric_cli.runtime.hook import fabric_hook
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.state import FabricState
@@ -128,6 +130,9 @@ def create_state(
         if len(bindings.phases) > 1:
             raise InputError("the profile has several phases: pass total_steps to attach")
         steps = 1
+    elif dist.get_rank(pg) == 0:
+        for note in outside_proven(bindings.meta, steps=steps, world_size=world_size):
+            warnings.warn(f"nfabric: {note}", stacklevel=3)
     group = pg
     if dedicated_group:
         ranks = None if pg is None or pg == dist.group.WORLD else dist.get_process_group_ranks(pg)

@@ -42,6 +42,14 @@ class RunPlan:
     cfg: ValidateConfig
     workload: str
     higher_is_better: bool
+    profile_meta: dict[str, Any] = field(default_factory=dict)
+
+    def outside_proven(self, seeds: list[int]) -> list[str]:
+        """Where these seeds, the run's length or world size leave the profile's proven range."""
+        from nfabric_cli.profile.proven import outside_proven
+
+        return outside_proven(self.profile_meta, seeds=seeds, steps=self.cfg.steps,
+                              world_size=self.cfg.world_size)
 
 
 @dataclass
@@ -102,7 +110,7 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     cfg.tolerance = resolve_tolerance(cfg.tolerance, bindings.meta.get("target"), higher)
     if not cfg.report_dir:
         cfg.report_dir = str(default_report_dir(workload.name))
-    return RunPlan(cfg, workload.name, higher)
+    return RunPlan(cfg, workload.name, higher, dict(bindings.meta))
 
 
 def run_validation(
@@ -148,6 +156,7 @@ def _report(run: RunPlan, gathered: list[Any], report_dir: Path) -> ValidationRe
         gathered, workload=run.workload, higher_is_better=run.higher_is_better,
         tolerance=cfg.tolerance, link_mbit=cfg.link_mbit,
     )  # fmt: skip
+    summary["outside_proven"] = run.outside_proven([cfg.seed])
     paths = write_report(report_dir, summary, step_frame(gathered))
     paths["records"] = report_dir / RECORDS_FILE  # the raw per-rank records, kept
     atomic_write_text(paths["records"], json.dumps(gathered))

@@ -32,21 +32,21 @@ MAX_SEEDS = 64
 _PART = re.compile(r"^(\d+)(?:-(\d+))?$")
 
 
-def parse_seeds(text: str) -> list[int]:
+def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
     """'0-4', '0,2,5', '1-3,7' -> sorted distinct seeds; InputError (one line) otherwise."""
     seeds: set[int] = set()
     for part in (p.strip() for p in str(text).split(",")):
         m = _PART.match(part)
         if not m:
-            raise InputError(f"--seeds: expected seeds like 0-4 or 0,2,5 (non-negative "
+            raise InputError(f"{option}: expected seeds like 0-4 or 0,2,5 (non-negative "
                              f"integers, ranges low-high), got {text!r}")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
-            raise InputError(f"--seeds: range {part!r} runs backwards")
+            raise InputError(f"{option}: range {part!r} runs backwards")
         seeds.update(range(lo, hi + 1))
         if len(seeds) > MAX_SEEDS:
-            raise InputError(f"--seeds: at most {MAX_SEEDS} seeds, got {text!r}")
+            raise InputError(f"{option}: at most {MAX_SEEDS} seeds, got {text!r}")
     return sorted(seeds)
 
 
@@ -156,12 +156,13 @@ def run_seeds(cfg: ValidateConfig, seeds: list[int], on_progress: Any = None,
     if torchrun_worker() is not None:
         raise InputError("--seeds launches one run per seed: start validate itself (with "
                          "--launcher spawn or torchrun), not under torchrun")
-    plan(cfg)  # a bad profile, arm or world size fails now, not after the first seed
+    checked = plan(cfg)  # a bad profile, arm or world size fails now, not after the first seed
     summaries: dict[int, dict[str, Any]] = {}
     for one in seed_configs(cfg, seeds):
         if on_seed is not None:
             on_seed(one.seed, len(summaries), len(seeds))
         summaries[one.seed] = run_validation(one, on_progress).summary
     doc = aggregate(summaries)
+    doc["outside_proven"] = checked.outside_proven(seeds)
     paths = write_seeds_report(cfg.report_dir, doc)
     return ValidationResult(doc, Path(cfg.report_dir), paths)

@@ -21,7 +21,7 @@ import pytest
 from optuna.trial import TrialState
 
 from nfabric_cli.binding.compile import compile_profile
-from nfabric_cli.calibration.outcome import best_admissible, completed, config_of
+from nfabric_cli.calibration.choice import best_admissible, completed, config_of
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import config_profile
 from nfabric_cli.calibration.storage import open_storage

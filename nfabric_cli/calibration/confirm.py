@@ -1,0 +1,104 @@
+"""Confirmation runs: the leading candidates trained on the grid `choice.py` defines.
+
+Runs at the end of `run_study`, in every worker of the study, once no trial is in flight (so
+all of them see the same candidates). Each cell is a shared job (`WorkerLog.shared`): workers
+split the cells, and a resumed study trains only what is missing. The cost, per candidate
+tried, is one run per cell it reaches, plus one FP32 reference per cell, shared by all the
+candidates; `nfabric calibrate` prints it and the profile's provenance keeps it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import optuna
+from optuna.trial import TrialState
+
+from nfabric_cli.calibration import workers
+from nfabric_cli.calibration.choice import (
+    Cell,
+    candidates,
+    cell_job,
+    cell_verdict,
+    config_of,
+    grid,
+    reference_job,
+)
+from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.calibration.space import Config, fp32_config
+
+if TYPE_CHECKING:
+    from nfabric_cli.calibration.study import Calibrator
+
+
+def confirm(cal: Calibrator, study: optuna.Study) -> None:
+    """Train confirmation cells until a candidate holds on all of them or none is left."""
+    spec = cal.spec
+    cells = grid(spec)
+    if not cells or cal.multi:
+        return
+    _wait_for_trials(cal, study)
+    higher = cal.workload.higher_is_better
+    for trial in candidates(study, spec):
+        key, config = trial.user_attrs["key"], config_of(trial, spec)
+        for cell in cells:
+            _shared(cal, reference_job(cell), fp32_config(spec), cell,
+                    f"reference seed {cell[0]}, {cell[1]} steps")
+            label = f"confirm trial {trial.number} seed {cell[0]}, {cell[1]} steps"
+            _shared(cal, cell_job(key, cell), config, cell, label)
+            verdict = cell_verdict(study.user_attrs, key, cell, spec, higher)
+            assert verdict is not None  # both jobs are stored now
+            if not verdict["within"]:
+                cal.sink.note(f"trial {trial.number} fails on seed {cell[0]} at {cell[1]} "
+                              f"steps: degradation {verdict['degradation']:+.4f}")
+                break
+        else:
+            cal.sink.note(f"trial {trial.number} holds on every confirmation cell")
+            return
+
+
+def _shared(cal: Calibrator, job: str, config: Config, cell: Cell, label: str) -> dict[str, Any]:
+    assert cal.log is not None  # run_study sets it
+    return cal.log.shared(job, lambda: run_cell(cal, config, cell, label),
+                          lambda holder: cal.sink.note(f"waiting for {label}: {holder} runs it"))
+
+
+def run_cell(cal: Calibrator, config: Config, cell: Cell, label: str) -> dict[str, Any]:
+    """`config` trained on one cell (seed, steps), evaluated once, at its end."""
+    seed, steps = cell
+    cal.sink.trial_started(None, label, steps)
+    start = time.perf_counter()
+    result = simulate_run(cal.workload, cal.bindings_for(config, steps), cal.spec.world_size,
+                          steps, seed, (steps,), None, cal.sink.step, processes=cal.processes)
+    out = {"metric": result.metric, "traffic_fraction": result.traffic_fraction,
+           "steps_run": result.steps_run, "wall_s": round(time.perf_counter() - start, 2),
+           "worker": cal.worker.id}
+    cal.sink.trial_finished({"number": None, "kind": label, "state": "COMPLETE",
+                             "traffic_fraction": out["traffic_fraction"], "metric": out["metric"],
+                             "note": f"metric {out['metric']:.4f}, traffic "
+                                     f"{out['traffic_fraction']:.4f}"})
+    return out
+
+
+def _wait_for_trials(cal: Calibrator, study: optuna.Study) -> None:
+    """Until no other worker's trial is running (a dead worker's is failed meanwhile)."""
+    told = False
+    while True:
+        workers.fail_dead_trials(study, cal.worker)
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if not running:
+            return
+        if not told:
+            told = True
+            names = sorted({t.user_attrs.get("worker", "?") for t in running})
+            cal.sink.note(f"confirmation waits for {len(running)} trial(s) on {', '.join(names)}")
+        time.sleep(workers.POLL_S)
+
+
+def confirmation_cost(user_attrs: dict[str, Any]) -> dict[str, Any]:
+    """Runs, training steps and wall seconds the study's confirmation cells took."""
+    jobs = [v for k, v in user_attrs.items()
+            if (k.startswith("confirm/") or k.startswith("reference/")) and isinstance(v, dict)]
+    return {"runs": len(jobs), "train_steps": sum(int(j.get("steps_run", 0)) for j in jobs),
+            "wall_s": round(sum(float(j.get("wall_s", 0.0)) for j in jobs), 1)}

@@ -1,0 +1,70 @@
+"""Where a profile was proven, and whether a run lies outside it.
+
+`nfabric calibrate` records in `meta["proven"]` the seeds, run lengths and world size its
+winner was shown within tolerance on (the search's own run and every confirmation cell,
+`calibration/choice.py`). A profile calibrated before that record existed was proven on its
+provenance's one seed at its budget's one length. A hand-written profile (`profile init`) has
+neither, and nothing is compared.
+
+Outside that range a profile may still be right, but nothing measured says so: `validate`
+reports it beside its verdict and `attach` warns, so the user knows which claims were tested.
+Lengths count as covered between the shortest and the longest proven (phases are fractions
+of the run); seeds only where proven; world size only where proven.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ProvenRange:
+    seeds: tuple[int, ...]
+    steps: tuple[int, ...]
+    world_size: int | None
+    recorded: bool  # False: read from an older profile's provenance (one seed, one length)
+
+    def describe(self) -> str:
+        seeds = ", ".join(str(s) for s in self.seeds)
+        steps = ", ".join(str(n) for n in self.steps)
+        ws = "" if self.world_size is None else f", world size {self.world_size}"
+        how = "" if self.recorded else " (calibrated before confirmation was recorded)"
+        return (f"seed{'s' if len(self.seeds) > 1 else ''} {seeds} at {steps} steps{ws}"
+                f"{how}")
+
+
+def proven_range(meta: dict[str, Any]) -> ProvenRange | None:
+    """The range a profile's metadata records, or None when it records none."""
+    proven = meta.get("proven")
+    if isinstance(proven, dict) and proven.get("seeds") and proven.get("steps"):
+        return ProvenRange(tuple(int(s) for s in proven["seeds"]),
+                           tuple(int(n) for n in proven["steps"]),
+                           proven.get("world_size"), True)
+    prov = meta.get("provenance") or {}
+    budget = prov.get("budget") or {}
+    if prov.get("source") != "calibrate" or prov.get("seed") is None or not budget.get("steps"):
+        return None
+    return ProvenRange((int(prov["seed"]),), (int(budget["steps"]),), meta.get("world_size"),
+                       False)
+
+
+def outside_proven(meta: dict[str, Any], *, seeds: list[int] | None = None,
+                   steps: int | None = None, world_size: int | None = None) -> list[str]:
+    """One sentence per way the run (its seeds, length, world size) leaves the profile's
+    proven range; [] when inside it or when the profile records no range."""
+    rng = proven_range(meta)
+    if rng is None:
+        return []
+    out = []
+    new = [s for s in (seeds or []) if s not in rng.seeds]
+    if new:
+        out.append(f"seed{'s' if len(new) > 1 else ''} {', '.join(map(str, new))}")
+    if steps is not None and not min(rng.steps) <= steps <= max(rng.steps):
+        out.append(f"{steps} steps")
+    if world_size is not None and rng.world_size is not None and world_size != rng.world_size:
+        out.append(f"world size {world_size}")
+    if not out:
+        return []
+    return [f"the profile was proven on {rng.describe()}; this run's {' and '.join(out)} "
+            "lie outside that range: its result is not covered by calibration"]

@@ -1,0 +1,147 @@
+"""Confirmation: the leading candidates retrained on other seeds and lengths (`choice.py`,
+`confirm.py`), the winner the cheapest that holds on every cell, and the profile's record of
+where it was proven."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+from optuna.trial import create_trial
+
+from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.calibration import calibrate
+from nfabric_cli.calibration.choice import (
+    candidates,
+    cell_job,
+    config_of,
+    grid,
+    pending,
+    reference_job,
+    robust_winner,
+    verdicts,
+)
+from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.calibration.space import config_profile
+from nfabric_cli.errors import InputError
+from nfabric_cli.profile import read_profile
+from nfabric_cli.profile.proven import outside_proven, proven_range
+from nfabric_cli.workloads.registry import get_workload
+from tests.calibration.helpers import TINY, tiny_spec
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def test_the_grid_is_seeds_times_lengths_less_the_searchs_own_cell() -> None:
+    spec = tiny_spec(steps=40, eval_every=10, confirm={"seeds": [1, 2], "steps": [80, 40]})
+    assert grid(spec) == [(0, 80), (1, 40), (1, 80), (2, 40), (2, 80)]
+    assert grid(tiny_spec()) == []  # no [confirm]: the search's winner, as before
+    with pytest.raises(InputError, match="confirm.seeds must be >= 0"):
+        tiny_spec(confirm={"seeds": [-1]})
+    with pytest.raises(InputError, match=r"unknown key\(s\) in \[confirm\]: seed"):
+        tiny_spec(confirm={"seed": [1]})
+    with pytest.raises(InputError, match="confirm: 89 cells"):
+        tiny_spec(confirm={"seeds": list(range(1, 10)), "steps": list(range(10, 90, 10))})
+    # confirmation is not part of the search key: a study is confirmed later without retraining
+    assert tiny_spec(confirm={"seeds": [1]}).search_key() == tiny_spec().search_key()
+
+
+def _study(spec, rows: dict[str, dict]) -> optuna.Study:  # noqa: ANN001
+    """A study with one completed trial per (key -> traffic, degradation) and stored cells."""
+    study = optuna.create_study()
+    dist = {"x": FloatDistribution(0, 1)}
+    for i, (key, r) in enumerate(rows.items()):
+        study.add_trial(create_trial(params={"x": i / 10}, distributions=dist, value=r["traffic"],
+                                     user_attrs={"key": key, "traffic_fraction": r["traffic"],
+                                                 "degradation": r["degr"],
+                                                 "metric": 0.9 - r["degr"]}))
+    for cell in grid(spec):
+        study.set_user_attr(reference_job(cell), {"metric": 0.9})
+    for key, r in rows.items():
+        for cell, metric in r.get("cells", {}).items():
+            study.set_user_attr(cell_job(key, cell), {"metric": metric, "traffic_fraction": 0.1})
+    return study
+
+
+def test_the_winner_is_the_cheapest_candidate_that_holds_on_every_cell() -> None:
+    spec = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "candidates": 3})
+    ref = {"metric": 0.9}
+    study = _study(spec, {
+        "cheap": {"traffic": 0.05, "degr": 0.01, "cells": {(1, 40): 0.84}},  # 0.06 on seed 1
+        "twin": {"traffic": 0.05, "degr": 0.02},  # as cheap, more degradation: second
+        "mid": {"traffic": 0.2, "degr": 0.04, "cells": {(1, 40): 0.85}},  # exactly 0.05: holds
+        "dear": {"traffic": 0.5, "degr": 0.0},
+        "bad": {"traffic": 0.01, "degr": 0.3},  # out of tolerance on its own seed
+    })
+    assert [t.user_attrs["key"] for t in candidates(study, spec)] == ["cheap", "twin", "mid"]
+    # "twin" was never confirmed: it is pending, and nothing after it may win yet
+    assert robust_winner(study, spec, True, ref) is None
+    assert pending(study, spec, True, ref)
+    study.set_user_attr(cell_job("twin", (1, 40)), {"metric": 0.7, "traffic_fraction": 0.1})
+    winner = robust_winner(study, spec, True, ref)
+    assert winner is not None and winner.user_attrs["key"] == "mid"
+    assert not pending(study, spec, True, ref)
+    v = verdicts(study, spec, True, ref)
+    assert [x["status"] for x in v] == ["fails", "fails", "holds"]
+    assert v[0]["worst_degradation"] == pytest.approx(0.06)
+    # nothing holds: no winner (the profile is all fp32)
+    study.set_user_attr(cell_job("mid", (1, 40)), {"metric": 0.8, "traffic_fraction": 0.1})
+    assert robust_winner(study, spec, True, ref) is None
+    assert not pending(study, spec, True, ref)
+
+
+def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_proven(
+        tmp_path) -> None:  # noqa: ANN001
+    wl = get_workload(TINY)
+    spec = tiny_spec(trials=8, steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "steps": [80]})
+    url = f"sqlite:///{tmp_path}/s.db"
+    run, out = calibrate(wl, spec, url, "s", tmp_path / "out", processes=1)
+    conf = out.best["confirmation"]
+    statuses = [v["status"] for v in conf["candidates"]]
+    # on this study the two cheapest admissible trials fail a cell; the third holds on all
+    assert statuses == ["fails", "fails", "holds"], conf
+    held = conf["candidates"][2]
+    assert out.best["trial"] == held["trial"]
+    assert out.best["traffic_fraction"] > conf["candidates"][0]["traffic_fraction"]
+    # every cell of the winner is a real run: one cell retrained alone gives the same metric
+    winner = next(t for t in run.study.trials if t.number == held["trial"])
+    seed, steps = 1, 80
+    bindings = compile_profile(config_profile(spec, config_of(winner, spec),
+                                              {"world_size": 2, "health": spec.health}),
+                               wl.build_model(0), world_size=2, bucket_cap_mb=None,
+                               total_steps=steps)
+    alone = simulate_run(wl, bindings, 2, steps, seed, (steps,), processes=1)
+    cell = next(c for c in held["cells"] if (c["seed"], c["steps"]) == (seed, steps))
+    assert cell["metric"] == alone.metric
+    # the profile says where it was proven, and what confirmation cost
+    profile = read_profile(out.path)
+    proven = profile.meta["proven"]
+    assert proven["seeds"] == [0, 1] and proven["steps"] == [40, 80]
+    assert proven["world_size"] == 2 and len(proven["cells"]) == 4
+    assert proven["worst_degradation"] == held["worst_degradation"] <= 0.05 + 1e-12
+    cost = profile.meta["provenance"]["confirmation"]
+    assert cost["runs"] == 3 + 2 + 2 + 3  # a reference per cell; the candidates reach 2, 2, 3
+    assert out.steps_spent > sum(t.user_attrs.get("steps_run", 0) for t in run.study.trials)
+    assert outside_proven(profile.meta, seeds=[0, 1], steps=60, world_size=2) == []
+    [line] = outside_proven(profile.meta, seeds=[1, 5], steps=200, world_size=4)
+    assert "seeds 0, 1 at 40, 80 steps, world size 2" in line
+    assert "seed 5 and 200 steps and world size 4 lie outside" in line
+    # a rerun of the finished study trains nothing and confirms nothing again
+    run2, out2 = calibrate(wl, spec, url, "s", tmp_path / "out", processes=1)
+    assert out2.best["trial"] == out.best["trial"] and out2.path == out.path
+    assert out2.best["confirmation"]["cost"] == conf["cost"]
+
+
+def test_profiles_from_before_confirmation_were_proven_on_their_one_seed_and_length() -> None:
+    meta = {"world_size": 4, "provenance": {"source": "calibrate", "seed": 0,
+                                            "budget": {"steps": 150}}}
+    rng = proven_range(meta)
+    assert rng is not None and (rng.seeds, rng.steps, rng.recorded) == ((0,), (150,), False)
+    [line] = outside_proven(meta, seeds=[0, 1, 2], steps=600, world_size=4)
+    assert "seed 0 at 150 steps, world size 4 (calibrated before confirmation" in line
+    assert "seeds 1, 2 and 600 steps lie outside" in line
+    assert outside_proven(meta, seeds=[0], steps=150, world_size=4) == []
+    # hand-written profiles record no range: nothing to compare
+    assert outside_proven({"provenance": {"source": "profile init"}}, seeds=[3], steps=9) == []
