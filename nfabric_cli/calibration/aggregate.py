@@ -111,7 +111,7 @@ class Aggregator:
                          for g in grads]
             noise = [rounding_noise(spec, self.seed, step, r, names, segs)
                      for r in range(self.world_size)]
-            stats: dict[str, float] = {}
+            stats: dict[str, float | torch.Tensor] = {}  # the torch path's margins: a tensor
             result = route.simulate(flats, segs, stats, noise)
             if spec.error_feedback and spec.lowbit:
                 # One roundtrip per rank and group, as the hook does it (same noise as sent).
@@ -121,7 +121,7 @@ class Aggregator:
                 out[i].copy_(piece)
             if "agree_n" in stats:
                 s, n = agree.get(region, (0.0, 0.0))
-                agree[region] = (s + stats["agree_sum"], n + stats["agree_n"])
+                agree[region] = (s + float(stats["agree_sum"]), n + float(stats["agree_n"]))
         return agree
 
 

@@ -66,5 +66,5 @@ def outside_proven(meta: dict[str, Any], *, seeds: list[int] | None = None,
         out.append(f"world size {world_size}")
     if not out:
         return []
-    return [f"the profile was proven on {rng.describe()}; this run's {' and '.join(out)} "
-            "lie outside that range: its result is not covered by calibration"]
+    return [f"the profile was proven on {rng.describe()}; outside that range here: "
+            f"{', '.join(out)} (a result there is not covered by calibration)"]

@@ -357,13 +357,16 @@ class CodeRoute(Route):
         order) and W per element: agree_sum / agree_n is the mean agreement |2c - W| / W."""
         if stats is None or agree is None:
             return
-        CodeRoute._add_margins(int(torch.round(agree[:valid].double() * w).sum()), valid, w, stats)
+        CodeRoute._add_margins(torch.round(agree[:valid].double() * w).sum(), valid, w, stats)
 
     @staticmethod
-    def _add_margins(margins: int, valid: int, w: int, stats: dict[str, float] | None) -> None:
-        """Add `margins` (the sum of |2c - W| over `valid` elements) to the step's stats."""
+    def _add_margins(margins: int | torch.Tensor, valid: int, w: int,
+                     stats: dict[str, float | torch.Tensor] | None) -> None:
+        """Add `margins` (the sum of |2c - W| over `valid` elements: the native kernels' int,
+        or a tensor the torch path leaves unread) to the step's stats, in float64."""
         if stats is not None:
-            stats["agree_sum"] = stats.get("agree_sum", 0.0) + float(margins)
+            m = margins.double() if isinstance(margins, torch.Tensor) else float(margins)
+            stats["agree_sum"] = stats.get("agree_sum", 0.0) + m
             stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid * w)
 
     def reduce(

@@ -1,15 +1,24 @@
-"""One small all-reduce per step: the hook's local statistics become numbers every rank shares.
+"""One small all-reduce and one host read per step: the hook's local statistics become numbers
+every rank shares.
 
-Packed into one float64 vector, summed over the ranks: whether anything was not finite, the
-ranks' losses (count and sum: a rank that did not `observe` a loss does not count), per scope
-the squared gradient norm and the sign routes' agreement sums, and each low-bit bucket's
-reduce time (summed, so the gate judges the ranks' mean). Every rank unpacks the same sums, so
-every decision taken from them is the same on every rank.
+The step's statistics stay tensors on the buckets' device until the step ends: each bucket's
+gradient norms (before the reduce) and update norms (after it), the sign routes' vote
+margins, the observed loss. `agree_step` packs them into one float64 vector, on the device:
+whether anything was not finite, the ranks' losses (count and sum: a rank that did not
+`observe` a loss does not count), per scope the squared gradient norm and the agreement sums,
+and each low-bit bucket's reduce time (summed, so the gate judges the ranks' mean). That vector
+is all-reduced, and read to the host together with the update norms, in `host_read`: the
+step's one synchronisation (a test counts it). Every rank unpacks the same sums, so every
+decision taken from them is the same on every rank.
+
+Sums are taken in a fixed order (bucket order, then parameter order within a bucket), in
+float64, so a scope's squared norm is the same number a sequential Python sum gives.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +26,10 @@ import torch
 from nfabric_cli.routes.comm import Comm
 
 _KINDS = ("norm2", "agree_sum", "agree_n")
+Named = tuple[list[str], torch.Tensor]  # a bucket's parameter names and one value per name
+
+#: Host reads so far (`host_read` calls), for tests: one per step is the contract.
+HOST_READS = [0]
 
 
 @dataclass(frozen=True)
@@ -28,27 +41,59 @@ class Agreed:
     grad_norms: dict[str, float]  # per scope, sqrt of the summed squared local norms
     agreement: dict[str, float]  # per sign scope: agree_sum / agree_n
     bucket_seconds: list[float]  # per low-bit reduce timed: mean over the ranks
+    update_norms: dict[str, float]  # per parameter: the reduced update's norm (every rank's)
 
 
-def agree_step(comm: Comm, scopes: list[str], nonfinite: bool, loss: float | None,
-               acc: dict[str, float], bucket_seconds: list[float]) -> Agreed:
-    """All-reduce this rank's statistics (`acc`: "norm2:<scope>" etc. sums) once."""
-    keys = [f"{k}:{s}" for s in scopes for k in _KINDS]
-    bad = nonfinite or (loss is not None and not math.isfinite(loss))
-    local = [1.0 if bad else 0.0, 0.0 if loss is None else 1.0,
-             loss if loss is not None and math.isfinite(loss) else 0.0]
-    local += [acc.get(k, 0.0) for k in keys]
-    local += list(bucket_seconds)
-    vec = torch.tensor(local, dtype=torch.float64)
+def host_read(t: torch.Tensor) -> list[float]:
+    """The step's one device-to-host read."""
+    HOST_READS[0] += 1
+    return t.tolist()
+
+
+def agree_step(comm: Comm, scopes: list[str], scope_of: Callable[[str], str],
+               norms: Sequence[Named], loss: torch.Tensor | float | None,
+               acc: dict[str, torch.Tensor | float], bucket_seconds: list[float],
+               updates: Sequence[Named], device: torch.device) -> Agreed:
+    """All-reduce this rank's statistics once and read them back once. `norms`: per bucket,
+    the local gradient norms; `acc`: "agree_sum:<scope>" / "agree_n:<scope>" sums (tensors or
+    floats); `updates`: per bucket, the reduced update's norms (identical on every rank)."""
+    f64 = {"dtype": torch.float64, "device": device}
+    index = {s: i for i, s in enumerate(scopes)}
+    grads = (torch.cat([t.reshape(-1) for _, t in norms]).to(**f64) if norms
+             else torch.zeros(0, **f64))
+    finite = torch.isfinite(grads)
+    which = torch.tensor([index[scope_of(n)] for names, _ in norms for n in names],
+                         dtype=torch.long, device=device)
+    norm2 = torch.zeros(len(scopes), **f64).index_add_(
+        0, which, torch.where(finite, grads * grads, torch.zeros((), **f64)))
+    bad = (~finite).any()
+    if loss is None:
+        head = torch.stack([bad.to(torch.float64), torch.zeros((), **f64),
+                            torch.zeros((), **f64)])
+    else:
+        value = torch.as_tensor(loss).detach().to(**f64).reshape(())
+        ok = torch.isfinite(value)
+        head = torch.stack([(bad | ~ok).to(torch.float64), torch.ones((), **f64),
+                            torch.where(ok, value, torch.zeros((), **f64))])
+    sums = [torch.as_tensor(acc.get(f"{k}:{s}", 0.0)).to(**f64).reshape(())
+            for s in scopes for k in _KINDS[1:]]
+    per_scope = (torch.stack([norm2, torch.stack(sums[0::2]), torch.stack(sums[1::2])], dim=1)
+                 if scopes else torch.zeros(0, 3, **f64))
+    vec = torch.cat([head, per_scope.reshape(-1), torch.tensor(bucket_seconds, **f64)])
     if comm.world_size > 1:
         comm.allreduce(vec)
-    v = vec.tolist()
-    vals = dict(zip(keys, v[3 : 3 + len(keys)], strict=True))
+    after = [t.reshape(-1) for _, t in updates]
+    v = host_read(torch.cat([vec, *(t.to(**f64) for t in after)]) if after else vec)
+    n = 3 + 3 * len(scopes)
+    keys = [f"{k}:{s}" for s in scopes for k in _KINDS]
+    vals = dict(zip(keys, v[3:n], strict=True))
     return Agreed(
         nonfinite=v[0] > 0,
         loss=v[2] / v[1] if v[1] > 0 else None,
         grad_norms={s: math.sqrt(vals[f"norm2:{s}"]) for s in scopes},
         agreement={s: vals[f"agree_sum:{s}"] / vals[f"agree_n:{s}"] for s in scopes
                    if vals[f"agree_n:{s}"] > 0},
-        bucket_seconds=[t / comm.world_size for t in v[3 + len(keys):]],
+        bucket_seconds=[t / comm.world_size for t in v[n:n + len(bucket_seconds)]],
+        update_norms=dict(zip([name for names, _ in updates for name in names],
+                              v[n + len(bucket_seconds):], strict=True)),
     )

@@ -12,7 +12,6 @@ update, then complete the step's futures and advance the phase.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 import warnings
@@ -88,12 +87,13 @@ class FabricState:
             if direct_fp32 and trace is None
             and all(b.routes[p.name].name == "fp32" for b in bindings.params.values())
         }
-        self._loss: float | None = None
+        self._loss: torch.Tensor | float | None = None
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
+        # the step's statistics, kept as tensors until the step's one host read (agree.py)
+        self._grad_norms: list[tuple[list[str], torch.Tensor]] = []
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
-        self._step_acc: dict[str, float] = {}
-        self._nonfinite = False
+        self._step_acc: dict[str, torch.Tensor | float] = {}
         self._bucket_times: list[tuple[tuple, float]] = []
         self._step_started: float | None = None
         self._lock = threading.Lock()
@@ -142,8 +142,9 @@ class FabricState:
         return self.controller.skipped_steps
 
     def observe(self, loss: torch.Tensor | float) -> None:
-        """Feed this step's local training loss to the health monitor (call before backward)."""
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        """Feed this step's local training loss to the health monitor (call before backward).
+        A tensor is not read here: it is read with the step's other statistics, once."""
+        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
         with self._lock:
             self._loss = value
 
@@ -244,7 +245,8 @@ class FabricState:
         slices = [buffer[o : o + n] for o, n in zip(offsets, numels, strict=True)]
         if self.injections:
             apply_injection(self.injections, step, self.rank, slices)
-        self._measure(names, slices)
+        # the local gradient norms, before anything is encoded (read at the step's end)
+        self._grad_norms.append((names, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
         specs = [self._effective(n) for n in names]
         groups = bucket_groups([self.bindings.params[n].regions[phase] for n in names], specs, numels)
         if any(s.lowbit for s in specs):
@@ -252,12 +254,15 @@ class FabricState:
             verdict = self.gate.verdict((tuple(names), phase), spec_numels(groups))
             if not verdict.admit:
                 specs = [FP32] * len(specs)
-        if self._nonfinite:
-            # Never encode NaN/Inf: the sign of NaN is not a vote. The step is zeroed later.
-            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         bucket = self.trace.next_bucket(step) if self.trace is not None else 0
         full = _full(buffer.dtype)
-        if all(not s.lowbit and s.name == "fp32" for s in specs):
+        plain = all(not s.lowbit and s.name == "fp32" for s in specs)
+        if not plain:
+            # Never encode NaN/Inf (the sign of NaN is not a vote, and error feedback would
+            # keep it): the identity on finite values, so no host read has to decide it. A
+            # non-finite step is zeroed at its end; plain fp32 carries the NaN there by itself.
+            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if plain:
             local = buffer.clone() if self.trace is not None else None
             t0 = time.perf_counter()
             full.reduce(buffer, self.comm)  # in place: exactly allreduce_hook
@@ -275,16 +280,6 @@ class FabricState:
         self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
         if is_last:
             self._finish_step(step)
-
-    def _measure(self, names: list[str], slices: list[torch.Tensor]) -> None:
-        acc = self._step_acc
-        for name, g in zip(names, slices, strict=True):
-            norm = float(torch.linalg.vector_norm(g))
-            if not math.isfinite(norm):
-                self._nonfinite = True
-                continue
-            key = "norm2:" + self.bindings.params[name].regions[self.phase.name]
-            acc[key] = acc.get(key, 0.0) + norm * norm
 
     def _reduce_groups(
         self,
@@ -353,15 +348,12 @@ class FabricState:
     def _finish_step(self, step: int) -> None:
         with self._lock:
             loss, self._loss = self._loss, None
-        agreed = agree_step(self.comm, self._scopes, self._nonfinite, loss, self._step_acc,
-                            [t for _, t in self._bucket_times])
+        agreed = agree_step(self.comm, self._scopes, self.controller.region, self._grad_norms,
+                            loss, self._step_acc, [t for _, t in self._bucket_times],
+                            self._update_norms, self.device)
         self.meter.add(step, self.phase.name, "control", self.comm.take())
-        updates: dict[str, float] = {}
-        if self._update_norms:
-            values = torch.cat([t for _, t in self._update_norms]).tolist()
-            updates = dict(zip([n for names, _ in self._update_norms for n in names], values, strict=True))
         decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
-                                          agreed.agreement, updates)
+                                          agreed.agreement, agreed.update_norms)
         for (key, _), seconds in zip(self._bucket_times, agreed.bucket_seconds, strict=True):
             reason = self.gate.observe(key, seconds)
             if reason:
@@ -376,8 +368,8 @@ class FabricState:
                     if factor is not None:
                         g.mul_(factor)
         pending, self._pending = self._pending, []
-        self._step_acc, self._nonfinite, self._bucket_times = {}, False, []
-        self._update_norms = []
+        self._step_acc, self._bucket_times = {}, []
+        self._grad_norms, self._update_norms = [], []
         self._advance(step)
         for fut, buf, _ in pending:
             fut.set_result(buf)

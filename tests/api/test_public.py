@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -46,18 +47,28 @@ def test_attach_keeps_test_knobs_out_of_its_signature() -> None:
 
 
 def _idioms(rank: int, world: int) -> bool:
-    """attach() and register_comm_hook(FabricState.create(...), fabric_hook) train alike."""
+    """attach() and register_comm_hook(FabricState.create(...), fabric_hook) train alike, and
+    both warn (on rank 0 only) when the run is longer than the profile was proven for."""
     results = []
     for idiom in ("attach", "register"):
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.001)
         bindings = compile_profile(static_profile(model, "sign", [("head.*", "fp32")]), model,
                                    world_size=world, bucket_cap_mb=None)
-        if idiom == "attach":
-            state = nfabric_cli.attach(ddp, bindings, total_steps=4)
-        else:
-            state = nfabric_cli.FabricState.create(ddp, bindings, total_steps=4)
-            ddp.register_comm_hook(state, nfabric_cli.fabric_hook)
+        bindings.meta["proven"] = {"seeds": [0], "steps": [2, 3], "world_size": world}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if idiom == "attach":
+                state = nfabric_cli.attach(ddp, bindings, total_steps=4)
+            else:
+                state = nfabric_cli.FabricState.create(ddp, bindings, total_steps=4)
+                ddp.register_comm_hook(state, nfabric_cli.fabric_hook)
+        said = [str(w.message) for w in caught if "proven" in str(w.message)]
+        expected = (["nfabric: the profile was proven on seed 0 at 2, 3 steps, world size "
+                     f"{world}; outside that range here: 4 steps (a result there is not "
+                     "covered by calibration)"] if rank == 0 else [])
+        if said != expected:
+            return False
         train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, 4)
         state.close()
         results.append(([p.detach().clone() for p in ddp.parameters()], state.bytes_per_route()))
@@ -66,5 +77,6 @@ def _idioms(rank: int, world: int) -> bool:
         and bytes_a["sign/sharded"] > 0
 
 
-def test_register_comm_hook_with_fabric_state_create_equals_attach() -> None:
+def test_register_comm_hook_with_fabric_state_create_equals_attach_and_both_warn_outside_proven(
+) -> None:
     assert run_ranks(_idioms, 2) == [True, True]

@@ -127,7 +127,7 @@ def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_prove
     assert outside_proven(profile.meta, seeds=[0, 1], steps=60, world_size=2) == []
     [line] = outside_proven(profile.meta, seeds=[1, 5], steps=200, world_size=4)
     assert "seeds 0, 1 at 40, 80 steps, world size 2" in line
-    assert "seed 5 and 200 steps and world size 4 lie outside" in line
+    assert "outside that range here: seed 5, 200 steps, world size 4 (a result" in line
     # a rerun of the finished study trains nothing and confirms nothing again
     run2, out2 = calibrate(wl, spec, url, "s", tmp_path / "out", processes=1)
     assert out2.best["trial"] == out.best["trial"] and out2.path == out.path
@@ -141,7 +141,7 @@ def test_profiles_from_before_confirmation_were_proven_on_their_one_seed_and_len
     assert rng is not None and (rng.seeds, rng.steps, rng.recorded) == ((0,), (150,), False)
     [line] = outside_proven(meta, seeds=[0, 1, 2], steps=600, world_size=4)
     assert "seed 0 at 150 steps, world size 4 (calibrated before confirmation" in line
-    assert "seeds 1, 2 and 600 steps lie outside" in line
+    assert "outside that range here: seeds 1, 2, 600 steps (" in line
     assert outside_proven(meta, seeds=[0], steps=150, world_size=4) == []
     # hand-written profiles record no range: nothing to compare
     assert outside_proven({"provenance": {"source": "profile init"}}, seeds=[3], steps=9) == []

@@ -36,10 +36,15 @@ def nfabric(*args: object, timeout: float = 300) -> subprocess.CompletedProcess:
     )
 
 
-def head_fp32_profile(path: Path, workload: TinyWorkload | None = None) -> Path:
-    """The tiny workload's `head.*` on fp32, everything else on sign (like `profile init`)."""
+def head_fp32_profile(path: Path, workload: TinyWorkload | None = None,
+                      proven: dict | None = None) -> Path:
+    """The tiny workload's `head.*` on fp32, everything else on sign (like `profile init`);
+    `proven`: the range a calibrated profile records (`meta["proven"]`)."""
     model = (workload or TinyWorkload()).build_model(0)
-    write_profile(static_profile(model, "sign", [("head.*", "fp32")], workload="tiny"), path)
+    profile = static_profile(model, "sign", [("head.*", "fp32")], workload="tiny")
+    if proven is not None:
+        profile.meta["proven"] = proven
+    write_profile(profile, path)
     return path
 
 

@@ -64,7 +64,9 @@ def test_the_run_passes_only_when_the_worst_seed_does() -> None:
 
 @pytest.mark.slow
 def test_a_two_seed_run_reports_each_seed_as_its_single_seed_run_does(tmp_path) -> None:
-    prof = head_fp32_profile(tmp_path / "p.parquet")
+    # proven on seed 0 at 6 steps: seed 1 lies outside, and both reports say so
+    prof = head_fp32_profile(tmp_path / "p.parquet",
+                             proven={"seeds": [0], "steps": [6], "world_size": 2})
     common = (prof, "--workload", TINY, "--steps", "6", "--arms", "fp32,profile", "--json")
     many = nfabric("validate", *common, "--seeds", "0,1", "--report", tmp_path / "many")
     assert many.returncode in (0, 1), many.stderr
@@ -75,6 +77,9 @@ def test_a_two_seed_run_reports_each_seed_as_its_single_seed_run_does(tmp_path) 
     row = next(r for r in doc["per_seed"] if r["seed"] == 1)
     assert row["arms"]["profile"]["metric_delta"] == single["arms"]["profile"]["metric_delta"]
     assert row["passed"] == single["passed"]
+    outside = ("the profile was proven on seed 0 at 6 steps, world size 2; outside that range "
+               "here: seed 1 (a result there is not covered by calibration)")
+    assert doc["outside_proven"] == single["outside_proven"] == [outside]
     assert (tmp_path / "many" / "report.png").stat().st_size > 0
     assert all((tmp_path / "many" / f"seed-{s}" / "summary.json").is_file() for s in (0, 1))
     assert many.returncode == (0 if doc["passed"] else 1)
