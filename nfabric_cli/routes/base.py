@@ -297,7 +297,7 @@ class CodeRoute(Route):
         codes (unpacking to int64 first cost 10-30x the decode: two fresh 8-byte-per-element
         tensors, mostly page faults), into `out` when given (the rank's own input: memory
         that is already mapped); else unpacked and `decode_values`. Same bits either way."""
-        k = kernels.native()
+        k = kernels.native(packed)
         if k is None:
             values = self._unpack_result(packed, numel, world_size)
             return self.decode_values(values, scales, layout, world_size)
@@ -314,7 +314,7 @@ class CodeRoute(Route):
         agreement of the first `valid` elements added to `stats`. Natively in one pass over the
         shards (`native_combine`), else `combine`, `_record_agreement` and `_pack_result`: the
         same bytes and the same agreement sums either way."""
-        k = kernels.native()
+        k = kernels.native(shards[0])
         how = self.native_combine(world_size) if k is not None else None
         if how is None:
             values, agree = self.combine(shards, world_size)
@@ -345,7 +345,7 @@ class CodeRoute(Route):
     def _pad(self, codes: torch.Tensor, padded: int) -> torch.Tensor:
         if codes.numel() == padded:
             return codes
-        out = torch.full((padded,), self.pad_byte, dtype=torch.uint8)
+        out = torch.full((padded,), self.pad_byte, dtype=torch.uint8, device=codes.device)
         out[: codes.numel()] = codes
         return out
 
@@ -405,7 +405,7 @@ class CodeRoute(Route):
             if mean:
                 agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
             parts = comm.gather(codes)
-            packed = torch.empty(result_nbytes, dtype=torch.uint8)
+            packed = torch.empty(result_nbytes, dtype=torch.uint8, device=x.device)
             if parts is not None:
                 packed = self.combine_packed(parts, w, n, stats)
             comm.broadcast(packed)
@@ -421,7 +421,7 @@ class CodeRoute(Route):
         and the agreed scales (the rank-ordered mean, as an all-gather of them would give)."""
         w, shard = comm.world_size, codes.numel() // comm.world_size
         scale_bytes = local.numel() * 4
-        send = torch.empty((w, shard + scale_bytes), dtype=torch.uint8)
+        send = torch.empty((w, shard + scale_bytes), dtype=torch.uint8, device=codes.device)
         send[:, :shard] = codes.view(w, shard)
         send[:, shard:] = local.contiguous().view(torch.uint8)
         got = comm.all_to_all(send.view(-1)).view(w, shard + scale_bytes)
@@ -439,7 +439,7 @@ class CodeRoute(Route):
         w, n = len(xs), xs[0].numel()
         self.check_world(w)
         if n == 0:
-            return torch.zeros(0)
+            return torch.zeros(0, device=xs[0].device)
         gens = list(generators) if generators is not None else [None] * w
         layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
         local = [self.local_scales(x, layout) for x in xs]

@@ -47,9 +47,10 @@ class ChunkLayout:
 
     def expand(self, scales: torch.Tensor) -> torch.Tensor:
         """Per-chunk values -> per-element tensor of length `numel`."""
-        counts = torch.tensor([b.length for b in self.blocks for _ in range(b.nchunks)])
         if len(self.blocks) == 1:
             return scales.repeat_interleave(self.blocks[0].length)
+        counts = torch.tensor([b.length for b in self.blocks for _ in range(b.nchunks)],
+                              device=scales.device)
         return scales.repeat_interleave(counts)
 
     def scale_into(self, x: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

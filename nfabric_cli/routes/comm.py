@@ -52,7 +52,7 @@ class Comm:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t`, concatenated in rank order, received straight into one tensor."""
-        out = torch.empty((self.world_size * t.numel(),), dtype=t.dtype)
+        out = torch.empty((self.world_size * t.numel(),), dtype=t.dtype, device=t.device)
         self._meter("all_gather", t.numel() * t.element_size())
         _all_gather_single(out, t.reshape(-1), group=self.group)
         return out

@@ -25,7 +25,7 @@ class IntRoute(CodeRoute):
     max_world_size = 1 << 16
 
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(x)
         if k is not None:
             return k.abs_max(x, layout)
 
@@ -45,10 +45,12 @@ class IntRoute(CodeRoute):
         gen: torch.Generator | torch.Tensor | None,
     ) -> torch.Tensor:
         inv = torch.where(absmax > 0, self.qmax / absmax, torch.zeros_like(absmax))
-        k = kernels.native()
+        k = kernels.native(x)
         noise = None
         if self.spec.rounding == "stochastic":  # `gen` may also be the noise, drawn already
+            # drawn on the CPU (a CPU generator, the same draws everywhere), moved to x's device
             noise = gen if isinstance(gen, torch.Tensor) else torch.rand(x.shape, generator=gen)
+            noise = noise.to(x.device)
         if k is not None:
             return k.quantize(x, layout, inv, self.qmax, noise)  # the same draws as below
         q = layout.scale_into(x, inv, torch.empty_like(x))
@@ -68,7 +70,7 @@ class IntRoute(CodeRoute):
     def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         """Nearest rounding: absmax and codes in one visit per chunk (same bytes as
         `CodeRoute.encode`). Stochastic rounding draws its noise first, so it takes that path."""
-        k = kernels.native()
+        k = kernels.native(x)
         if k is None or self.spec.rounding == "stochastic":
             return super().encode(x, segments, noise)
         x = check_input(x).float()
@@ -78,7 +80,7 @@ class IntRoute(CodeRoute):
         return Payload(codes, absmax, x.numel(), segs)
 
     def combine(self, shards: Sequence[torch.Tensor], world_size: int) -> tuple[torch.Tensor, None]:
-        k = kernels.native()
+        k = kernels.native(shards[0])
         if k is not None:
             if self.elems_per_byte == 1:
                 return k.sum_codes(shards, "int8"), None
@@ -100,7 +102,7 @@ class IntRoute(CodeRoute):
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
         # values / (qmax * W) first: a constant input decodes exactly (±1 * absmax).
-        k = kernels.native()
+        k = kernels.native(values)
         if k is not None:
             return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         v = values.float().div_(self.qmax * world_size)
@@ -110,7 +112,7 @@ class IntRoute(CodeRoute):
         return scales, 1, float(self.qmax * world_size)
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(payload.codes)
         if k is not None:
             bits = 8 // self.elems_per_byte
             return k.int_decode(payload.codes, bits, self.qmax, layout, payload.scales)
@@ -137,7 +139,7 @@ class Int4Route(IntRoute):
     pad_byte = 0x88  # two zero codes (stored with offset 8)
 
     def _pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(codes)
         if k is not None:
             return k.pack_nibbles(codes)
         return pack_uint((codes + 8).view(torch.uint8), 4)

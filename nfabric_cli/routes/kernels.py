@@ -407,8 +407,12 @@ def _choose() -> tuple[Kernels | None, str]:
     return _loaded[isa]
 
 
-def native() -> Kernels | None:
-    """The fastest native kernels that run here, or None when the torch fallback must run."""
+def native(t: torch.Tensor | None = None) -> Kernels | None:
+    """The fastest native kernels that run here, or None when the torch fallback must run:
+    always for a tensor `t` off the CPU (the kernels read host memory; the torch path runs on
+    any device)."""
+    if t is not None and t.device.type != "cpu":
+        return None
     return _choose()[0]
 
 

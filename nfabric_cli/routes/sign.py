@@ -27,7 +27,7 @@ class SignRoute(CodeRoute):
     max_world_size = 255  # counts are combined in uint8 range
 
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(x)
         if k is not None:
             return k.sign_encode(x, layout, bits=False)[0]
         # vector_norm(ord=1) sums left to right in float32; the native kernel does the same.
@@ -36,12 +36,12 @@ class SignRoute(CodeRoute):
         )
 
     def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
-        k = kernels.native()
+        k = kernels.native(x)
         return k.sign_bits(x) if k is not None else pack_bool(x > 0)
 
     def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`)."""
-        k = kernels.native()
+        k = kernels.native(x)
         if k is None:
             return super().encode(x, segments, noise)
         x = check_input(x).float()
@@ -52,7 +52,7 @@ class SignRoute(CodeRoute):
     def combine(
         self, shards: Sequence[torch.Tensor], world_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        k = kernels.native()
+        k = kernels.native(shards[0])
         if k is not None:
             return k.sign_combine(shards, keep_count=self.spec.mode == "count")
         n = shards[0].numel() * 8
@@ -69,7 +69,7 @@ class SignRoute(CodeRoute):
         stats: dict[str, float] | None,
     ) -> torch.Tensor:
         """The majority vote natively bit-sliced (64 votes per word op); else as CodeRoute."""
-        k = kernels.native()
+        k = kernels.native(shards[0])
         if k is None or self.spec.mode != "majority":
             return super().combine_packed(shards, world_size, valid, stats)
         packed, margin = k.sign_majority(shards, valid)
@@ -106,16 +106,16 @@ class SignRoute(CodeRoute):
     def decode_values(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(values)
         if k is not None:
             return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         v = values.float()
         if self.spec.mode == "count":
             v = (2 * v - world_size) / world_size
-        return layout.scale_into(v, scales, torch.empty(values.numel()))
+        return layout.scale_into(v, scales, torch.empty(values.numel(), device=values.device))
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(payload.codes)
         if k is not None:
             return k.sign_decode(payload.codes, layout, payload.scales)
         bits = unpack_bool(payload.codes, payload.numel).float()

@@ -29,8 +29,8 @@ class TernaryRoute(CodeRoute):
     scale_agreement = "mean"
     max_world_size = 127  # votes are combined in int8 range
 
-    def _native(self, layout: ChunkLayout) -> kernels.Kernels | None:
-        k = kernels.native()
+    def _native(self, layout: ChunkLayout, t: torch.Tensor) -> kernels.Kernels | None:
+        k = kernels.native(t)
         if k is None or max((b.length for b in layout.blocks), default=0) > _NATIVE_MAX_CHUNK:
             return None
         return k
@@ -43,7 +43,7 @@ class TernaryRoute(CodeRoute):
         return torch.le(per_elem, mag) & (mag > 0)
 
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-        k = self._native(layout)
+        k = self._native(layout, x)
         if k is not None:
             total, count, _ = k.ternary_gate(x, layout, self.spec.tau, sums=True)
             return total / count.clamp_min(1.0)
@@ -58,7 +58,7 @@ class TernaryRoute(CodeRoute):
         return torch.where(keep, torch.sign(x), torch.zeros_like(x)).to(torch.int8)
 
     def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
-        k = self._native(layout)
+        k = self._native(layout, x)
         if k is not None:
             return k.ternary_gate(x, layout, self.spec.tau, packed=True)[2]
         return pack_trits((self._votes(x, layout) + 1).view(torch.uint8))
@@ -68,7 +68,7 @@ class TernaryRoute(CodeRoute):
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)
-        k = self._native(layout)
+        k = self._native(layout, x)
         if k is None:
             return super().encode(x, segments, noise)
         total, count, codes = k.ternary_gate(x, layout, self.spec.tau, sums=True, packed=True)
@@ -78,7 +78,7 @@ class TernaryRoute(CodeRoute):
         return (numel + 4) // 5
 
     def combine(self, shards: Sequence[torch.Tensor], world_size: int) -> tuple[torch.Tensor, None]:
-        k = kernels.native()
+        k = kernels.native(shards[0])
         if k is not None:
             return k.sum_codes(shards, "trit", offset=-len(shards)), None
         n = shards[0].numel() * 5
@@ -96,16 +96,17 @@ class TernaryRoute(CodeRoute):
     def decode_values(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(values)
         if k is not None:
             return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
-        return layout.scale_into(values.float(), scales / world_size, torch.empty(values.numel()))
+        return layout.scale_into(values.float(), scales / world_size,
+                                 torch.empty(values.numel(), device=values.device))
 
     def decode_mode(self, scales: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int, float]:
         return scales / world_size, 0, 1.0
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
-        k = kernels.native()
+        k = kernels.native(payload.codes)
         if k is not None:
             return k.ternary_decode(payload.codes, layout, payload.scales)
         votes = unpack_trits(payload.codes, payload.numel).float() - 1.0
