@@ -8,10 +8,12 @@ at seed 1 against a tolerance of 0.05. So, when the spec names confirmation seed
 again on every *cell* of the grid, seeds (the spec's and ``confirm.seeds``) times lengths (its
 ``steps`` and ``confirm.steps``), each against an FP32 reference trained on the same cell.
 
-The rule is `validate --seeds`' rule, the worst cell: a candidate holds when every cell is
-within tolerance of that cell's reference. The cheapest candidate that holds wins; when none
-does, the profile is all fp32 (the reference itself: nothing unproven ships). Cells are
-trained in order and a candidate stops at its first failing cell.
+The default rule (`confirm.rule = "worst"`) is `validate --seeds`' rule, the worst cell: a
+candidate holds when every cell is within tolerance of that cell's reference; cells are
+trained in order and a candidate stops at its first failing cell. `rule = "bound"` asks more:
+the one-sided 95 % prediction bound for one more seed, from the candidate's cells, within
+tolerance (every cell is trained). The cheapest candidate that holds wins; when none does, the
+profile is all fp32 (the reference itself: nothing unproven ships).
 
 This module only reads: results live in the study's user attributes under `cell_job` names
 (`confirm.py` trains them), so a resumed study and every worker see the same verdicts.
@@ -27,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from nfabric_cli.calibration.space import Config, suggest
 from nfabric_cli.calibration.spec import CalibrationSpec
-from nfabric_cli.profile.target import degradation, within_tolerance
+from nfabric_cli.profile.target import degradation, prediction_bound, within_tolerance
 
 Cell = tuple[int, int]  # (seed, steps)
 
@@ -105,9 +107,13 @@ def cell_verdict(attrs: dict[str, Any], key: str, cell: Cell, spec: CalibrationS
 
 def verdicts(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
              reference: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per candidate, in order: its cells (the search's own first) and its status, `holds`,
-    `fails` (at its first failing cell; later cells are not trained) or `pending`."""
+    """Per candidate, in order: its cells (the search's own first), the worst and the mean
+    degradation over them, the 95 % prediction bound for one more seed (`bound95`), and its
+    status, `holds`, `fails` or `pending`. Under the `worst` rule a candidate fails at its
+    first cell outside tolerance (later cells are not trained); under `bound` it needs every
+    cell, and holds when the bound is within tolerance."""
     attrs = study.user_attrs
+    worst_rule = spec.confirm_rule == "worst"
     out = []
     for t in candidates(study, spec):
         own = {"seed": spec.seed, "steps": spec.steps, "metric": t.user_attrs["metric"],
@@ -120,12 +126,17 @@ def verdicts(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
                 status = "pending"
                 break
             cells.append(v)
-            if not v["within"]:
+            if worst_rule and not v["within"]:
                 status = "fails"
                 break
+        degrs = [c["degradation"] for c in cells]
+        bound = prediction_bound(degrs)
+        if status == "holds" and not worst_rule and not within_tolerance(
+                bound if bound is not None else max(degrs), spec.tolerance):
+            status = "fails"
         out.append({"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
-                    "status": status, "cells": cells,
-                    "worst_degradation": max(c["degradation"] for c in cells)})
+                    "status": status, "cells": cells, "worst_degradation": max(degrs),
+                    "mean_degradation": sum(degrs) / len(degrs), "bound95": bound})
     return out
 
 

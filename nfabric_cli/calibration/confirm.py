@@ -24,6 +24,7 @@ from nfabric_cli.calibration.choice import (
     config_of,
     grid,
     reference_job,
+    verdicts,
 )
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
@@ -49,13 +50,20 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
             _shared(cal, cell_job(key, cell), config, cell, label)
             verdict = cell_verdict(study.user_attrs, key, cell, spec, higher)
             assert verdict is not None  # both jobs are stored now
-            if not verdict["within"]:
+            if spec.confirm_rule == "worst" and not verdict["within"]:
                 cal.sink.note(f"trial {trial.number} fails on seed {cell[0]} at {cell[1]} "
                               f"steps: degradation {verdict['degradation']:+.4f}")
                 break
         else:
-            cal.sink.note(f"trial {trial.number} holds on every confirmation cell")
-            return
+            mine = next(v for v in verdicts(study, spec, higher, cal.reference)
+                        if v["trial"] == trial.number)
+            bound = "n/a" if mine["bound95"] is None else f"{mine['bound95']:+.4f}"
+            if mine["status"] == "holds":
+                cal.sink.note(f"trial {trial.number} holds on every confirmation cell "
+                              f"(worst {mine['worst_degradation']:+.4f}, bound {bound})")
+                return
+            cal.sink.note(f"trial {trial.number} fails the {spec.confirm_rule} rule: worst "
+                          f"{mine['worst_degradation']:+.4f}, bound {bound}")
 
 
 def _shared(cal: Calibrator, job: str, config: Config, cell: Cell, label: str) -> dict[str, Any]:

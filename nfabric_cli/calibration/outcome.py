@@ -24,6 +24,7 @@ from nfabric_cli.calibration.strategy import pruner_label
 from nfabric_cli.calibration.study import StudyRun
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.provenance import base_provenance
+from nfabric_cli.profile.target import prediction_bound
 from nfabric_cli.runtime.health import HealthThresholds
 
 
@@ -163,7 +164,7 @@ def _confirmation(run: StudyRun) -> dict[str, Any] | None:
     cells = grid(run.spec)
     if not cells:
         return None
-    return {"cells": [list(c) for c in cells],
+    return {"cells": [list(c) for c in cells], "rule": run.spec.confirm_rule,
             "candidates": verdicts(run.study, run.spec, run.workload.higher_is_better,
                                    run.reference),
             "cost": confirmation_cost(run.study.user_attrs)}
@@ -185,8 +186,11 @@ def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | N
     return {"seeds": sorted({c["seed"] for c in cells}),
             "steps": sorted({c["steps"] for c in cells}),
             "world_size": spec.world_size, "simulated": True,
-            "rule": "every cell within tolerance of its own fp32 reference",
-            "worst_degradation": max(c["degradation"] for c in cells), "cells": cells}
+            "rule": ("the 95 % prediction bound for one more seed within tolerance"
+                     if spec.confirm_rule == "bound" and confirmation is not None
+                     else "every cell within tolerance of its own fp32 reference"),
+            "worst_degradation": max(c["degradation"] for c in cells),
+            "bound95": prediction_bound([c["degradation"] for c in cells]), "cells": cells}
 
 
 def trial_rows(run: StudyRun) -> list[dict[str, Any]]:

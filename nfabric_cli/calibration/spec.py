@@ -73,9 +73,10 @@ _TOP_KEYS = {
 NOT_IN_SEARCH_KEY: tuple[str, ...] = (
     "trials", "sampler", "pruner",
     "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
-    "confirm_seeds", "confirm_steps", "confirm_candidates",
+    "confirm_seeds", "confirm_steps", "confirm_candidates", "confirm_rule",
 )
-_CONFIRM_KEYS = {"seeds", "steps", "candidates"}
+_CONFIRM_KEYS = {"seeds", "steps", "candidates", "rule"}
+CONFIRM_RULES: tuple[str, ...] = ("worst", "bound")
 MAX_CONFIRM_CELLS = 64
 _PHASE_KEYS = {"boundaries"}
 _ROUTE_KEYS = {"tau", "error_feedback", "reducer", "rounding", "sign_mode"}
@@ -109,6 +110,7 @@ class CalibrationSpec:
     confirm_seeds: tuple[int, ...] = ()
     confirm_steps: tuple[int, ...] = ()
     confirm_candidates: int = 3
+    confirm_rule: str = "worst"  # "worst" cell, or the 95 % prediction "bound" for a new seed
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -221,6 +223,7 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
         confirm_seeds=ints(confirm.get("seeds", []), "confirm.seeds"),
         confirm_steps=ints(confirm.get("steps", []), "confirm.steps"),
         confirm_candidates=typed(confirm.get("candidates", 3), int, "confirm.candidates"),
+        confirm_rule=typed(confirm.get("rule", "worst"), str, "confirm.rule"),
         **kw,
     )
     if "eval_every" not in data and "steps" in data:
@@ -276,6 +279,9 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
     if any(not 1 <= n <= MAX_STEPS for n in spec.confirm_steps):
         raise InputError(f"confirm.steps must each be in [1, {MAX_STEPS}], got "
                          f"{list(spec.confirm_steps)}")
+    if spec.confirm_rule not in CONFIRM_RULES:
+        raise InputError(f"confirm.rule: one of {', '.join(CONFIRM_RULES)}, got "
+                         f"{spec.confirm_rule!r}")
     if not 1 <= spec.confirm_candidates <= 100:
         raise InputError(f"confirm.candidates must be in [1, 100], got {spec.confirm_candidates}")
     cells = len({spec.seed, *spec.confirm_seeds}) * len({spec.steps, *spec.confirm_steps}) - 1

@@ -76,6 +76,9 @@ def calibrate_cmd(
                                       "also hold at (300,600; 'none'; overrides [confirm] "
                                       "steps). Each seed x length is a cell: see "
                                       "docs/calibration.md, 'Confirmation'."),
+    confirm_rule: str = typer.Option(None, "--confirm-rule", help="worst (every cell within "
+                                     "tolerance, validate's rule) or bound (the 95 % "
+                                     "prediction bound for one more seed within it)."),
     status: bool = typer.Option(False, "--status", help="Print the study's trials, best "
                                 "admissible trial and workers, and exit (trains nothing)."),
     as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best, "
@@ -116,7 +119,8 @@ def calibrate_cmd(
     cal = run_spec(wl, spec, steps=steps, sampler=sampler, pruner=pruner, substrate=substrate,
                    world_size=world_size, trials=trials, seed=seed, tolerance=tolerance,
                    confirm_seeds=_ints(confirm_seeds, "--confirm-seeds"),
-                   confirm_steps=_ints(confirm_steps, "--confirm-steps"))
+                   confirm_steps=_ints(confirm_steps, "--confirm-steps"),
+                   confirm_rule=confirm_rule)
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
 
@@ -245,15 +249,18 @@ def _routes(best: dict[str, Any]) -> Table:
 
 def _confirmation(doc: dict[str, Any]) -> Table:
     cost = doc["cost"]
-    table = Table(title=f"confirmation: {len(doc['cells']) + 1} cells (seed x steps), "
+    table = Table(title=f"confirmation ({doc['rule']} rule): {len(doc['cells']) + 1} cells, "
                         f"{cost['runs']} runs, {cost['train_steps']:,} steps, "
                         f"{cost['wall_s'] / 60:.1f} min")
-    for col in ("trial", "traffic", "status", "worst degr.", "cells: seed/steps degradation"):
-        table.add_column(col, justify="right" if col != "cells: seed/steps degradation" else "left")
+    last = "cells: seed/steps degradation"
+    for col in ("trial", "traffic", "status", "worst", "mean", "bound95", last):
+        table.add_column(col, justify="left" if col == last else "right")
     for v in doc["candidates"]:
         cells = ", ".join(f"{c['seed']}/{c['steps']} {c['degradation']:+.4f}" for c in v["cells"])
+        bound = "-" if v.get("bound95") is None else f"{v['bound95']:+.4f}"
         table.add_row(str(v["trial"]), f"{v['traffic_fraction']:.4f}", v["status"],
-                      f"{v['worst_degradation']:+.4f}", cells)
+                      f"{v['worst_degradation']:+.4f}", f"{v['mean_degradation']:+.4f}", bound,
+                      cells)
     return table
 
 

@@ -8,6 +8,7 @@ within it.
 from __future__ import annotations
 
 import math
+import statistics
 
 #: Rounding allowed at the tolerance's edge: metrics on a finite test set sit on a grid, and
 #: 0.9 - 0.85 is 0.05000000000000004 in floats.
@@ -19,6 +20,23 @@ def degradation(metric: float, reference: float, higher_is_better: bool) -> floa
     if math.isnan(metric):
         return math.inf
     return reference - metric if higher_is_better else metric - reference
+
+
+def t_quantile(q: float, df: int) -> float:
+    """Student's t quantile (scipy: scikit-learn's dependency, always installed with it)."""
+    from scipy.stats import t
+
+    return float(t.ppf(q, df))
+
+
+def prediction_bound(degradations: list[float], q: float = 0.95) -> float | None:
+    """The one-sided `q` prediction bound for one more run's degradation, from these runs:
+    ``mean + t(q, n-1) * sd * sqrt(1 + 1/n)``; None with fewer than two runs."""
+    n = len(degradations)
+    if n < 2 or not all(math.isfinite(d) for d in degradations):
+        return None if n < 2 else math.inf
+    mean = statistics.fmean(degradations)
+    return mean + t_quantile(q, n - 1) * statistics.stdev(degradations) * math.sqrt(1 + 1 / n)
 
 
 def within_tolerance(degr: float, tolerance: float, slack: float = 0.0) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import pandas as pd
 
 from nfabric_cli.errors import InputError
-from nfabric_cli.profile.target import within_tolerance
+from nfabric_cli.profile.target import t_quantile, within_tolerance
 from nfabric_cli.validation.config import ValidateConfig
 from nfabric_cli.validation.report import write_summary
 
@@ -61,12 +61,6 @@ def seed_configs(cfg: ValidateConfig, seeds: list[int]) -> list[ValidateConfig]:
     return out
 
 
-def _t(q: float, df: int) -> float:
-    from scipy.stats import t  # scikit-learn's dependency: always installed with it
-
-    return float(t.ppf(q, df))
-
-
 def delta_stats(deltas: list[float | None], higher_is_better: bool) -> dict[str, Any]:
     """Mean, worst, best, std, 90 % interval and one-sided 95 % bound of the deltas (a None,
     a diverged seed, is the worst there is)."""
@@ -84,7 +78,7 @@ def delta_stats(deltas: list[float | None], higher_is_better: bool) -> dict[str,
     if len(values) < 2:
         return {**out, "std": None, "ci90": None, "bound95": None}
     std = statistics.stdev(values)
-    half = _t(0.95, len(values) - 1) * std / math.sqrt(len(values))
+    half = t_quantile(0.95, len(values) - 1) * std / math.sqrt(len(values))
     return {**out, "std": std, "ci90": [mean - half, mean + half],
             "bound95": None if diverged else mean - sign * half}
 

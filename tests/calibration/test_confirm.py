@@ -4,6 +4,9 @@ where it was proven."""
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import optuna
 import pytest
 from optuna.distributions import FloatDistribution
@@ -145,3 +148,27 @@ def test_profiles_from_before_confirmation_were_proven_on_their_one_seed_and_len
     assert outside_proven(meta, seeds=[0], steps=150, world_size=4) == []
     # hand-written profiles record no range: nothing to compare
     assert outside_proven({"provenance": {"source": "profile init"}}, seeds=[3], steps=9) == []
+
+
+def test_the_bound_rule_asks_for_margin_the_worst_rule_does_not() -> None:
+    ref = {"metric": 0.9}
+    rows = {
+        # cells 0.01, 0.04, 0.045: every cell within 0.05, but spread out
+        "thin": {"traffic": 0.05, "degr": 0.01, "cells": {(1, 40): 0.86, (2, 40): 0.855}},
+        # cells 0.0, 0.005, 0.0: tight
+        "wide": {"traffic": 0.2, "degr": 0.0, "cells": {(1, 40): 0.895, (2, 40): 0.9}},
+    }
+    worst = tiny_spec(steps=40, eval_every=10, tolerance=0.05, confirm={"seeds": [1, 2]})
+    bound = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                      confirm={"seeds": [1, 2], "rule": "bound"})
+    study = _study(worst, rows)
+    assert robust_winner(study, worst, True, ref).user_attrs["key"] == "thin"
+    v = verdicts(study, bound, True, ref)
+    # 3 cells: mean + t(0.95, 2) * sd * sqrt(4/3)
+    thin = [0.01, 0.9 - 0.86, 0.9 - 0.855]
+    expected = statistics.fmean(thin) + 2.919986 * statistics.stdev(thin) * math.sqrt(4 / 3)
+    assert v[0]["bound95"] == pytest.approx(expected, rel=1e-5) and v[0]["bound95"] > 0.05
+    assert [x["status"] for x in v] == ["fails", "holds"]
+    assert robust_winner(study, bound, True, ref).user_attrs["key"] == "wide"
+    with pytest.raises(InputError, match="confirm.rule: one of worst, bound"):
+        tiny_spec(confirm={"rule": "median"})
