@@ -12,6 +12,7 @@ import optuna
 from optuna.trial import TrialState
 
 from nfabric_cli.calibration.choice import best_admissible
+from nfabric_cli.calibration.confirm import confirmation_cost
 from nfabric_cli.calibration.publish import recorded_profiles
 from nfabric_cli.calibration.storage import open_storage, redact
 from nfabric_cli.calibration.workers import Claim, Worker, is_claim, live_workers
@@ -54,6 +55,7 @@ def study_status(storage_url: str | None, name: str) -> dict[str, Any]:
         "trials": trials,
         "workers": live_workers(attrs, me),  # one read of the study's attributes for all
         "profiles": recorded_profiles(attrs),
+        "confirmation": confirmation_cost(attrs),  # cells trained so far (`confirm.py`)
         "now": time.time(),
     }
 

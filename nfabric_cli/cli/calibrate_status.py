@@ -43,9 +43,14 @@ def render_status(state: dict[str, Any], console: Console) -> None:
         console.print("best admissible: none yet", highlight=False)
     else:
         routes = ", ".join(f"{k}={v}" for k, v in (best["routes"] or {}).items())
-        console.print(f"best admissible: trial {best['trial']}, traffic "
+        console.print(f"best admissible on the search's own seed: trial {best['trial']}, traffic "
                       f"{best['traffic_fraction']:.4f}, degradation {best['degradation']:+.4f}"
                       f" ({routes})", highlight=False, soft_wrap=True)
+    conf = state.get("confirmation") or {}
+    if conf.get("runs"):
+        console.print(f"confirmation: {conf['runs']} runs so far ({conf['train_steps']:,} steps, "
+                      f"{conf['wall_s'] / 60:.1f} min); the profile names the candidate that "
+                      "held", highlight=False, soft_wrap=True)
     workers = Table(title="workers")
     for col in ("worker", "state", "doing", "last seen"):
         workers.add_column(col, overflow="fold")

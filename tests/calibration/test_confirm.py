@@ -26,6 +26,7 @@ from nfabric_cli.calibration.choice import (
 )
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import config_profile
+from nfabric_cli.calibration.status import study_status
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.profile.proven import outside_proven, proven_range
@@ -131,6 +132,7 @@ def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_prove
     [line] = outside_proven(profile.meta, seeds=[1, 5], steps=200, world_size=4)
     assert "seeds 0, 1 at 40, 80 steps, world size 2" in line
     assert "outside that range here: seed 5, 200 steps, world size 4 (a result" in line
+    assert study_status(url, "s")["confirmation"] == cost  # --status counts the cells
     # a rerun of the finished study trains nothing and confirms nothing again
     run2, out2 = calibrate(wl, spec, url, "s", tmp_path / "out", processes=1)
     assert out2.best["trial"] == out.best["trial"] and out2.path == out.path

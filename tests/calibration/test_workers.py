@@ -230,7 +230,8 @@ def test_status_shows_trials_best_workers_and_profile(tmp_path: Path) -> None:
     assert state["reference"]["state"] == "done"
     human = _cli(tmp_path, "--status", "--storage", url, "--study", "shared", workload=False)
     assert human.exit_code == 0, human.output
-    assert "best admissible: trial" in human.stdout and "tiny.v1.parquet" in human.stdout
+    assert "best admissible on the search's own seed: trial" in human.stdout
+    assert "tiny.v1.parquet" in human.stdout
     table_lines = [ln for ln in human.stdout.splitlines() if set(ln) & set("│┃━─")]
     assert table_lines and max(len(line) for line in table_lines) <= 80, human.stdout
     # a rerun of the complete study trains nothing and names the profile already written
