@@ -98,6 +98,7 @@ def show_cmd(
 ) -> None:
     """Print a profile's rows and a summary of its metadata."""
     from nfabric_cli.profile import read_profile, resolve_profile
+    from nfabric_cli.profile.proven import proven_range
 
     resolved = resolve_profile(path)
     prof = read_profile(resolved)
@@ -111,6 +112,11 @@ def show_cmd(
         meta.add_row(key, _fmt(prof.meta.get(key)))
     for key in ("target", "substrate", "health"):
         meta.add_row(key, _fmt(prof.meta.get(key)))
+    proven = proven_range(prof.meta)
+    if proven is not None:
+        worst = (prof.meta.get("proven") or {}).get("worst_degradation")
+        tail = "" if worst is None else f"; worst degradation {worst:+.4f}"
+        meta.add_row("proven on", proven.describe() + tail)
     prov = prof.meta.get("provenance") or {}
     meta.add_row("provenance", _fmt({k: v for k, v in prov.items() if not isinstance(v, dict)}))
     console.print(meta)

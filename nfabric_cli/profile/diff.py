@@ -3,7 +3,8 @@
 Row changes are listed field by field; metadata changes are flattened to dotted keys
 (``target.tolerance``). Provenance (where a profile came from: seed, versions, git revision,
 profile and schema version) is listed apart so CI can ignore it; calibration evidence
-(`traffic_fraction`, `metric_delta`, `trials`) can be ignored too.
+(`traffic_fraction`, `metric_delta`, `trials`, and what confirmation measured on each cell)
+can be ignored too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from typing import Any
 from nfabric_cli.profile.operating import PROVENANCE_KEYS, ROW_FIELDS, OperatingProfile
 
 EVIDENCE_FIELDS: tuple[str, ...] = ("traffic_fraction", "metric_delta", "trials")
+#: What confirmation measured (`meta.proven`): evidence too. Its seeds, lengths, world size and
+#: rule, the range a profile claims, are metadata.
+EVIDENCE_META: tuple[str, ...] = ("proven.cells", "proven.worst_degradation", "proven.bound95")
 LONG_LIST = 8  # longer lists print as their length in tables (the JSON keeps them whole)
 _COMPARED = tuple(f for f in ROW_FIELDS if f not in ("region", "phase"))
 
@@ -153,7 +157,7 @@ def diff_profiles(
     flat_a, flat_b = flatten(a.meta), flatten(b.meta)
     for key in sorted(set(flat_a) | set(flat_b)):
         va, vb = flat_a.get(key), flat_b.get(key)
-        if _same(va, vb):
+        if _same(va, vb) or (ignore_evidence and key.startswith(EVIDENCE_META)):
             continue
         target = diff.provenance if key.split(".")[0] in PROVENANCE_KEYS else diff.metadata
         target.append(MetaChange(key, va, vb))

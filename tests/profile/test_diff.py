@@ -98,6 +98,15 @@ def test_evidence_can_be_ignored():
     assert diff_profiles(base(), b, ignore_evidence=True).equal
     b.rows[1] = replace(b.rows[1], tau=0.4)
     assert [c.field for c in diff_profiles(base(), b, ignore_evidence=True).changes] == ["tau"]
+    # what confirmation measured is evidence; the range a profile claims is not
+    a, c = base(), base()
+    a.meta["proven"] = {"seeds": [0, 1], "cells": [{"metric": 0.9}], "worst_degradation": 0.01}
+    c.meta["proven"] = {"seeds": [0, 1], "cells": [{"metric": 0.8}], "worst_degradation": 0.02}
+    assert [m.key for m in diff_profiles(a, c).metadata] == ["proven.cells",
+                                                           "proven.worst_degradation"]
+    assert diff_profiles(a, c, ignore_evidence=True).equal
+    c.meta["proven"]["seeds"] = [0]
+    assert [m.key for m in diff_profiles(a, c, ignore_evidence=True).metadata] == ["proven.seeds"]
 
 
 def test_long_lists_print_as_their_length_in_tables() -> None:
