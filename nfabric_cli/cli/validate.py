@@ -57,6 +57,10 @@ def validate(
         None, "--record-trace", help="Record the profile arm's bucket traces here (nfabric replay)."
     ),
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds a rank may make no progress."),
+    gate: str = typer.Option("model", "--gate", help="The profile arm's capacity gate: model "
+                             "(the profile's substrate prices buckets; none: all admitted) or "
+                             "measure (no substrate: time low-bit and fp32 per bucket, keep the "
+                             "faster; not reproducible run to run)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run fp32, static and profile arms (and baselines) on real ranks; exit 0 pass, 1 fail."""
@@ -72,6 +76,7 @@ def validate(
         report_dir="" if report is None else str(report), timeout_s=timeout,
         data_dir=data_dir, powersgd_rank=powersgd_rank,
         record_trace=None if record_trace is None else str(record_trace.resolve()),
+        gate=gate,
     )  # fmt: skip
     if seeds is not None:
         return _many(cfg, seeds, json_out)

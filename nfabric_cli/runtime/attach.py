@@ -47,7 +47,7 @@ def attach(
     *,
     substrate: Substrate | dict[str, Any] | None = None,
     monitor: bool = True,
-    gate: bool = True,
+    gate: bool | str = True,
     seed: int = 0,
     dedicated_group: bool = True,
     trace_dir: str | os.PathLike[str] | None = None,
@@ -60,6 +60,8 @@ def attach(
     profile has more than one phase and the bindings do not carry it. `dedicated_group=False`
     reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
     `trace_dir` records per-bucket traces for `nfabric replay` (see `runtime/trace.py`).
+    `gate`: the capacity gate (False: every bucket as written); ``"measure"``: with no
+    substrate, time the low-bit and fp32 paths per bucket and keep the faster (`probe.py`).
     The same as ``ddp_model.register_comm_hook(FabricState.create(...), fabric_hook)``.
 
     Example::
@@ -95,7 +97,7 @@ def create_state(
     *,
     substrate: Substrate | dict[str, Any] | None = None,
     monitor: bool = True,
-    gate: bool = True,
+    gate: bool | str = True,
     seed: int = 0,
     dedicated_group: bool = True,
     trace_dir: str | os.PathLike[str] | None = None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32
 from nfabric_cli.routes.spec import RouteSpec
@@ -56,7 +57,7 @@ class StepController:
         log: Callable[[dict[str, Any]], None],
         *,
         monitor: bool = True,
-        gate: bool = True,
+        gate: bool | str = True,
     ) -> None:
         self.bindings = bindings
         self.total_steps = max(1, int(total_steps))
@@ -67,7 +68,10 @@ class StepController:
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
                                  thresholds.update_cap)
-        self.gate = CapacityGate(bindings.meta.get("substrate"), world_size, enabled=gate)
+        if gate not in (True, False, "measure"):
+            raise InputError(f"gate: True, False or 'measure', got {gate!r}")
+        self.gate = CapacityGate(bindings.meta.get("substrate"), world_size, enabled=bool(gate),
+                                 measure=gate == "measure")
         self.step = 0
         self.skipped_steps: list[int] = []
         self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down

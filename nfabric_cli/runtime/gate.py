@@ -8,12 +8,15 @@ bucket is admitted as the profile wrote it.
 Measured collective times can revoke an admission: if a bucket's low-bit reduction is seen
 slower than the model's fp32 prediction by the margin for `revoke_after` consecutive steps,
 that bucket falls back to fp32 (decided from all-reduced timings, so every rank agrees).
+With ``measure=True`` and no substrate, the gate times both paths per bucket instead and
+keeps the faster (`probe.py`, opt-in).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from nfabric_cli.runtime.probe import MeasuredAdmission
 from nfabric_cli.substrate.cost import Verdict
 
 if TYPE_CHECKING:
@@ -24,12 +27,16 @@ ADMIT_AS_WRITTEN = Verdict("admit", "no substrate: admitted as written")
 
 
 class CapacityGate:
-    __slots__ = ("substrate", "world_size", "_cache", "_revoked", "_slow", "revoke_after", "enabled")
+    __slots__ = ("substrate", "world_size", "_cache", "_revoked", "_slow", "revoke_after", "enabled",
+                 "measured")
 
     def __init__(
-        self, substrate: Any | None, world_size: int, enabled: bool = True, revoke_after: int = 3
+        self, substrate: Any | None, world_size: int, enabled: bool = True, revoke_after: int = 3,
+        measure: bool = False,
     ) -> None:
         self.substrate = _as_substrate(substrate)
+        # with no substrate to price buckets on, time them (opt-in: see probe.py)
+        self.measured = MeasuredAdmission() if measure and self.substrate is None else None
         self.world_size = world_size
         self.enabled = enabled
         self.revoke_after = revoke_after
@@ -41,8 +48,16 @@ class CapacityGate:
         """Verdict for a bucket (key: its parameter names + phase), priced as `groups`: one
         (route, elements) pair per reduce the hook issues (`routes.groups.spec_numels`).
         The first verdict taken for a key is kept for the rest of the phase."""
-        if not self.enabled or self.substrate is None:
+        if not self.enabled:
             return ADMIT_AS_WRITTEN
+        if self.substrate is None:
+            if self.measured is None:
+                return ADMIT_AS_WRITTEN
+            from nfabric_cli.substrate.cost import as_groups
+
+            if not any(spec.lowbit for spec, _ in as_groups(groups)):
+                return Verdict("admit", "all fp32")
+            return self.measured.verdict(key)
         if key in self._revoked:
             return Verdict("fallback", self._revoked[key])
         cached = self._cache.get(key)
@@ -57,6 +72,14 @@ class CapacityGate:
             self._cache[key] = cached
         return cached
 
+    def timed(self, key: tuple) -> bool:
+        """Whether this step's reduce of bucket `key` must be timed whole (it is probing)."""
+        return self.enabled and self.measured is not None and self.measured.timed(key)
+
+    def observe_probe(self, key: tuple, seconds: float) -> tuple[str, str] | None:
+        """A probed bucket's agreed time; at a probe cycle's end, (path kept, why)."""
+        return None if self.measured is None else self.measured.observe(key, seconds)
+
     def decided(self) -> dict[tuple, Verdict]:
         """Every verdict taken so far, by bucket key (revocations are in the events log)."""
         return dict(self._cache)
@@ -67,7 +90,10 @@ class CapacityGate:
             return [[list(names), phase, value] for (names, phase), value in d.items()]
 
         cache = {k: list(v) for k, v in self._cache.items()}
-        return {"cache": rows(cache), "revoked": rows(self._revoked), "slow": rows(self._slow)}
+        out = {"cache": rows(cache), "revoked": rows(self._revoked), "slow": rows(self._slow)}
+        if self.measured is not None:
+            out["measured"] = self.measured.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         def keyed(rows: list[list[Any]]) -> dict[tuple, Any]:
@@ -76,6 +102,8 @@ class CapacityGate:
         self._cache = {k: _verdict(*v) for k, v in keyed(state["cache"]).items()}
         self._revoked = keyed(state["revoked"])
         self._slow = keyed(state["slow"])
+        if self.measured is not None and "measured" in state:
+            self.measured.load_state_dict(state["measured"])
 
     def observe(self, key: tuple, measured_lowbit_s: float) -> str | None:
         """Feed an (all-ranks max) measured low-bit time; return a reason when revoking."""

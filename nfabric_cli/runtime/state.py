@@ -57,7 +57,7 @@ class FabricState:
         group: dist.ProcessGroup | None,
         *,
         monitor: bool = True,
-        gate: bool = True,
+        gate: bool | str = True,
         injections: tuple[Injection, ...] = (),
         seed: int = 0,
         trace: TraceRecorder | None = None,
@@ -95,6 +95,7 @@ class FabricState:
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
         self._step_acc: dict[str, torch.Tensor | float] = {}
         self._bucket_times: list[tuple[tuple, float]] = []
+        self._probe_times: list[tuple[tuple, float]] = []  # whole buckets the gate is timing
         self._step_started: float | None = None
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
@@ -249,11 +250,14 @@ class FabricState:
         self._grad_norms.append((names, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
         specs = [self._effective(n) for n in names]
         groups = bucket_groups([self.bindings.params[n].regions[phase] for n in names], specs, numels)
+        key, probing = (tuple(names), phase), False
         if any(s.lowbit for s in specs):
             # Priced per reduce issued below, as compile-profile and calibration price it.
-            verdict = self.gate.verdict((tuple(names), phase), spec_numels(groups))
+            verdict = self.gate.verdict(key, spec_numels(groups))
+            probing = self.gate.timed(key)  # measured admission times the whole bucket
             if not verdict.admit:
                 specs = [FP32] * len(specs)
+        started = time.perf_counter()
         bucket = self.trace.next_bucket(step) if self.trace is not None else 0
         full = _full(buffer.dtype)
         plain = all(not s.lowbit and s.name == "fp32" for s in specs)
@@ -273,6 +277,8 @@ class FabricState:
                                   tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
         else:
             self._reduce_groups(buffer, offsets, names, slices, groups, step, phase, bucket)
+        if probing:
+            self._probe_times.append((key, time.perf_counter() - started))
         ref = full.wire_bytes(buffer.numel(), self.world_size, self.rank)  # in its own dtype
         self.meter.add_fp32_reference(step, ref, buffer.dtype)
         if self.monitor_enabled:  # the update guard's input; read once per step
@@ -349,15 +355,21 @@ class FabricState:
         with self._lock:
             loss, self._loss = self._loss, None
         agreed = agree_step(self.comm, self._scopes, self.controller.region, self._grad_norms,
-                            loss, self._step_acc, [t for _, t in self._bucket_times],
+                            loss, self._step_acc,
+                            [t for _, t in self._bucket_times + self._probe_times],
                             self._update_norms, self.device)
         self.meter.add(step, self.phase.name, "control", self.comm.take())
         decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
                                           agreed.agreement, agreed.update_norms)
-        for (key, _), seconds in zip(self._bucket_times, agreed.bucket_seconds, strict=True):
+        n_low = len(self._bucket_times)
+        for (key, _), seconds in zip(self._bucket_times, agreed.bucket_seconds[:n_low], strict=True):
             reason = self.gate.observe(key, seconds)
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
+        for (key, _), seconds in zip(self._probe_times, agreed.bucket_seconds[n_low:], strict=True):
+            decided = self.gate.observe_probe(key, seconds)
+            if decided:
+                self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "probe", "to": decided[0], "reason": decided[1]})
         if decision.skip:
             for _, buf, _ in self._pending:
                 buf.zero_()
@@ -368,7 +380,7 @@ class FabricState:
                     if factor is not None:
                         g.mul_(factor)
         pending, self._pending = self._pending, []
-        self._step_acc, self._bucket_times = {}, []
+        self._step_acc, self._bucket_times, self._probe_times = {}, [], []
         self._grad_norms, self._update_norms = [], []
         self._advance(step)
         for fut, buf, _ in pending:

@@ -42,6 +42,7 @@ class ArmContext:
     powersgd_rank: int = 2
     powersgd_start: int = 2
     trace_dir: str | None = None  # the profile arm records bucket traces here
+    measure_gate: bool = False  # the profile arm's gate times both paths (`runtime/probe.py`)
 
 
 class PlainArm:
@@ -80,7 +81,8 @@ class FabricArm:
         from nfabric_cli.runtime.attach import attach_with
 
         self.state = attach_with(
-            ddp, bindings, ctx.steps, monitor=controlled, gate=controlled,
+            ddp, bindings, ctx.steps, monitor=controlled,
+            gate=("measure" if ctx.measure_gate else True) if controlled else False,
             injections=ctx.injections, seed=ctx.seed,
             trace_dir=ctx.trace_dir if controlled else None,
         )  # fmt: skip

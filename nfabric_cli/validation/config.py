@@ -57,6 +57,7 @@ class ValidateConfig:
     powersgd_rank: int = 2
     bucket_cap_mb: float | None = None  # what every arm passes to DDP (None: DDP's default)
     record_trace: str | None = None  # directory for the profile arm's bucket traces (replay)
+    gate: str = "model"  # the profile arm's capacity gate: "model" (substrate) or "measure"
     store_path: str | None = None  # FileStore of a spawn launch
     run_dir: str = ""  # progress files, logs, results.json
 
@@ -94,6 +95,8 @@ class ValidateConfig:
             raise InputError(f"--tolerance must be a finite number >= 0, got {self.tolerance}")
         if not self.timeout_s > 0:
             raise InputError(f"--timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.gate not in ("model", "measure"):
+            raise InputError(f"--gate: model or measure, got {self.gate!r}")
         if self.powersgd_rank < 1:
             raise InputError(f"--powersgd-rank must be >= 1, got {self.powersgd_rank}")
         if self.link_mbit is not None and not (

@@ -110,7 +110,7 @@ def _run_arms(
         seed=cfg.seed, source=cfg.source, bucket_cap_mb=cfg.bucket_cap_mb,
         injections=tuple(i for i in injections if i.kind != "kill"),
         powersgd_rank=cfg.powersgd_rank, powersgd_start=cfg.powersgd_start_iter(),
-        trace_dir=cfg.record_trace,
+        trace_dir=cfg.record_trace, measure_gate=cfg.gate == "measure",
     )  # fmt: skip
     kills = tuple(i for i in injections if i.kind == "kill")
     return [

@@ -37,6 +37,7 @@ def test_arms_run_fp32_first_then_ours_then_baselines():
         ({"tolerance": -0.1}, "--tolerance"),
         ({"timeout_s": 0}, "--timeout"),
         ({"link_mbit": 0.0}, "--link-mbit"),
+        ({"gate": "timed"}, "--gate: model or measure"),
         ({"nnodes": 2}, "need --launcher torchrun"),
         ({"launcher": "torchrun", "nnodes": 2}, "needs --rdzv-endpoint"),
         (
