@@ -7,7 +7,10 @@ rounds alternate the arms so drift in machine load hits them alike, and each arm
 the median over rounds of its median step. `compute` is the same step without DDP (forward,
 backward, optimizer): the floor no communication scheme goes under. Fabric arms use a profile
 with one route for every parameter (`profile init --route R`); no substrate, so the capacity
-gate admits what the profile says. Goals: fabric sign <= 1.0x plain DDP, fabric fp32 <= 1.05x.
+gate admits what the profile says; `fabric-sign-measured` has the measured gate
+(`gate="measure"`: per bucket, sign or fp32, whichever its first steps timed faster; its
+probing steps are in its first round). Goals: fabric sign <= 1.0x plain DDP, fabric fp32 <=
+1.05x, the measured arm <= 1.05x min(plain, fabric sign).
 
     python -m bench.model_step [--steps 8] [--rounds 3] [--width 3072] [--layers 5] [--json]
 """
@@ -25,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nfabric_cli.benchmarks.runtime import step_time
 from nfabric_cli.ranks.functions import run_function_ranks
 
-ARMS = ("compute", "plain", "fabric-fp32", "fabric-sign", "fabric-int8", "fp16", "powersgd")
+ARMS = ("compute", "plain", "fabric-fp32", "fabric-sign", "fabric-int8", "fabric-sign-measured",
+        "fp16", "powersgd")
 
 
 def _model(width: int, layers: int) -> nn.Module:
@@ -59,6 +63,11 @@ def _arms(rank: int, world: int, width: int, layers: int, total: int) -> dict:
         ddp = DDP(inner)
         bindings = compile_profile(static_profile(inner, route), inner, world_size=world)
         arms[f"fabric-{route}"] = (ddp, attach(ddp, bindings, total_steps=total))
+    # sign with the measured gate: each bucket keeps whichever of sign and fp32 it timed faster
+    inner = _model(width, layers)
+    ddp = DDP(inner)
+    bindings = compile_profile(static_profile(inner, "sign"), inner, world_size=world)
+    arms["fabric-sign-measured"] = (ddp, attach(ddp, bindings, total_steps=total, gate="measure"))
     fp16 = DDP(_model(width, layers))
     fp16.register_comm_hook(fp16_state(None, meter), metered_hook)
     arms["fp16"] = (fp16, None)
