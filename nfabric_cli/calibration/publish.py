@@ -2,8 +2,8 @@
 
 A worker writes the profile when the study holds its budget and no trial is in flight, so
 with several workers the one that finishes the last trial writes it and the others say so.
-The write is claimed (`workers.Claim`, job `profile@<trials>`) and recorded in the study's
-user attributes under the same key: a worker that finishes at the same moment, or a rerun of
+The write is claimed (`workers.Claim`, job `profile@<trials>`, with a `+confirm-<hash>`
+suffix when the spec confirms) and recorded in the study's user attributes under the same key: a worker that finishes at the same moment, or a rerun of
 a complete study, reports the recorded profile instead of writing a second one. The file
 itself takes the next free version in its folder without ever replacing one
 (`write_next_version`), so calibrations of different studies into one folder cannot clash.
@@ -11,6 +11,8 @@ itself takes the next free version in its folder without ever replacing one
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,9 +21,10 @@ from typing import Any
 from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
-from nfabric_cli.calibration.choice import pending
+from nfabric_cli.calibration.choice import grid, pending
 from nfabric_cli.calibration.outcome import Outcome, pick_winner
 from nfabric_cli.calibration.plot import plot_search
+from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.study import StudyRun
 from nfabric_cli.calibration.workers import COUNTED
 from nfabric_cli.profile import write_next_version
@@ -29,8 +32,16 @@ from nfabric_cli.profile import write_next_version
 PROFILE_KEY = "profile@"
 
 
-def profile_key(trials: int) -> str:
-    return f"{PROFILE_KEY}{trials}"
+def profile_key(trials: int, spec: CalibrationSpec | None = None) -> str:
+    """The job and record of one profile write: per trial count and, with a confirmation grid,
+    per confirmation setting (a finished study confirmed later, or otherwise, may name another
+    winner, so it writes another profile; a rerun of the same one reports the recorded one)."""
+    key = f"{PROFILE_KEY}{trials}"
+    if spec is None or not grid(spec):
+        return key
+    setting = json.dumps([spec.confirm_seeds, spec.confirm_steps, spec.confirm_candidates,
+                          spec.confirm_rule])
+    return f"{key}+confirm-{hashlib.sha256(setting.encode()).hexdigest()[:10]}"
 
 
 def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
@@ -42,7 +53,7 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
     while True:
         workers.fail_dead_trials(study, run.worker)
         outcome = build()
-        key = profile_key(outcome.trials)
+        key = profile_key(outcome.trials, run.spec)
         if _recorded(study, key, outcome):
             return outcome
         if not write:
@@ -96,6 +107,6 @@ def _write(run: StudyRun, outcome: Outcome, out_root: str | Path) -> None:
 
 def recorded_profiles(user_attrs: dict[str, Any]) -> list[dict[str, Any]]:
     """Every profile a study's `user_attrs` record as written: trials, path, worker, time."""
-    out = [{"trials": int(k[len(PROFILE_KEY):]), **v} for k, v in user_attrs.items()
-           if k.startswith(PROFILE_KEY) and isinstance(v, dict)]
+    out = [{"trials": int(k[len(PROFILE_KEY):].split("+")[0]), **v}
+           for k, v in user_attrs.items() if k.startswith(PROFILE_KEY) and isinstance(v, dict)]
     return sorted(out, key=lambda r: r["trials"])

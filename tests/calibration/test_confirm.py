@@ -98,11 +98,18 @@ def test_the_winner_is_the_cheapest_candidate_that_holds_on_every_cell() -> None
 def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_proven(
         tmp_path) -> None:  # noqa: ANN001
     wl = get_workload(TINY)
+    url = f"sqlite:///{tmp_path}/s.db"
+    # the search alone first: its winner is the cheapest admissible trial
+    plain = tiny_spec(trials=8, steps=40, eval_every=10, tolerance=0.05)
+    _, first = calibrate(wl, plain, url, "s", tmp_path / "out", processes=1)
+    assert first.path.name == "tiny.v1.parquet" and "confirmation" not in first.best
+    # the finished study confirmed later: no trial trains again, and a new profile is written
     spec = tiny_spec(trials=8, steps=40, eval_every=10, tolerance=0.05,
                      confirm={"seeds": [1], "steps": [80]})
-    url = f"sqlite:///{tmp_path}/s.db"
     run, out = calibrate(wl, spec, url, "s", tmp_path / "out", processes=1)
+    assert out.new_trials == 0 and out.path.name == "tiny.v2.parquet"
     conf = out.best["confirmation"]
+    assert conf["candidates"][0]["trial"] == first.best["trial"]
     statuses = [v["status"] for v in conf["candidates"]]
     # on this study the two cheapest admissible trials fail a cell; the third holds on all
     assert statuses == ["fails", "fails", "holds"], conf
