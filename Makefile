@@ -21,7 +21,7 @@ demo: $(STAMP)
 	bash scripts/demo.sh
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -rs tests
+	$(BIN)/python -m pytest -q -rs --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
