@@ -42,6 +42,8 @@ def bad_input(tmp_path, prof, *args, fragment: str) -> None:
         (("--launcher", "torchrun", "--nnodes", 2, "--rdzv-endpoint", "h:70000"), "port must be"),
         (("--world-size", 64), "world size 64 is too large"),
         (("--link-mbit", -5), "--link-mbit must be a positive number"),
+        (("--seeds", "4-2"), "--seeds: range '4-2' runs backwards"),
+        (("--gate", "timed"), "--gate: model or measure"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, prof, args, fragment):

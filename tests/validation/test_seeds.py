@@ -82,7 +82,4 @@ def test_a_two_seed_run_reports_each_seed_as_its_single_seed_run_does(tmp_path) 
     assert doc["outside_proven"] == single["outside_proven"] == [outside]
     assert (tmp_path / "many" / "report.png").stat().st_size > 0
     assert all((tmp_path / "many" / f"seed-{s}" / "summary.json").is_file() for s in (0, 1))
-    assert many.returncode == (0 if doc["passed"] else 1)
-    bad = nfabric("validate", *common, "--seeds", "4-2")
-    lines = [ln for ln in bad.stderr.splitlines() if ln.strip()]
-    assert bad.returncode == 2 and len(lines) == 1 and "runs backwards" in lines[0]
+    assert many.returncode == (0 if doc["passed"] else 1)  # bad --seeds: test_bad_input
