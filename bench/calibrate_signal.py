@@ -26,7 +26,7 @@ from pathlib import Path
 
 import optuna
 
-from nfabric_cli.calibration.objective import degradation
+from nfabric_cli.profile.target import degradation
 from nfabric_cli.workloads.registry import get_workload
 
 

@@ -69,13 +69,6 @@ def best_admissible(study: optuna.Study, tolerance: float) -> FrozenTrial | None
     return ok[0] if ok else None
 
 
-def grid(spec: CalibrationSpec) -> list[Cell]:
-    """The confirmation cells: every seed times every length, less the search's own cell."""
-    seeds = list(dict.fromkeys([spec.seed, *spec.confirm_seeds]))
-    lengths = list(dict.fromkeys([spec.steps, *spec.confirm_steps]))
-    return [(s, n) for s in seeds for n in lengths if (s, n) != (spec.seed, spec.steps)]
-
-
 def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
     """The trials confirmation tries, in order: the cheapest admissible ones."""
     return admissible(study, spec.tolerance)[:spec.confirm_candidates]
@@ -105,59 +98,68 @@ def cell_verdict(attrs: dict[str, Any], key: str, cell: Cell, spec: CalibrationS
             "within": within_tolerance(d, spec.tolerance)}
 
 
+def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSpec,
+                      higher_is_better: bool, reference: dict[str, Any]) -> dict[str, Any]:
+    """One candidate: its cells (the search's own first, then those of the grid stored in
+    `attrs`), the worst and the mean degradation over them, the 95 % prediction bound for one
+    more seed (`bound95`), and its status, `holds`, `fails` or `pending`. Under the `worst`
+    rule a candidate fails at its first cell outside tolerance (later cells are not trained);
+    under `bound` it needs every cell, and holds when the bound is within tolerance."""
+    worst_rule = spec.confirm_rule == "worst"
+    own = {"seed": spec.seed, "steps": spec.steps, "metric": t.user_attrs["metric"],
+           "reference": reference["metric"], "degradation": t.user_attrs["degradation"],
+           "traffic_fraction": t.user_attrs["traffic_fraction"], "within": True}
+    cells, status = [own], "holds"
+    for cell in spec.confirm_cells():
+        v = cell_verdict(attrs, t.user_attrs["key"], cell, spec, higher_is_better)
+        if v is None:
+            status = "pending"
+            break
+        cells.append(v)
+        if worst_rule and not v["within"]:
+            status = "fails"
+            break
+    degrs = [c["degradation"] for c in cells]
+    bound = prediction_bound(degrs)
+    if status == "holds" and not worst_rule and not within_tolerance(
+            bound if bound is not None else max(degrs), spec.tolerance):
+        status = "fails"
+    return {"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
+            "status": status, "cells": cells, "worst_degradation": max(degrs),
+            "mean_degradation": sum(degrs) / len(degrs), "bound95": bound}
+
+
 def verdicts(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
              reference: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per candidate, in order: its cells (the search's own first), the worst and the mean
-    degradation over them, the 95 % prediction bound for one more seed (`bound95`), and its
-    status, `holds`, `fails` or `pending`. Under the `worst` rule a candidate fails at its
-    first cell outside tolerance (later cells are not trained); under `bound` it needs every
-    cell, and holds when the bound is within tolerance."""
+    """`candidate_verdict` of every candidate, in order (one read of the study's attributes)."""
     attrs = study.user_attrs
-    worst_rule = spec.confirm_rule == "worst"
-    out = []
-    for t in candidates(study, spec):
-        own = {"seed": spec.seed, "steps": spec.steps, "metric": t.user_attrs["metric"],
-               "reference": reference["metric"], "degradation": t.user_attrs["degradation"],
-               "traffic_fraction": t.user_attrs["traffic_fraction"], "within": True}
-        cells, status = [own], "holds"
-        for cell in grid(spec):
-            v = cell_verdict(attrs, t.user_attrs["key"], cell, spec, higher_is_better)
-            if v is None:
-                status = "pending"
-                break
-            cells.append(v)
-            if worst_rule and not v["within"]:
-                status = "fails"
-                break
-        degrs = [c["degradation"] for c in cells]
-        bound = prediction_bound(degrs)
-        if status == "holds" and not worst_rule and not within_tolerance(
-                bound if bound is not None else max(degrs), spec.tolerance):
-            status = "fails"
-        out.append({"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
-                    "status": status, "cells": cells, "worst_degradation": max(degrs),
-                    "mean_degradation": sum(degrs) / len(degrs), "bound95": bound})
-    return out
+    return [candidate_verdict(t, attrs, spec, higher_is_better, reference)
+            for t in candidates(study, spec)]
+
+
+def decide(found: list[dict[str, Any]]) -> tuple[int | None, bool]:
+    """From the candidates' verdicts, in order: (the winning trial's number or None, whether a
+    candidate before any that holds is still pending). Nothing after a pending candidate may
+    win: it is not confirmed (yet)."""
+    for v in found:
+        if v["status"] == "holds":
+            return v["trial"], False
+        if v["status"] == "pending":
+            return None, True
+    return None, False
 
 
 def robust_winner(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
                   reference: dict[str, Any]) -> FrozenTrial | None:
     """The winner: without a grid, the cheapest admissible trial; with one, the cheapest
     candidate whose every cell is stored and within tolerance (None: all fp32)."""
-    if not grid(spec):
+    if not spec.confirm_cells():
         return best_admissible(study, spec.tolerance)
-    for v in verdicts(study, spec, higher_is_better, reference):
-        if v["status"] == "holds":
-            return next(t for t in completed(study) if t.number == v["trial"])
-        if v["status"] == "pending":  # not confirmed (yet): nothing after it may win
-            return None
-    return None
+    number, _ = decide(verdicts(study, spec, higher_is_better, reference))
+    return None if number is None else next(t for t in completed(study) if t.number == number)
 
 
 def pending(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
             reference: dict[str, Any]) -> bool:
     """Whether confirmation still has a cell to train before the winner is known."""
-    for v in verdicts(study, spec, higher_is_better, reference):
-        if v["status"] != "fails":
-            return v["status"] == "pending"
-    return False
+    return decide(verdicts(study, spec, higher_is_better, reference))[1]

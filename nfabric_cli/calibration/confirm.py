@@ -18,13 +18,12 @@ from optuna.trial import TrialState
 from nfabric_cli.calibration import workers
 from nfabric_cli.calibration.choice import (
     Cell,
+    candidate_verdict,
     candidates,
     cell_job,
     cell_verdict,
     config_of,
-    grid,
     reference_job,
-    verdicts,
 )
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
 def confirm(cal: Calibrator, study: optuna.Study) -> None:
     """Train confirmation cells until a candidate holds on all of them or none is left."""
     spec = cal.spec
-    cells = grid(spec)
+    cells = spec.confirm_cells()
     if not cells or cal.multi:
         return
     _wait_for_trials(cal, study)
@@ -55,8 +54,7 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
                               f"steps: degradation {verdict['degradation']:+.4f}")
                 break
         else:
-            mine = next(v for v in verdicts(study, spec, higher, cal.reference)
-                        if v["trial"] == trial.number)
+            mine = candidate_verdict(trial, study.user_attrs, spec, higher, cal.reference)
             bound = "n/a" if mine["bound95"] is None else f"{mine['bound95']:+.4f}"
             if mine["status"] == "holds":
                 cal.sink.note(f"trial {trial.number} holds on every confirmation cell "

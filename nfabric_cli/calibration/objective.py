@@ -15,8 +15,6 @@ from typing import Any
 
 from nfabric_cli.profile.target import degradation, within_tolerance
 
-__all__ = ["degradation", "within_tolerance"]  # re-exported: calibration's callers use them here
-
 #: Most tolerances of excess an out-of-tolerance trial is charged (keeps values finite).
 PENALTY_CAP = 1e3
 

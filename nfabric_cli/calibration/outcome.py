@@ -16,7 +16,15 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from nfabric_cli.calibration.choice import completed, config_of, grid, robust_winner, verdicts
+from nfabric_cli.calibration.choice import (
+    best_admissible,
+    candidate_verdict,
+    completed,
+    config_of,
+    decide,
+    robust_winner,
+    verdicts,
+)
 from nfabric_cli.calibration.confirm import confirmation_cost
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param
 from nfabric_cli.calibration.storage import redact
@@ -24,7 +32,6 @@ from nfabric_cli.calibration.strategy import pruner_label
 from nfabric_cli.calibration.study import StudyRun
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.provenance import base_provenance
-from nfabric_cli.profile.target import prediction_bound
 from nfabric_cli.runtime.health import HealthThresholds
 
 
@@ -43,6 +50,7 @@ class Outcome:
     new_trials: int
     written_by: str | None = None  # the worker that wrote the profile (`host:pid`)
     note: str | None = None  # why this worker did not write it, when it did not
+    pending: bool = False  # a confirmation cell is still untrained: no winner may be written
 
 
 def pick_winner(run: StudyRun) -> FrozenTrial | None:
@@ -93,7 +101,13 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
                   fingerprint: str, model_params: list | None = None) -> Outcome:
     """Pick the winner, build its profile and summarise the study (`publish` writes it)."""
     spec, study = run.spec, run.study
-    winner = pick_winner(run)
+    confirmation = _confirmation(run)  # the candidates' verdicts, read once
+    if confirmation is None:
+        winner, waiting = best_admissible(study, spec.tolerance), False
+    else:
+        number, waiting = decide(confirmation["candidates"])
+        winner = None if number is None else next(t for t in completed(study)
+                                                  if t.number == number)
     config = fp32_config(spec) if winner is None else config_of(winner, spec)
     finished = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
     pruned = sum(1 for t in finished if t.state == TrialState.PRUNED)
@@ -114,7 +128,6 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
         "sign_mode": config.sign_mode if config.uses("sign") else None,
         "boundaries": list(config.boundaries),
     }
-    confirmation = _confirmation(run)
     if confirmation is not None:
         best["confirmation"] = confirmation
     if winner is None:
@@ -156,12 +169,13 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
     if winner is not None:
         meta["proven"] = _proven(run, winner, confirmation)
     profile = config_profile(spec, config, meta, row_evidence(run, config, winner))
-    return Outcome(profile, None, None, len(finished), pruned, best, pareto, spent, run.new_trials)
+    return Outcome(profile, None, None, len(finished), pruned, best, pareto, spent, run.new_trials,
+                   pending=waiting)
 
 
 def _confirmation(run: StudyRun) -> dict[str, Any] | None:
     """The confirmation grid, every candidate's verdict and what it cost (None: no grid)."""
-    cells = grid(run.spec)
+    cells = run.spec.confirm_cells()
     if not cells:
         return None
     return {"cells": [list(c) for c in cells], "rule": run.spec.confirm_rule,
@@ -175,22 +189,19 @@ def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | N
     """Where the winner was shown within tolerance: every cell it ran on (the search's own,
     and the confirmation grid's), in the simulator at the spec's world size."""
     spec = run.spec
-    if confirmation is None:
-        cells = [{"seed": spec.seed, "steps": spec.steps, "metric": winner.user_attrs["metric"],
-                  "reference": run.reference["metric"],
-                  "degradation": winner.user_attrs["degradation"]}]
-    else:
-        mine = next(v for v in confirmation["candidates"] if v["trial"] == winner.number)
-        cells = [{k: c[k] for k in ("seed", "steps", "metric", "reference", "degradation")}
-                 for c in mine["cells"]]
+    mine = (candidate_verdict(winner, {}, spec, run.workload.higher_is_better, run.reference)
+            if confirmation is None  # no grid: the search's own cell alone
+            else next(v for v in confirmation["candidates"] if v["trial"] == winner.number))
+    cells = [{k: c[k] for k in ("seed", "steps", "metric", "reference", "degradation")}
+             for c in mine["cells"]]
     return {"seeds": sorted({c["seed"] for c in cells}),
             "steps": sorted({c["steps"] for c in cells}),
             "world_size": spec.world_size, "simulated": True,
             "rule": ("the 95 % prediction bound for one more seed within tolerance"
                      if spec.confirm_rule == "bound" and confirmation is not None
                      else "every cell within tolerance of its own fp32 reference"),
-            "worst_degradation": max(c["degradation"] for c in cells),
-            "bound95": prediction_bound([c["degradation"] for c in cells]), "cells": cells}
+            "worst_degradation": mine["worst_degradation"], "bound95": mine["bound95"],
+            "cells": cells}
 
 
 def trial_rows(run: StudyRun) -> list[dict[str, Any]]:

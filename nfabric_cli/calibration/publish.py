@@ -3,10 +3,11 @@
 A worker writes the profile when the study holds its budget and no trial is in flight, so
 with several workers the one that finishes the last trial writes it and the others say so.
 The write is claimed (`workers.Claim`, job `profile@<trials>`, with a `+confirm-<hash>`
-suffix when the spec confirms) and recorded in the study's user attributes under the same key: a worker that finishes at the same moment, or a rerun of
-a complete study, reports the recorded profile instead of writing a second one. The file
-itself takes the next free version in its folder without ever replacing one
-(`write_next_version`), so calibrations of different studies into one folder cannot clash.
+suffix when the spec confirms) and recorded in the study's user attributes under the same
+key: a worker that finishes at the same moment, or a rerun of a complete study, reports the
+recorded profile instead of writing a second one. The file itself takes the next free version
+in its folder without ever replacing one (`write_next_version`), so calibrations of different
+studies into one folder cannot clash.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
-from nfabric_cli.calibration.choice import grid, pending
 from nfabric_cli.calibration.outcome import Outcome, pick_winner
 from nfabric_cli.calibration.plot import plot_search
 from nfabric_cli.calibration.spec import CalibrationSpec
@@ -37,7 +37,7 @@ def profile_key(trials: int, spec: CalibrationSpec | None = None) -> str:
     per confirmation setting (a finished study confirmed later, or otherwise, may name another
     winner, so it writes another profile; a rerun of the same one reports the recorded one)."""
     key = f"{PROFILE_KEY}{trials}"
-    if spec is None or not grid(spec):
+    if spec is None or not spec.confirm_cells():
         return key
     setting = json.dumps([spec.confirm_seeds, spec.confirm_steps, spec.confirm_candidates,
                           spec.confirm_rule])
@@ -65,7 +65,7 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
             outcome.note = (f"{len(running)} trial(s) still running on {', '.join(names)}: the "
                             "worker that finishes the last one writes the profile")
             return outcome
-        if pending(study, run.spec, run.workload.higher_is_better, run.reference):
+        if outcome.pending:
             outcome.note = ("confirmation cells are still in training (`confirm.py`): the "
                             "worker that confirms the winner writes the profile")
             return outcome

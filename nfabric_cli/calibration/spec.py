@@ -116,6 +116,13 @@ class CalibrationSpec:
     def phases(self) -> tuple[str, ...]:
         return tuple(phase_names(len(self.boundaries) + 1))
 
+    def confirm_cells(self) -> list[tuple[int, int]]:
+        """The confirmation grid (`choice.py`): every seed times every length, as (seed,
+        steps), less the search's own cell."""
+        seeds = list(dict.fromkeys([self.seed, *self.confirm_seeds]))
+        lengths = list(dict.fromkeys([self.steps, *self.confirm_steps]))
+        return [(s, n) for s in seeds for n in lengths if (s, n) != (self.seed, self.steps)]
+
     def checkpoints(self) -> tuple[int, ...]:
         """Steps after which a trial evaluates (the last one is always `steps`)."""
         marks = list(range(self.eval_every, self.steps, self.eval_every))
@@ -284,7 +291,7 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
                          f"{spec.confirm_rule!r}")
     if not 1 <= spec.confirm_candidates <= 100:
         raise InputError(f"confirm.candidates must be in [1, 100], got {spec.confirm_candidates}")
-    cells = len({spec.seed, *spec.confirm_seeds}) * len({spec.steps, *spec.confirm_steps}) - 1
+    cells = len(spec.confirm_cells())
     if cells > MAX_CONFIRM_CELLS:
         raise InputError(f"confirm: {cells} cells (seeds x lengths) is more than "
                          f"{MAX_CONFIRM_CELLS}")

@@ -37,12 +37,10 @@ from nfabric_cli.calibration.objective import (
     DEFAULT_INTERMEDIATE,
     INTERMEDIATE,
     PENALTY_CAP,
-    degradation,
     intermediate_value,
     loss_scale,
     objective_value,
     store_result,
-    within_tolerance,
 )
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, simulate_run
@@ -64,6 +62,7 @@ from nfabric_cli.calibration.workers import (
     surplus,
     wait_for_same,
 )
+from nfabric_cli.profile.target import degradation, within_tolerance
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.base import Workload
 

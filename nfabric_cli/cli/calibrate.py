@@ -118,8 +118,8 @@ def calibrate_cmd(
     wl = get_workload(workload, data_dir)
     cal = run_spec(wl, spec, steps=steps, sampler=sampler, pruner=pruner, substrate=substrate,
                    world_size=world_size, trials=trials, seed=seed, tolerance=tolerance,
-                   confirm_seeds=_ints(confirm_seeds, "--confirm-seeds"),
-                   confirm_steps=_ints(confirm_steps, "--confirm-steps"),
+                   confirm_seeds=_unless_none(confirm_seeds, _seeds),
+                   confirm_steps=_unless_none(confirm_steps, _lengths),
                    confirm_rule=confirm_rule)
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
@@ -152,21 +152,25 @@ def calibrate_cmd(
                       soft_wrap=True)
 
 
-def _ints(text: str | None, option: str) -> tuple[int, ...] | None:
-    """A flag's integers ('1-2,4' for seeds, '300,600' for lengths); 'none': (); None: not
-    given (the spec's value stands)."""
-    from nfabric_cli.validation.seeds import parse_seeds
-
+def _unless_none(text: str | None, parse: Any) -> tuple[int, ...] | None:
+    """A confirmation flag: None when not given (the spec's value stands), () for 'none'."""
     if text is None:
         return None
-    if text.strip().lower() == "none":
-        return ()
-    if option == "--confirm-steps":
-        try:
-            return tuple(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
-        except ValueError:
-            raise InputError(f"{option}: expected lengths like 300,600 or none, got {text!r}") from None
-    return tuple(parse_seeds(text, option))
+    return () if text.strip().lower() == "none" else tuple(parse(text))
+
+
+def _seeds(text: str) -> list[int]:
+    from nfabric_cli.validation.seeds import parse_seeds
+
+    return parse_seeds(text, "--confirm-seeds")
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        return list(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
+    except ValueError:
+        raise InputError(f"--confirm-steps: expected lengths like 300,600 or none, got "
+                         f"{text!r}") from None
 
 
 def _status(storage: str | None, study: str, as_json: bool) -> None:

@@ -18,7 +18,7 @@ float64, so a scope's squared norm is the same number a sequential Python sum gi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +26,7 @@ import torch
 from nfabric_cli.routes.comm import Comm
 
 _KINDS = ("norm2", "agree_sum", "agree_n")
-Named = tuple[list[str], torch.Tensor]  # a bucket's parameter names and one value per name
+Named = tuple[list[str], torch.Tensor]  # per bucket: a label per parameter, a value per parameter
 
 #: Host reads so far (`host_read` calls), for tests: one per step is the contract.
 HOST_READS = [0]
@@ -50,31 +50,28 @@ def host_read(t: torch.Tensor) -> list[float]:
     return t.tolist()
 
 
-def agree_step(comm: Comm, scopes: list[str], scope_of: Callable[[str], str],
-               norms: Sequence[Named], loss: torch.Tensor | float | None,
+def agree_step(comm: Comm, scopes: list[str], norms: Sequence[Named],
+               loss: torch.Tensor | float | None,
                acc: dict[str, torch.Tensor | float], bucket_seconds: list[float],
                updates: Sequence[Named], device: torch.device) -> Agreed:
     """All-reduce this rank's statistics once and read them back once. `norms`: per bucket,
-    the local gradient norms; `acc`: "agree_sum:<scope>" / "agree_n:<scope>" sums (tensors or
+    its parameters' scopes and local gradient norms; `acc`: "agree_sum:<scope>" / "agree_n:<scope>" sums (tensors or
     floats); `updates`: per bucket, the reduced update's norms (identical on every rank)."""
     f64 = {"dtype": torch.float64, "device": device}
+    zero = torch.zeros((), **f64)
     index = {s: i for i, s in enumerate(scopes)}
     grads = (torch.cat([t.reshape(-1) for _, t in norms]).to(**f64) if norms
              else torch.zeros(0, **f64))
     finite = torch.isfinite(grads)
-    which = torch.tensor([index[scope_of(n)] for names, _ in norms for n in names],
+    which = torch.tensor([index[s] for owners, _ in norms for s in owners],
                          dtype=torch.long, device=device)
     norm2 = torch.zeros(len(scopes), **f64).index_add_(
-        0, which, torch.where(finite, grads * grads, torch.zeros((), **f64)))
-    bad = (~finite).any()
-    if loss is None:
-        head = torch.stack([bad.to(torch.float64), torch.zeros((), **f64),
-                            torch.zeros((), **f64)])
-    else:
-        value = torch.as_tensor(loss).detach().to(**f64).reshape(())
-        ok = torch.isfinite(value)
-        head = torch.stack([(bad | ~ok).to(torch.float64), torch.ones((), **f64),
-                            torch.where(ok, value, torch.zeros((), **f64))])
+        0, which, torch.where(finite, grads * grads, zero))
+    # no loss observed: counted as none (0 ranks), and finite
+    value = torch.as_tensor(0.0 if loss is None else loss).detach().to(**f64).reshape(())
+    ok = torch.isfinite(value)
+    head = torch.stack([((~finite).any() | ~ok).to(torch.float64),
+                        torch.full((), float(loss is not None), **f64), torch.where(ok, value, zero)])
     sums = [torch.as_tensor(acc.get(f"{k}:{s}", 0.0)).to(**f64).reshape(())
             for s in scopes for k in _KINDS[1:]]
     per_scope = (torch.stack([norm2, torch.stack(sums[0::2]), torch.stack(sums[1::2])], dim=1)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 
 ADMIT_AS_WRITTEN = Verdict("admit", "no substrate: admitted as written")
+ALL_FP32 = Verdict("admit", "all fp32")
 
 
 class CapacityGate:
@@ -48,27 +49,20 @@ class CapacityGate:
         """Verdict for a bucket (key: its parameter names + phase), priced as `groups`: one
         (route, elements) pair per reduce the hook issues (`routes.groups.spec_numels`).
         The first verdict taken for a key is kept for the rest of the phase."""
-        if not self.enabled:
+        if not self.enabled or (self.substrate is None and self.measured is None):
             return ADMIT_AS_WRITTEN
-        if self.substrate is None:
-            if self.measured is None:
-                return ADMIT_AS_WRITTEN
-            from nfabric_cli.substrate.cost import as_groups
+        from nfabric_cli.substrate.cost import as_groups, bucket_verdict
 
-            if not any(spec.lowbit for spec, _ in as_groups(groups)):
-                return Verdict("admit", "all fp32")
-            return self.measured.verdict(key)
+        if self.measured is not None:  # probed per step: nothing cached
+            pairs = as_groups(groups)
+            return self.measured.verdict(key) if _lowbit(pairs) else ALL_FP32
         if key in self._revoked:
             return Verdict("fallback", self._revoked[key])
         cached = self._cache.get(key)
         if cached is None:
-            from nfabric_cli.substrate.cost import as_groups, bucket_verdict
-
             pairs = as_groups(groups)
-            if not any(spec.lowbit for spec, _ in pairs):
-                cached = Verdict("admit", "all fp32")
-            else:
-                cached = bucket_verdict(self.substrate, pairs, self.world_size)
+            cached = (bucket_verdict(self.substrate, pairs, self.world_size) if _lowbit(pairs)
+                      else ALL_FP32)
             self._cache[key] = cached
         return cached
 
@@ -123,6 +117,10 @@ class CapacityGate:
             self._revoked[key] = reason
             return reason
         return None
+
+
+def _lowbit(pairs: Any) -> bool:
+    return any(spec.lowbit for spec, _ in pairs)
 
 
 def _verdict(verdict: str | bool, reason: str, fp32_s: float | None, low_s: float | None) -> Verdict:

@@ -90,7 +90,8 @@ class FabricState:
         self._loss: torch.Tensor | float | None = None
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
-        # the step's statistics, kept as tensors until the step's one host read (agree.py)
+        # the step's statistics, kept as tensors until the step's one host read (agree.py):
+        # per bucket, its parameters' scopes and gradient norms, and names and update norms
         self._grad_norms: list[tuple[list[str], torch.Tensor]] = []
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
         self._step_acc: dict[str, torch.Tensor | float] = {}
@@ -246,10 +247,11 @@ class FabricState:
         slices = [buffer[o : o + n] for o, n in zip(offsets, numels, strict=True)]
         if self.injections:
             apply_injection(self.injections, step, self.rank, slices)
-        # the local gradient norms, before anything is encoded (read at the step's end)
-        self._grad_norms.append((names, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
+        regions = [self.bindings.params[n].regions[phase] for n in names]
+        # the local gradient norms, by scope, before anything is encoded (read at the step's end)
+        self._grad_norms.append((regions, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
         specs = [self._effective(n) for n in names]
-        groups = bucket_groups([self.bindings.params[n].regions[phase] for n in names], specs, numels)
+        groups = bucket_groups(regions, specs, numels)
         key, probing = (tuple(names), phase), False
         if any(s.lowbit for s in specs):
             # Priced per reduce issued below, as compile-profile and calibration price it.
@@ -260,13 +262,7 @@ class FabricState:
         started = time.perf_counter()
         bucket = self.trace.next_bucket(step) if self.trace is not None else 0
         full = _full(buffer.dtype)
-        plain = all(not s.lowbit and s.name == "fp32" for s in specs)
-        if not plain:
-            # Never encode NaN/Inf (the sign of NaN is not a vote, and error feedback would
-            # keep it): the identity on finite values, so no host read has to decide it. A
-            # non-finite step is zeroed at its end; plain fp32 carries the NaN there by itself.
-            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        if plain:
+        if all(not s.lowbit and s.name == "fp32" for s in specs):
             local = buffer.clone() if self.trace is not None else None
             t0 = time.perf_counter()
             full.reduce(buffer, self.comm)  # in place: exactly allreduce_hook
@@ -276,6 +272,10 @@ class FabricState:
                 self.trace.record(step, phase, bucket, buffer.numel(), len(names), FP32,
                                   tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
         else:
+            # Never encode NaN/Inf (the sign of NaN is not a vote, and error feedback would
+            # keep it): the identity on finite values, so no host read has to decide it. A
+            # non-finite step is zeroed at its end; plain fp32 carries the NaN there by itself.
+            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             self._reduce_groups(buffer, offsets, names, slices, groups, step, phase, bucket)
         if probing:
             self._probe_times.append((key, time.perf_counter() - started))
@@ -354,8 +354,7 @@ class FabricState:
     def _finish_step(self, step: int) -> None:
         with self._lock:
             loss, self._loss = self._loss, None
-        agreed = agree_step(self.comm, self._scopes, self.controller.region, self._grad_norms,
-                            loss, self._step_acc,
+        agreed = agree_step(self.comm, self._scopes, self._grad_norms, loss, self._step_acc,
                             [t for _, t in self._bucket_times + self._probe_times],
                             self._update_norms, self.device)
         self.meter.add(step, self.phase.name, "control", self.comm.take())

@@ -18,7 +18,6 @@ from nfabric_cli.calibration.choice import (
     candidates,
     cell_job,
     config_of,
-    grid,
     pending,
     reference_job,
     robust_winner,
@@ -38,8 +37,8 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 def test_the_grid_is_seeds_times_lengths_less_the_searchs_own_cell() -> None:
     spec = tiny_spec(steps=40, eval_every=10, confirm={"seeds": [1, 2], "steps": [80, 40]})
-    assert grid(spec) == [(0, 80), (1, 40), (1, 80), (2, 40), (2, 80)]
-    assert grid(tiny_spec()) == []  # no [confirm]: the search's winner, as before
+    assert spec.confirm_cells() == [(0, 80), (1, 40), (1, 80), (2, 40), (2, 80)]
+    assert tiny_spec().confirm_cells() == []  # no [confirm]: the search's winner, as before
     with pytest.raises(InputError, match="confirm.seeds must be >= 0"):
         tiny_spec(confirm={"seeds": [-1]})
     with pytest.raises(InputError, match=r"unknown key\(s\) in \[confirm\]: seed"):
@@ -59,7 +58,7 @@ def _study(spec, rows: dict[str, dict]) -> optuna.Study:  # noqa: ANN001
                                      user_attrs={"key": key, "traffic_fraction": r["traffic"],
                                                  "degradation": r["degr"],
                                                  "metric": 0.9 - r["degr"]}))
-    for cell in grid(spec):
+    for cell in spec.confirm_cells():
         study.set_user_attr(reference_job(cell), {"metric": 0.9})
     for key, r in rows.items():
         for cell, metric in r.get("cells", {}).items():
