@@ -110,7 +110,7 @@ class Bindings:
         w = self.world_size if world_size is None else world_size
         groups = self.bucket_groups(bucket, phase_name)
         dtype = self.bucket_dtype(bucket)
-        low = sum(modelled_bytes(g.spec, g.segments, w, dtype) for g in groups)
+        low = sum(g.wire_bytes(w, dtype=dtype).total for g in groups)
         return low, modelled_bytes(FP32, (self.buckets[bucket].numel,), w, dtype)
 
     def bucket_dtype(self, bucket: int) -> torch.dtype:

@@ -82,8 +82,7 @@ def step_bytes(
             continue
         for group in bucket_groups(regions, specs, numels):
             idx = group.index
-            b = make_route(group.spec).wire_bytes(group.numel, world_size,
-                                                  segments=group.segments).total
+            b = group.wire_bytes(world_size).total
             sent += b
             group_ref = sum(share[i] for i in idx)
             for i in idx:  # a float group spans regions: split its bytes by elements

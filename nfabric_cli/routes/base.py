@@ -382,51 +382,28 @@ class CodeRoute(Route):
         self.check_world(w)
         if w == 1 or n == 0:
             return self.simulate([x], segments, stats, [generator])
+        if self.spec.reducer == "sharded":  # a bucket of one piece (`exchange.py`)
+            from nfabric_cli.routes.exchange import Piece, reduce_pieces
+
+            reduce_pieces([Piece(self, x, check_segments(n, segments), stats, generator)], comm)
+            return x
         layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
-        padded, result_nbytes = self._sizes(n, w)
-        mean = self.scale_agreement == "mean"
-        if mean:  # codes from the local scales: both in one visit where the codec can
+        _, result_nbytes = self._sizes(n, w)
+        if self.scale_agreement == "mean":  # codes from the local scales, in one visit
             payload = self.encode(x, segments, generator)
             local, codes = payload.scales, payload.codes
+            agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
         else:
             local = self.local_scales(x, layout)
             agreed = comm.allreduce(local.clone(), op=torch.distributed.ReduceOp.MAX)
             codes = self.encode_codes(x, layout, agreed, generator)
-        codes = self._pad(codes, padded)
-        shard_elems = padded * self.elems_per_byte // w
-        if self.spec.reducer == "sharded":
-            if mean:
-                mine, agreed = self._exchange(comm, codes, local)
-            else:
-                mine = comm.all_to_all(codes).view(w, padded // w)
-            valid = max(0, min(shard_elems, n - comm.rank * shard_elems))
-            packed = comm.all_gather(self.combine_packed(list(mine.unbind(0)), w, valid, stats))
-        else:
-            if mean:
-                agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
-            parts = comm.gather(codes)
-            packed = torch.empty(result_nbytes, dtype=torch.uint8, device=x.device)
-            if parts is not None:
-                packed = self.combine_packed(parts, w, n, stats)
-            comm.broadcast(packed)
+        parts = comm.gather(self._pad(codes, self._sizes(n, w)[0]))
+        packed = torch.empty(result_nbytes, dtype=torch.uint8, device=x.device)
+        if parts is not None:
+            packed = self.combine_packed(parts, w, n, stats)
+        comm.broadcast(packed)
         # decoded into the input's own memory (the contract lets reduce reuse `flat`)
         return self._decode_result(packed, n, w, agreed, layout, out=x)
-
-    @staticmethod
-    def _exchange(
-        comm: Comm, codes: torch.Tensor, local: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One all-to-all for codes and scales: to every rank its shard of the codes followed by
-        all of this rank's local scales. Returns the W shards this rank combines, (W, shard),
-        and the agreed scales (the rank-ordered mean, as an all-gather of them would give)."""
-        w, shard = comm.world_size, codes.numel() // comm.world_size
-        scale_bytes = local.numel() * 4
-        send = torch.empty((w, shard + scale_bytes), dtype=torch.uint8, device=codes.device)
-        send[:, :shard] = codes.view(w, shard)
-        send[:, shard:] = local.contiguous().view(torch.uint8)
-        got = comm.all_to_all(send.view(-1)).view(w, shard + scale_bytes)
-        scales = got[:, shard:].contiguous().view(torch.float32)  # (W, nchunks)
-        return got[:, :shard], sum_in_rank_order(scales.unbind(0)) / w
 
     def simulate(
         self,

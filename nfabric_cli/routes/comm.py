@@ -19,7 +19,7 @@ from nfabric_cli.routes.plan import WireBytes, op_wire_bytes
 class Comm:
     """Blocking collectives over one process group, metered in logical bytes."""
 
-    __slots__ = ("group", "world_size", "rank", "bytes", "calls")
+    __slots__ = ("group", "world_size", "rank", "bytes", "calls", "_p2p_gather", "_peers")
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -27,6 +27,11 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.bytes = WireBytes()
         self.calls: list[tuple[str, int]] = []
+        # gloo's flat all-gather runs at a third of its own all-to-all's speed (bench.collectives):
+        # on gloo every rank posts its sends and receives to each peer instead; NCCL and
+        # others keep their native all-gather
+        self._p2p_gather = dist.get_backend(group) == "gloo" and self.world_size > 1
+        self._peers = [self._global_rank(r) for r in range(self.world_size)]
 
     def _meter(self, kind: str, nbytes: int) -> None:
         self.calls.append((kind, nbytes))
@@ -54,8 +59,25 @@ class Comm:
         """Every rank's `t`, concatenated in rank order, received straight into one tensor."""
         out = torch.empty((self.world_size * t.numel(),), dtype=t.dtype, device=t.device)
         self._meter("all_gather", t.numel() * t.element_size())
-        _all_gather_single(out, t.reshape(-1), group=self.group)
+        if self._p2p_gather:
+            self._exchange_all(out, t.reshape(-1))
+        else:
+            _all_gather_single(out, t.reshape(-1), group=self.group)
         return out
+
+    def _exchange_all(self, out: torch.Tensor, mine: torch.Tensor) -> None:
+        """All-gather as W - 1 sends and receives posted at once (the same bytes as a ring)."""
+        n = mine.numel()
+        parts = out.view(self.world_size, n)
+        works = []
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            works.append(dist.isend(mine, self._peers[r], group=self.group))
+            works.append(dist.irecv(parts[r], self._peers[r], group=self.group))
+        parts[self.rank].copy_(mine)
+        for w in works:
+            w.wait()
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Gather to group rank 0 (the central reducer); other ranks get None."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,10 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
-from nfabric_cli.routes.base import rounding_noise
+from nfabric_cli.routes.base import CodeRoute, rounding_noise
+from nfabric_cli.routes.exchange import Piece, reduce_pieces
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
+from nfabric_cli.routes.plan import WireBytes
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.agree import agree_step
 from nfabric_cli.runtime.controller import StepController
@@ -35,6 +38,14 @@ from nfabric_cli.runtime.health import HealthMonitor
 from nfabric_cli.runtime.inject import Injection, apply_injection
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
+
+
+class _Part(NamedTuple):
+    """What one reduce works on: its float tensor, its parameters' sizes and names."""
+
+    x: torch.Tensor
+    segments: tuple[int, ...]
+    names: list[str]
 
 
 def _full(dtype: torch.dtype):  # noqa: ANN202
@@ -94,7 +105,7 @@ class FabricState:
         # per bucket, its parameters' scopes and gradient norms, and names and update norms
         self._grad_norms: list[tuple[list[str], torch.Tensor]] = []
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
-        self._step_acc: dict[str, torch.Tensor | float] = {}
+        self._step_stats: dict[str, dict[str, Any]] = {}  # per region: agreement sums
         self._bucket_times: list[tuple[tuple, float]] = []
         self._probe_times: list[tuple[tuple, float]] = []  # whole buckets the gate is timing
         self._step_started: float | None = None
@@ -298,63 +309,115 @@ class FabricState:
         phase: str,
         bucket: int = 0,
     ) -> None:
-        buffer_dtype = slices[0].dtype
+        """Reduce a bucket's groups: every sharded low-bit reduce together in one exchange
+        (`routes/exchange.py`: one all-to-all, one all-gather), the others (float routes, the
+        central reducer) one after another. A traced run reduces group by group, so each
+        reduce is timed and metered alone."""
+        dtype = slices[0].dtype
+        pieces: list[Piece] = []
+        labels: list[str] = []
+        finish: list[Callable[[], None]] = []  # copy-backs and error feedback, after the reduce
+        started = time.perf_counter()
+        lowbit = False
         for gi, group in enumerate(groups):
-            region, spec, idx = group.region, group.spec, group.index
-            route = make_route(spec, buffer_dtype)
-            group_names = [names[i] for i in idx]
-            parts = [slices[i] for i in idx]
-            segs = tuple(p.numel() for p in parts)
-            # A group of consecutive parameters without error feedback reduces the bucket's
-            # own memory: routes decode into their input, so nothing is copied back.
-            view = None
-            if not spec.error_feedback and idx == list(range(idx[0], idx[0] + len(idx))):
-                view = buffer[offsets[idx[0]] : offsets[idx[0]] + sum(segs)]
-            if spec.error_feedback:
-                flat = self.ef.compensate_flat(group_names, spec.label(), parts)
-            elif view is not None:
-                flat = view
-            else:
-                flat = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-            lossy_ef = spec.error_feedback and spec.lowbit
-            compensated = flat.clone() if lossy_ef else None  # the reduce may work in place
-            stats: dict[str, float] = {}
-            gen = rounding_noise(spec, self.seed, step, self.rank, group_names, segs)
-            local = flat.clone() if self.trace is not None else None
-            t0 = time.perf_counter()
-            out = route.reduce(flat, self.comm, segs, stats, gen)
-            seconds = time.perf_counter() - t0
-            if spec.lowbit:
-                self._bucket_times.append(((tuple(names), phase), seconds))
-            wb = self.comm.take()
-            self.meter.add(step, phase, spec.label(), wb)
-            if self.trace is not None:
-                self.trace.record(step, phase, bucket, sum(s.numel() for s in slices), len(names),
-                                  spec, segs, seconds, wb.sent, wb.received, local, group=gi)
-            if compensated is not None:
-                # One roundtrip per group (chunks never span parameters: the per-parameter
+            spec = group.spec
+            route = make_route(spec, dtype)
+            stats = self._group_stats(group.region) if spec.lowbit else None
+            lowbit |= spec.lowbit
+            for ks in group.reduces():
+                idx = [group.index[k] for k in ks]
+                part = self._prepare(buffer, offsets, names, slices, idx, spec, step, finish)
+                gen = rounding_noise(spec, self.seed, step, self.rank, part.names, part.segments)
+                if isinstance(route, CodeRoute) and spec.reducer == "sharded" and self.trace is None:
+                    pieces.append(Piece(route, part.x, part.segments, stats, gen))
+                    labels.append(spec.label())
+                    continue
+                local = part.x.clone() if self.trace is not None else None
+                t0 = time.perf_counter()
+                out = route.reduce(part.x, self.comm, part.segments, stats, gen)
+                if out.data_ptr() != part.x.data_ptr():
+                    part.x.copy_(out)
+                seconds = time.perf_counter() - t0
+                wb = self.comm.take()
+                self.meter.add(step, phase, spec.label(), wb)
+                if self.trace is not None:
+                    self.trace.record(step, phase, bucket, sum(s.numel() for s in slices),
+                                      len(names), spec, part.segments, seconds, wb.sent,
+                                      wb.received, local, group=gi)
+        if pieces:
+            reduce_pieces(pieces, self.comm)
+            self._meter_pieces(step, phase, pieces, labels, self.comm.take())
+        for fn in finish:
+            fn()
+        if lowbit:
+            self._bucket_times.append(((tuple(names), phase), time.perf_counter() - started))
+
+    def _group_stats(self, region: str) -> dict[str, Any]:
+        """The dict a region's low-bit reduces add their agreement sums to, for this step."""
+        return self._step_stats.setdefault(region, {})
+
+    def _prepare(
+        self, buffer: torch.Tensor, offsets: list[int], names: list[str],
+        slices: list[torch.Tensor], idx: list[int], spec: RouteSpec, step: int,
+        finish: list[Callable[[], None]],
+    ) -> _Part:
+        """The float32 tensor one reduce works on, and what to do with it afterwards.
+
+        Consecutive parameters without error feedback are reduced in the bucket's own memory
+        (routes decode into their input): nothing to copy back for a float32 bucket. Error
+        feedback compensates a copy (and updates the residual from what was sent); parameters
+        that are not consecutive are concatenated and copied back."""
+        group_names = [names[i] for i in idx]
+        parts = [slices[i] for i in idx]
+        segs = tuple(p.numel() for p in parts)
+        if spec.error_feedback:
+            x = self.ef.compensate_flat(group_names, spec.label(), parts)
+        elif idx == list(range(idx[0], idx[0] + len(idx))):
+            x = buffer[offsets[idx[0]] : offsets[idx[0]] + sum(segs)]
+        else:
+            x = torch.cat(parts)
+        if x.dtype != torch.float32 and spec.name != "fp32":
+            x = x.float()  # code routes decode float32 (a bf16 bucket: copied back below)
+        if spec.error_feedback and spec.lowbit:
+            compensated = x.clone()  # the reduce works in place
+            route = make_route(spec, x.dtype)
+
+            def feedback() -> None:
+                # One roundtrip per reduce (chunks never span parameters: the per-parameter
                 # roundtrips, concatenated), drawing stochastic rounding's noise as sent.
+                gen = rounding_noise(spec, self.seed, step, self.rank, group_names, segs)
                 sent = route.roundtrip(compensated, segs, gen)
                 self.ef.update_flat(group_names, compensated, sent, segs)
-            if view is not None:
-                if out.data_ptr() != view.data_ptr():
-                    view.copy_(out)
-            else:
+
+            finish.append(feedback)
+        if x.data_ptr() != parts[0].data_ptr():  # not the bucket's own memory
+            def copy_back() -> None:
                 off = 0
-                for i in idx:
-                    n = slices[i].numel()
-                    slices[i].copy_(out[off : off + n])
-                    off += n
-            if "agree_n" in stats:
-                acc = self._step_acc
-                acc["agree_sum:" + region] = acc.get("agree_sum:" + region, 0.0) + stats["agree_sum"]
-                acc["agree_n:" + region] = acc.get("agree_n:" + region, 0.0) + stats["agree_n"]
+                for part in parts:
+                    part.copy_(x[off : off + part.numel()])
+                    off += part.numel()
+
+            finish.append(copy_back)
+        return _Part(x, segs, group_names)
+
+    def _meter_pieces(self, step: int, phase: str, pieces: list[Piece], labels: list[str],
+                      measured: WireBytes) -> None:
+        """Credit the exchange's bytes to each piece's route: its own plan's bytes (what it
+        alone would have sent), any rounding of the shared collectives to the first."""
+        planned = [p.route.wire_bytes(p.x.numel(), self.world_size, self.rank, p.segments)
+                   for p in pieces]
+        rest = WireBytes(measured.sent - sum(b.sent for b in planned),
+                         measured.received - sum(b.received for b in planned))
+        for i, (label, wb) in enumerate(zip(labels, planned, strict=True)):
+            self.meter.add(step, phase, label, wb + rest if i == 0 else wb)
 
     # -- per step ------------------------------------------------------------------------------
     def _finish_step(self, step: int) -> None:
         with self._lock:
             loss, self._loss = self._loss, None
-        agreed = agree_step(self.comm, self._scopes, self._grad_norms, loss, self._step_acc,
+        acc = {f"{k}:{region}": st[k] for region, st in self._step_stats.items()
+               for k in ("agree_sum", "agree_n") if k in st}
+        agreed = agree_step(self.comm, self._scopes, self._grad_norms, loss, acc,
                             [t for _, t in self._bucket_times + self._probe_times],
                             self._update_norms, self.device)
         self.meter.add(step, self.phase.name, "control", self.comm.take())
@@ -379,7 +442,7 @@ class FabricState:
                     if factor is not None:
                         g.mul_(factor)
         pending, self._pending = self._pending, []
-        self._step_acc, self._bucket_times, self._probe_times = {}, [], []
+        self._step_stats, self._bucket_times, self._probe_times = {}, [], []
         self._grad_norms, self._update_norms = [], []
         self._advance(step)
         for fut, buf, _ in pending:

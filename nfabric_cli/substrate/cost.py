@@ -44,8 +44,10 @@ all-reduce (no combine step).
 
 Buckets run their collectives one after another (the comm hook issues them in order on one
 thread) and do not overlap with backward compute: a bucket's time is the sum of its parts. Its
-parts are the reduces the hook issues, one per (region, route) group (`routes/groups.py`): two
-regions on sign in one bucket pay two fixed codec costs and two sets of collectives.
+parts are the (region, route) groups of `routes/groups.py`: every low-bit group pays its own
+codec (two regions on sign in one bucket pay two fixed codec costs), while all sharded low-bit
+groups of a bucket share one all-to-all and one all-gather (`routes/exchange.py`, plus one MAX
+all-reduce for int8 / int4 scales); float routes and the central reducer pay their own.
 """
 
 from __future__ import annotations
@@ -254,13 +256,24 @@ def as_groups(groups: BucketGroups) -> list[tuple[RouteSpec, int]]:
 
 
 def bucket_cost(groups: BucketGroups, world_size: int, s: Substrate) -> Cost:
-    """Cost of one DDP bucket reduced as `groups`, one reduce after another: every group pays
-    its own collectives and its own fixed codec cost per call."""
+    """Cost of one DDP bucket reduced as `groups`: every group pays its own codec cost (with
+    its fixed cost per call); the sharded low-bit groups share one set of collectives (one
+    all-to-all, one all-gather, one MAX all-reduce if any agrees max scales: their bytes
+    summed, the latency paid once, `routes/exchange.py`); the others pay their own."""
     total = Cost()
+    shared: dict[str, int] = {}
     for spec, numel in as_groups(groups):
-        if numel:
+        if not numel:
+            continue
+        if spec.name != "fp32" and s.topology is not None:
+            spec = replace(spec, reducer=s.topology)
+        if spec.lowbit and spec.reducer == "sharded":
+            for op in route_plan(spec, numel, world_size):
+                shared[op.kind] = shared.get(op.kind, 0) + op.nbytes
+            total = total + codec_cost(spec, numel, world_size, s)
+        else:
             total = total + route_cost(spec, numel, world_size, s)
-    return total
+    return total + plan_cost([CommOp(k, n) for k, n in shared.items()], world_size, s)
 
 
 def bucket_verdict(substrate: Substrate, groups: BucketGroups, world_size: int) -> Verdict:

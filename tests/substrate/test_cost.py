@@ -303,34 +303,35 @@ def test_fixed_cost_names_itself_in_the_fallback_reason():
                         "0.006 ms (0.01x)")
 
 
-# -- a bucket is priced per reduce the hook issues: one per (region, route) group -----------
+# -- a bucket is priced as the hook reduces it: a codec per (region, route) group, the sharded
+# -- low-bit groups' collectives shared ------------------------------------------------------
 
 
-def test_two_sign_regions_in_one_bucket_pay_two_reduces():
+def test_two_sign_regions_in_one_bucket_pay_two_codecs_and_one_exchange():
     # W=4, 2^20 elements per region, 500 us fixed per sign reduce. One reduce of 2^20 (see
     # test_predict_sign_sharded_from_the_real_plan): 2 collectives x 3 hops = 6a = 60 us;
     # wire 0.75*(131072 + 4096)/B + 3*65536/B = 297.984 us; codec 0.5 ms + 4n(1+2+4)/1e9
-    # = 29.860128 ms; together 30.218112 ms. The hook issues two: 60.436224 ms.
+    # = 29.860128 ms; together 30.218112 ms. Two regions: two codecs, but their collectives
+    # are one all-to-all and one all-gather (bytes summed, latency paid once): 60.376224 ms.
     s = Substrate(link_gbps=8.0, latency_us=10.0, codec_call_us={"sign": 500.0}, **CODEC)
     n = 1 << 20
     two = bucket_cost([(SIGN, n), (SIGN, n)], 4, s)
-    assert two.total_s == pytest.approx(0.060436224)
-    assert (two.collectives, two.calls) == (4, 2)
+    assert two.total_s == pytest.approx(0.060376224)
+    assert (two.collectives, two.calls) == (2, 2)
     assert two.call_s == pytest.approx(1e-3)
-    assert two.latency_s == pytest.approx(12 * A)
-    # Merged by route (the old pricing) it was one reduce of 2^21 elements: scales 2048 B,
-    # payload 262144 B, result shards 131072 B -> 595.968 us of wire, one fixed cost:
-    # 59.876224 ms, i.e. one fixed cost and one set of latencies (0.56 ms) less.
+    assert two.latency_s == pytest.approx(6 * A)
+    # One region of 2^21 elements: scales 2048 B, payload 262144 B, result shards 131072 B ->
+    # the same 595.968 us of wire, one fixed cost: 59.876224 ms, i.e. one fixed cost less.
     merged = bucket_cost({SIGN: 2 * n}, 4, s)
     assert merged.total_s == pytest.approx(0.059876224)
-    assert two.total_s - merged.total_s == pytest.approx(5e-4 + 6 * A)
+    assert two.total_s - merged.total_s == pytest.approx(5e-4)
     v = bucket_verdict(s, [(SIGN, n), (SIGN, n)], 4)
     # fp32 stays one all-reduce of the whole bucket: 6a + 1.5 * 8388608 / B
     assert (v.fp32_time_s, v.lowbit_time_s) == (pytest.approx(0.012642912),
-                                                 pytest.approx(0.060436224))
+                                                 pytest.approx(0.060376224))
     # A float group rides along as its own all-reduce; a mapping is one group per route.
     mixed = bucket_verdict(s, [(FP32, 1000), (SIGN, n), (SIGN, n)], 4)
-    assert mixed.lowbit_time_s == pytest.approx(0.060436224 + predict_fp32(1000, 4, s))
+    assert mixed.lowbit_time_s == pytest.approx(0.060376224 + predict_fp32(1000, 4, s))
     assert bucket_verdict(s, {SIGN: n}, 4) == bucket_verdict(s, [(SIGN, n)], 4)
     assert bucket_cost([(SIGN, 0), (SIGN, n)], 4, s) == bucket_cost([(SIGN, n)], 4, s)
 
@@ -339,14 +340,15 @@ def test_two_reduces_can_turn_an_admit_into_a_fallback():
     # W=2, 10 Mbit/s (B = 1.25e6 B/s), 1 us per hop, 4 ms fixed per sign reduce.
     # fp32 of 2000 elements: 2 us + 8000/B = 6.402 ms; admit below 0.9x = 5.7618 ms.
     # One sign reduce of 2000: 2 hops 2 us, wire (256 + 2 * 4)/2 + 256 = 388 B / B = 310.4 us,
-    # codec 4 ms + 8000 * 7e-9 = 4.056 ms: 4.3684 ms, admitted. Two reduces of 1000 (two
-    # regions): each 2 us + ((128 + 8)/2 + 128)/B = 156.8 us + 4.028 ms: 8.3736 ms, refused.
+    # codec 4 ms + 8000 * 7e-9 = 4.056 ms: 4.3684 ms, admitted. Two regions of 1000: two
+    # codecs of 4.028 ms, one shared exchange of the same 388 B (2 us + 310.4 us): 8.3716 ms,
+    # refused.
     s = Substrate(link_gbps=0.01, latency_us=1.0, codec_call_us={"sign": 4000.0}, **CODEC)
     one = bucket_verdict(s, {SIGN: 2000}, 2)
     assert (one.verdict, one.fp32_time_s, one.lowbit_time_s) == (
         "admit", pytest.approx(6.402e-3), pytest.approx(4.3684e-3))
     two = bucket_verdict(s, [(SIGN, 1000), (SIGN, 1000)], 2)
     assert (two.verdict, two.fp32_time_s, two.lowbit_time_s) == (
-        "fallback", pytest.approx(6.402e-3), pytest.approx(8.3736e-3))
+        "fallback", pytest.approx(6.402e-3), pytest.approx(8.3716e-3))
     assert two.reason == ("codec call overhead: codec 8.06 ms (8 ms fixed over 2 calls) vs fp32 "
                           "6.4 ms (0.76x)")
