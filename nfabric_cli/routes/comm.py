@@ -19,7 +19,8 @@ from nfabric_cli.routes.plan import WireBytes, op_wire_bytes
 class Comm:
     """Blocking collectives over one process group, metered in logical bytes."""
 
-    __slots__ = ("group", "world_size", "rank", "bytes", "calls", "_p2p_gather", "_peers")
+    __slots__ = ("group", "world_size", "rank", "bytes", "calls", "_p2p_gather", "_peers",
+                 "_scratch")
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -27,11 +28,24 @@ class Comm:
         self.rank = dist.get_rank(group)
         self.bytes = WireBytes()
         self.calls: list[tuple[str, int]] = []
-        # gloo's flat all-gather runs at a third of its own all-to-all's speed (bench.collectives):
+        # gloo's flat all-gather ran at a third of the speed of posted sends (bench.collectives):
         # on gloo every rank posts its sends and receives to each peer instead; NCCL and
         # others keep their native all-gather
         self._p2p_gather = dist.get_backend(group) == "gloo" and self.world_size > 1
         self._peers = [self._global_rank(r) for r in range(self.world_size)]
+        self._scratch: dict[object, torch.Tensor] = {}
+
+    def scratch(self, key: object, numel: int, dtype: torch.dtype,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+        """A 1-D buffer kept under `key` and handed out again while its size fits: a fresh
+        tensor of tens of MB costs its page faults on every step (measured in
+        bench.collectives: 5-8 ms per 19 MB), a kept one nothing. The caller owns `key`: a
+        buffer may be reused as soon as the same key is asked for again."""
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[key] = buf
+        return buf
 
     def _meter(self, kind: str, nbytes: int) -> None:
         self.calls.append((kind, nbytes))
@@ -48,16 +62,19 @@ class Comm:
         dist.all_reduce(t, op=op, group=self.group)
         return t
 
-    def all_to_all(self, t: torch.Tensor) -> torch.Tensor:
-        """Equal-split all-to-all of a 1-D byte buffer whose length is a multiple of W."""
-        out = torch.empty_like(t)
+    def all_to_all(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Equal-split all-to-all of a 1-D byte buffer whose length is a multiple of W (into
+        `out` when given)."""
+        out = torch.empty_like(t) if out is None else out
         self._meter("all_to_all", t.numel() * t.element_size())
         dist.all_to_all_single(out, t, group=self.group)
         return out
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's `t`, concatenated in rank order, received straight into one tensor."""
-        out = torch.empty((self.world_size * t.numel(),), dtype=t.dtype, device=t.device)
+    def all_gather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every rank's `t`, concatenated in rank order, received straight into one tensor
+        (`out` when given)."""
+        if out is None:
+            out = torch.empty((self.world_size * t.numel(),), dtype=t.dtype, device=t.device)
         self._meter("all_gather", t.numel() * t.element_size())
         if self._p2p_gather:
             self._exchange_all(out, t.reshape(-1))

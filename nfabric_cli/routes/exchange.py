@@ -68,9 +68,10 @@ def _sizes(p: Piece, w: int) -> _Sizes:
     return _Sizes(layout, padded // w, scales, result // w)
 
 
-def reduce_pieces(pieces: Sequence[Piece], comm: Comm) -> None:
+def reduce_pieces(pieces: Sequence[Piece], comm: Comm, slot: object = None) -> None:
     """Reduce every piece with one all-to-all and one all-gather (plus one MAX all-reduce when
-    a piece's route agrees max scales); results land in each piece's `x`."""
+    a piece's route agrees max scales); results land in each piece's `x`. The wire buffers are
+    `comm`'s scratch under `slot` (the hook keeps one per bucket), reused from step to step."""
     pieces = [p for p in pieces if p.x.numel()]
     w = comm.world_size
     if not pieces:
@@ -85,8 +86,13 @@ def reduce_pieces(pieces: Sequence[Piece], comm: Comm) -> None:
         assert p.x.dtype == torch.float32 and p.x.is_contiguous(), "pieces are float32 views"
     sizes = [_sizes(p, w) for p in pieces]
     codes, scales = _encode(pieces, sizes, comm)
-    recv = comm.all_to_all(_pack_send(pieces, sizes, codes, scales, w)).view(w, -1)
-    mine = torch.empty(sum(s.result for s in sizes), dtype=torch.uint8, device=recv.device)
+    dev = pieces[0].x.device
+    block = sum(s.block for s in sizes)
+    send = comm.scratch((slot, "send"), w * block, torch.uint8, dev).view(w, block)
+    _pack_send(send, pieces, sizes, codes, scales)
+    recv = comm.scratch((slot, "recv"), w * block, torch.uint8, dev)
+    recv = comm.all_to_all(send.view(-1), out=recv).view(w, block)
+    mine = comm.scratch((slot, "mine"), sum(s.result for s in sizes), torch.uint8, dev)
     off = roff = 0
     agreed = []
     for p, s, sc in zip(pieces, sizes, scales, strict=True):
@@ -99,7 +105,8 @@ def reduce_pieces(pieces: Sequence[Piece], comm: Comm) -> None:
             sc = sum_in_rank_order(rows.unbind(0)) / w
         agreed.append(sc)
         off, roff = off + s.block, roff + s.result
-    results = comm.all_gather(mine).view(w, -1)
+    results = comm.scratch((slot, "results"), w * mine.numel(), torch.uint8, dev)
+    results = comm.all_gather(mine, out=results).view(w, -1)
     roff = 0
     for p, s, sc in zip(pieces, sizes, agreed, strict=True):
         packed = results[:, roff : roff + s.result]
@@ -134,15 +141,13 @@ def _encode(
 
 
 def _pack_send(
-    pieces: Sequence[Piece], sizes: Sequence[_Sizes], codes: Sequence[torch.Tensor],
-    scales: Sequence[torch.Tensor], w: int,
-) -> torch.Tensor:
-    """The all-to-all's send buffer, (W, block): row d holds, per piece, shard d of its codes
-    (padded with the route's zero code) and then, for mean-agreed routes, all its local
+    send: torch.Tensor, pieces: Sequence[Piece], sizes: Sequence[_Sizes],
+    codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+) -> None:
+    """Fill the all-to-all's send buffer, (W, block): row d holds, per piece, shard d of its
+    codes (padded with the route's zero code) and then, for mean-agreed routes, all its local
     scales."""
-    block = sum(s.block for s in sizes)
-    send = torch.empty((w, block), dtype=torch.uint8, device=pieces[0].x.device)
-    off = 0
+    w, off = send.shape[0], 0
     for p, s, c, sc in zip(pieces, sizes, codes, scales, strict=True):
         dst = send[:, off : off + s.shard]
         full, rest = divmod(c.numel(), s.shard)
@@ -154,4 +159,3 @@ def _pack_send(
         if s.scale_bytes:
             send[:, off + s.shard : off + s.block] = sc.contiguous().view(torch.uint8)
         off += s.block
-    return send.view(-1)

@@ -271,7 +271,7 @@ class FabricState:
             if not verdict.admit:
                 specs = [FP32] * len(specs)
         started = time.perf_counter()
-        bucket = self.trace.next_bucket(step) if self.trace is not None else 0
+        bucket = len(self._pending)  # this bucket's place in the step
         full = _full(buffer.dtype)
         if all(not s.lowbit and s.name == "fp32" for s in specs):
             local = buffer.clone() if self.trace is not None else None
@@ -345,7 +345,7 @@ class FabricState:
                                       len(names), spec, part.segments, seconds, wb.sent,
                                       wb.received, local, group=gi)
         if pieces:
-            reduce_pieces(pieces, self.comm)
+            reduce_pieces(pieces, self.comm, slot=bucket)  # wire buffers kept per bucket
             self._meter_pieces(step, phase, pieces, labels, self.comm.take())
         for fn in finish:
             fn()

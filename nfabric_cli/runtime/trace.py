@@ -59,13 +59,7 @@ class TraceRecorder:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.payload_steps, self.payload_budget = payload_steps, payload_bytes
         self.rows: list[dict[str, Any]] = []
-        self._bucket_in_step: dict[int, int] = {}
         (self.dir / "payloads").mkdir(parents=True, exist_ok=True)
-
-    def next_bucket(self, step: int) -> int:
-        i = self._bucket_in_step.get(step, 0)
-        self._bucket_in_step[step] = i + 1
-        return i
 
     def record(
         self,
