@@ -1,13 +1,20 @@
-"""Step time behind a shaped link: profile vs fp32 vs PyTorch's fp16 and PowerSGD hooks.
+"""Step time behind a shaped link: profile vs fp32, static sign and PyTorch's fp16 and PowerSGD.
 
 For each rate, one `nfabric validate` run (2 ranks of `vision` by default) puts every arm behind
 the same `tc tbf`-shaped loopback in a fresh network namespace, so the arms' step times are
 measured side by side in one run. Printed per rate: each arm's median step time and its ratio
 to fp32, the traffic fraction, and the bytes the arm claims to have sent (all ranks) against
-the namespace's loopback tx counter. Needs root (ip netns, tc).
+the namespace's loopback tx counter (kernel-counted bytes). Needs root (ip netns, tc); rate 0
+is plain loopback in the same kind of namespace.
 
-    OMP_NUM_THREADS=1 python -m bench.validate_link [--rates 20,100,1000] [--steps 60]
-        [--workload vision] [--profile PATH] [--world-size 2]
+Arms: `fp32` (plain DDP), `static` (every parameter on sign: the kernel-counted bytes of an
+all-sign run), `profile` (no substrate, so with `--gate measure` it keeps, per bucket, whichever
+of low-bit and fp32 its first steps timed faster), `fp16` and `powersgd` (rank 2). Issue 16's
+goals: at every rate profile <= 1.05 x min(fp32, static); at 20 Mbit/s profile <= 0.8 x
+PowerSGD and <= 0.08 x fp32; all-sign loopback tx / fp32's <= 0.04.
+
+    OMP_NUM_THREADS=1 python -m bench.validate_link [--rates 20,50,100,200,500,1000,0]
+        [--steps 60] [--workload vision] [--profile PATH] [--world-size 2] [--gate measure]
 
 Without --profile a hand-written one is used: the workload's head on fp32, the rest on sign.
 """
@@ -39,8 +46,8 @@ def head_fp32_profile(workload: str, out: Path) -> Path:
 def run_rate(args: argparse.Namespace, profile: Path, mbit: float | None, root: Path) -> dict:
     cfg = ValidateConfig(
         source=str(profile), workload=args.workload, world_size=args.world_size,
-        steps=args.steps, arms=["fp32", "profile"], baselines=["fp16", "powersgd"],
-        link_mbit=mbit, tolerance=1.0, timeout_s=120.0,
+        steps=args.steps, arms=["fp32", "static", "profile"], baselines=["fp16", "powersgd"],
+        link_mbit=mbit, tolerance=1.0, timeout_s=300.0, gate=args.gate,
         report_dir=str(root / f"link-{mbit or 'none'}"),
     )  # fmt: skip
     return run_validation(cfg).summary or {}
@@ -70,11 +77,14 @@ def print_rate(mbit: float | None, s: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="20,100,1000", help="Mbit/s, comma separated; 0: none")
+    parser.add_argument("--rates", default="20,50,100,200,500,1000,0",
+                        help="Mbit/s, comma separated; 0: loopback unshaped")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--workload", default="vision")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--gate", default="measure", choices=("model", "measure"),
+                        help="The profile arm's capacity gate (no substrate: measure times it).")
     parser.add_argument("--out", type=Path, default=None, help="Keep reports here.")
     args = parser.parse_args()
     root = args.out or Path(tempfile.mkdtemp(prefix="nfabric-bench-link-"))

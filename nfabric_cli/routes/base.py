@@ -248,6 +248,16 @@ class CodeRoute(Route):
         result = padded * self.elems_per_byte * self.result_bits(world_size) // 8
         return padded, result
 
+    def gathers_codes(self, world_size: int) -> bool:
+        """Whether a sharded reduce moves fewer bytes by all-gathering every rank's codes and
+        combining them on each rank, than by the all-to-all of code shards and all-gather of
+        combined shards: (W-1)·c < (W-1)/W·(c + r) bits per element, c the code width and
+        r the result's, i.e. (W-1)·c < r. True at W = 2 for every route (the sum of two
+        codes is wider than one), and for ternary also at W = 3 (1.6-bit codes, 4-bit sums).
+        One collective less, too (`exchange.py`)."""
+        return (self.spec.reducer == "sharded"
+                and (world_size - 1) * 8 < self.result_bits(world_size) * self.elems_per_byte)
+
     def plan(self, numel: int, world_size: int, segments: tuple[int, ...] | None = None) -> list[CommOp]:
         self.check_world(world_size)
         if world_size == 1 or numel == 0:
@@ -256,15 +266,18 @@ class CodeRoute(Route):
         scales = 4 * layout.nchunks
         padded, result = self._sizes(numel, world_size)
         # max-agreed scales need a round of their own (the codes use them); mean-agreed local
-        # scales ride with the codes' all-to-all (`_exchange`), or are all-gathered (central)
-        if self.scale_agreement == "max":
-            agree = [CommOp("allreduce", scales)]
-        elif self.spec.reducer == "sharded":
-            agree, padded = [], padded + world_size * scales
-        else:
-            agree = [CommOp("all_gather", scales)]
+        # scales ride with the codes (`exchange.py`), or are all-gathered (central)
+        mean = self.scale_agreement == "mean"
+        agree = [] if mean else [CommOp("allreduce", scales)]
+        if self.gathers_codes(world_size):
+            code_bytes = padded_payload_nbytes(self.payload_nbytes(numel), 1)
+            return [*agree, CommOp("all_gather", code_bytes + (scales if mean else 0))]
         if self.spec.reducer == "sharded":
+            if mean:
+                padded += world_size * scales
             return [*agree, CommOp("all_to_all", padded), CommOp("all_gather", result // world_size)]
+        if mean:
+            agree = [CommOp("all_gather", scales)]
         return [*agree, CommOp("gather", padded), CommOp("broadcast", result)]
 
     # -- local codec ---------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Every sharded low-bit reduce of a bucket in two collectives: one all-to-all, one all-gather.
+"""Every sharded low-bit reduce of a bucket in at most two collectives.
 
 A bucket often holds several low-bit reduces: two regions on sign, sign beside int8, one
 region's parameters split by another's (each consecutive run of them is reduced where it
@@ -7,17 +7,21 @@ lies). Reduced one after another, each paid its own collectives; here they share
 1. every piece encodes its codes (int8 / int4 first agree their chunk scales: one MAX
    all-reduce for all such pieces of the bucket together, since their codes need the agreed
    scale; sign / ternary use their local scales, which ride with the codes);
-2. **one all-to-all**: to rank d, the d-th shard of every piece's codes, each followed by that
-   piece's local scales where the route sends them (`_pack_send` lays them out);
-3. each rank combines its shard of every piece (the routes' `combine_packed`) into one buffer;
-4. **one all-gather** of those combined shards;
-5. each piece decodes its full result straight into its own memory (`Piece.x`).
+2. **one all-to-all** for the pieces that shard: to rank d, the d-th shard of each one's
+   codes, followed by its local scales where the route sends them (`_put` lays them out);
+   each rank combines its shard of each (the routes' `combine_packed`);
+3. **one all-gather** of this rank's combined shards, followed by the whole codes (and
+   scales) of the pieces that gather codes instead, which is fewer bytes where the combined
+   result is wider than (W - 1) codes (`CodeRoute.gathers_codes`: every route at W = 2, whose
+   all-to-all then drops out); every rank combines those pieces itself;
+4. each piece decodes its full result straight into its own memory (`Piece.x`).
 
 Every piece's result is bit for bit what its route's own `reduce` and `simulate` give (shards,
-padding and scales per piece exactly as there), so the simulator and the byte accounting
-(`Route.plan`, summed over pieces) are unchanged; only the number of rounds drops. A run of
-ranks issues the same collectives in the same order as long as it hands the same pieces in
-the same order, which the hook does (`runtime/state.py`).
+padding and scales per piece exactly as there, and every rank combines the same bytes in the
+same order), so the simulator is unchanged and the byte accounting is the pieces' own plans
+(`Route.plan`) added up; only the number of rounds drops. Ranks issue the same collectives in
+the same order as long as they hand the same pieces in the same order, which the hook does
+(`runtime/state.py`).
 """
 
 from __future__ import annotations
@@ -47,31 +51,35 @@ class Piece:
 
 @dataclass
 class _Sizes:
-    """A piece's wire layout: codes padded to W shards, the scales it sends, its result shard."""
+    """A piece's wire layout: the code bytes it sends per peer (one shard of W, or all of them
+    when it gathers codes), the scales it sends along, its combined shard's bytes."""
 
     layout: ChunkLayout
-    shard: int  # code bytes per rank
+    gathered: bool  # every rank's whole codes go to every rank (`CodeRoute.gathers_codes`)
+    codes: int  # code bytes per peer: a shard (sharded) or the padded codes (gathered)
     scale_bytes: int  # local scales sent along to every rank (mean-agreed routes), else 0
-    result: int  # packed result bytes of one rank's shard
+    result: int  # packed result bytes of one rank's shard (sharded), else 0
 
     @property
     def block(self) -> int:
-        return self.shard + self.scale_bytes
+        return self.codes + self.scale_bytes
 
 
 def _sizes(p: Piece, w: int) -> _Sizes:
-    n = p.x.numel()
-    layout = chunk_layout(check_segments(n, p.segments), p.route.spec.effective_chunk)
-    padded, result = p.route._sizes(n, w)
-    scales = 4 * layout.nchunks if p.route.scale_agreement == "mean" else 0
-    assert padded == padded_payload_nbytes(p.route.payload_nbytes(n), w)
-    return _Sizes(layout, padded // w, scales, result // w)
+    n, route = p.x.numel(), p.route
+    layout = chunk_layout(check_segments(n, p.segments), route.spec.effective_chunk)
+    scales = 4 * layout.nchunks if route.scale_agreement == "mean" else 0
+    if route.gathers_codes(w):
+        return _Sizes(layout, True, padded_payload_nbytes(route.payload_nbytes(n), 1), scales, 0)
+    padded, result = route._sizes(n, w)
+    return _Sizes(layout, False, padded // w, scales, result // w)
 
 
 def reduce_pieces(pieces: Sequence[Piece], comm: Comm, slot: object = None) -> None:
-    """Reduce every piece with one all-to-all and one all-gather (plus one MAX all-reduce when
-    a piece's route agrees max scales); results land in each piece's `x`. The wire buffers are
-    `comm`'s scratch under `slot` (the hook keeps one per bucket), reused from step to step."""
+    """Reduce every piece with at most one all-to-all and one all-gather (plus one MAX
+    all-reduce when a piece's route agrees max scales); results land in each piece's `x`.
+    The wire buffers are `comm`'s scratch under `slot` (the hook keeps one per bucket),
+    reused from step to step."""
     pieces = [p for p in pieces if p.x.numel()]
     w = comm.world_size
     if not pieces:
@@ -87,34 +95,93 @@ def reduce_pieces(pieces: Sequence[Piece], comm: Comm, slot: object = None) -> N
     sizes = [_sizes(p, w) for p in pieces]
     codes, scales = _encode(pieces, sizes, comm)
     dev = pieces[0].x.device
-    block = sum(s.block for s in sizes)
-    send = comm.scratch((slot, "send"), w * block, torch.uint8, dev).view(w, block)
-    _pack_send(send, pieces, sizes, codes, scales)
-    recv = comm.scratch((slot, "recv"), w * block, torch.uint8, dev)
-    recv = comm.all_to_all(send.view(-1), out=recv).view(w, block)
-    mine = comm.scratch((slot, "mine"), sum(s.result for s in sizes), torch.uint8, dev)
-    off = roff = 0
-    agreed = []
-    for p, s, sc in zip(pieces, sizes, scales, strict=True):
-        shards = [recv[r, off : off + s.shard] for r in range(w)]
-        shard_elems = s.shard * p.route.elems_per_byte
-        valid = max(0, min(shard_elems, p.x.numel() - comm.rank * shard_elems))
-        mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, p.stats)
-        if s.scale_bytes:  # every rank's local scales, summed in rank order: the agreed mean
-            rows = recv[:, off + s.shard : off + s.block].contiguous().view(torch.float32)
-            sc = sum_in_rank_order(rows.unbind(0)) / w
-        agreed.append(sc)
-        off, roff = off + s.block, roff + s.result
+    sharded = [i for i, s in enumerate(sizes) if not s.gathered]
+    # this rank's all-gather contribution: the sharded pieces' combined shards, then the
+    # gathering pieces' codes and scales
+    mine = comm.scratch((slot, "mine"), sum(s.result or s.block for s in sizes), torch.uint8, dev)
+    if sharded:
+        _all_to_all(pieces, sizes, codes, scales, sharded, mine, comm, slot)
+    off = sum(sizes[i].result for i in sharded)
+    for p, s, c, sc in zip(pieces, sizes, codes, scales, strict=True):
+        if s.gathered:
+            _put(mine[off : off + s.block].view(1, s.block), c, sc, s, p.route.pad_byte)
+            off += s.block
     results = comm.scratch((slot, "results"), w * mine.numel(), torch.uint8, dev)
     results = comm.all_gather(mine, out=results).view(w, -1)
-    roff = 0
-    for p, s, sc in zip(pieces, sizes, agreed, strict=True):
-        packed = results[:, roff : roff + s.result]
+    off = 0
+    for p, s, sc in zip(pieces, sizes, scales, strict=True):
+        if s.gathered:
+            continue
+        packed = results[:, off : off + s.result]
         packed = packed.reshape(-1) if len(pieces) == 1 else packed.contiguous().view(-1)
-        out = p.route._decode_result(packed, p.x.numel(), w, sc, s.layout, out=p.x)
-        if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory
-            p.x.copy_(out)
-        roff += s.result
+        _decode(p, s, packed, sc, w)
+        off += s.result
+    for p, s, sc in zip(pieces, sizes, scales, strict=True):
+        if not s.gathered:
+            continue
+        shards = [results[r, off : off + s.codes] for r in range(w)]
+        # every rank combines every element: one rank adds the agreement, so the sums over
+        # the ranks count each element once
+        packed = p.route.combine_packed(shards, w, p.x.numel(), p.stats if comm.rank == 0 else None)
+        _decode(p, s, packed, _agreed(results, off + s.codes, s, w) if s.scale_bytes else sc, w)
+        off += s.block
+
+
+def _all_to_all(
+    pieces: Sequence[Piece], sizes: Sequence[_Sizes], codes: Sequence[torch.Tensor],
+    scales: list[torch.Tensor], which: list[int], mine: torch.Tensor, comm: Comm, slot: object,
+) -> None:
+    """The sharded pieces' all-to-all: to rank d, shard d of each one's codes and its local
+    scales (`_put`); this rank combines its shard of each into `mine`, in order, and replaces
+    a mean-agreed piece's local scales by the agreed ones."""
+    w, dev = comm.world_size, mine.device
+    block = sum(sizes[i].block for i in which)
+    send = comm.scratch((slot, "send"), w * block, torch.uint8, dev).view(w, block)
+    off = 0
+    for i in which:
+        s = sizes[i]
+        _put(send[:, off : off + s.block], codes[i], scales[i], s, pieces[i].route.pad_byte)
+        off += s.block
+    recv = comm.scratch((slot, "recv"), w * block, torch.uint8, dev)
+    recv = comm.all_to_all(send.view(-1), out=recv).view(w, block)
+    off = roff = 0
+    for i in which:
+        p, s = pieces[i], sizes[i]
+        shards = [recv[r, off : off + s.codes] for r in range(w)]
+        shard_elems = s.codes * p.route.elems_per_byte
+        valid = max(0, min(shard_elems, p.x.numel() - comm.rank * shard_elems))
+        mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, p.stats)
+        if s.scale_bytes:
+            scales[i] = _agreed(recv, off + s.codes, s, w)
+        off, roff = off + s.block, roff + s.result
+
+
+def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, s: _Sizes, pad: int) -> None:
+    """Lay one piece's codes over the rows of `dst` (R, block), `s.codes` bytes per row, the
+    rest padded with the route's zero code, each row followed by all its local scales (if
+    it sends them): R = W shards, or one row of whole codes."""
+    rows = dst.shape[0]
+    full, rest = divmod(codes.numel(), s.codes)
+    dst[:full, : s.codes] = codes[: full * s.codes].view(full, s.codes)
+    if full < rows:
+        dst[full, :rest] = codes[full * s.codes :]
+        dst[full, rest : s.codes] = pad
+        dst[full + 1 :, : s.codes] = pad
+    if s.scale_bytes:
+        dst[:, s.codes : s.block] = scales.contiguous().view(torch.uint8)
+
+
+def _agreed(rows: torch.Tensor, at: int, s: _Sizes, w: int) -> torch.Tensor:
+    """The mean of the W ranks' local scales found at byte `at` of each row, summed in rank
+    order (as every rank and the simulator sum them)."""
+    local = rows[:, at : at + s.scale_bytes].contiguous().view(torch.float32)
+    return sum_in_rank_order(local.unbind(0)) / w
+
+
+def _decode(p: Piece, s: _Sizes, packed: torch.Tensor, scales: torch.Tensor, w: int) -> None:
+    out = p.route._decode_result(packed, p.x.numel(), w, scales, s.layout, out=p.x)
+    if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory
+        p.x.copy_(out)
 
 
 def _encode(
@@ -138,24 +205,3 @@ def _encode(
             scales[i] = agreed
             codes[i] = p.route.encode_codes(p.x, sizes[i].layout, agreed, p.noise)
     return codes, scales  # type: ignore[return-value]
-
-
-def _pack_send(
-    send: torch.Tensor, pieces: Sequence[Piece], sizes: Sequence[_Sizes],
-    codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
-) -> None:
-    """Fill the all-to-all's send buffer, (W, block): row d holds, per piece, shard d of its
-    codes (padded with the route's zero code) and then, for mean-agreed routes, all its local
-    scales."""
-    w, off = send.shape[0], 0
-    for p, s, c, sc in zip(pieces, sizes, codes, scales, strict=True):
-        dst = send[:, off : off + s.shard]
-        full, rest = divmod(c.numel(), s.shard)
-        dst[:full] = c[: full * s.shard].view(full, s.shard)
-        if full < w:
-            dst[full, :rest] = c[full * s.shard :]
-            dst[full, rest:] = p.route.pad_byte
-            dst[full + 1 :] = p.route.pad_byte
-        if s.scale_bytes:
-            send[:, off + s.shard : off + s.block] = sc.contiguous().view(torch.uint8)
-        off += s.block

@@ -22,8 +22,8 @@ from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, tiny_spec, tiny_spec_dict, toml_text
 
 STEPS = 4
-#: Fast link, slow hops: the low-bit routes' extra collectives lose to one fp32 all-reduce.
-REFUSES = {"link_gbps": 100.0, "latency_us": 5000.0}
+#: Fast link, slow codec: 5 ms per sign reduce loses to one fp32 all-reduce of a tiny model.
+REFUSES = {"link_gbps": 100.0, "latency_us": 5.0, "codec_call_us": {"sign": 5000.0}}
 #: A 1 Mbit/s link: bytes dominate, low-bit always wins.
 ADMITS = {"link_gbps": 0.001, "latency_us": 1.0}
 #: 10 Mbit/s, 1 ms fixed per sign reduce: the tiny model's bucket pays as one reduce, not two.
@@ -107,7 +107,7 @@ def test_gated_refuses_exactly_what_compile_profile_refuses() -> None:
             assert gate.decided()[(tuple(bucket.params), phase)].reason == bucket.reasons[phase]
     _, b = _bindings(SIGN, TWO_CALLS_LOSE)
     assert b.buckets[0].reasons["main"] == (
-        "codec call overhead: codec 2.02 ms (2 ms fixed over 2 calls) vs fp32 1.98 ms (0.91x)")
+        "codec call overhead: codec 2.02 ms (2 ms fixed over 2 calls) vs fp32 1.98 ms (0.94x)")
 
 
 def test_spec_substrate_table_path_and_bad_values(tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_calibrated_profile_carries_the_substrate(tmp_path: Path) -> None:
     spec = tiny_spec(trials=2, substrate=REFUSES)
     _, out = calibrate(wl, spec, f"sqlite:///{tmp_path}/s.db", "g", tmp_path / "p", processes=1)
     meta = read_profile(out.path).meta
-    assert meta["substrate"]["latency_us"] == 5000.0
+    assert meta["substrate"]["codec_call_us"] == {"sign": 5000.0}
     assert out.best["traffic_fraction"] == 1.0  # the gate refuses every low-bit bucket
 
 

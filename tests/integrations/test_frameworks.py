@@ -11,8 +11,9 @@ from tests.integrations.helpers import check_clean, failure_line, ranks_of, run_
 
 STEPS, MORE, ACCUMULATE = 4, 6, 2
 # per optimizer step and rank on this example's Net (head 260 elements on fp32, body 5184 on
-# 1-bit sign with error feedback, 2 ranks): what the hook reports it moved
-SIGN_BYTES, FP32_BYTES = 2000, 2080
+# 1-bit sign with error feedback, 2 ranks): what the hook reports it moved. At 2 ranks sign
+# all-gathers its codes: 648 bytes of bits and 6 scales, sent and received.
+SIGN_BYTES, FP32_BYTES = 2 * (648 + 6 * 4), 2080
 
 
 def _check_run(docs: list[dict], steps: int, total: int) -> None:

@@ -184,8 +184,10 @@ def test_kind_latency_fit_recovers_each_kind_per_round() -> None:
     link = LinkFit(ALPHA, BETA, 0.0, 10)
     for w in (2, 4):
         got = fit_kind_latency(reduce_samples(w), link, shared_link=True)
-        assert got == {k: pytest.approx(v * 1e-6, rel=0.01)
-                       for k, v in TRUE.latency_us_by_kind.items()}
+        # at W = 2 a sharded sign reduce all-gathers its codes: no all-to-all to time
+        kinds = {k: v for k, v in TRUE.latency_us_by_kind.items()
+                 if w > 2 or k != "all_to_all"}
+        assert got == {k: pytest.approx(v * 1e-6, rel=0.01) for k, v in kinds.items()}
     # A transfer-bound reduce says nothing about latency: with none latency-bound, the one
     # closest to it is used (a slower link: every sample is mostly transfer).
     slow = LinkFit(ALPHA, BETA * 1000, 0.0, 10)
