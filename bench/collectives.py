@@ -36,7 +36,7 @@ def _ranks(rank: int, world: int, numel: int, per_elem: int, repeats: int) -> di
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, mine),
         "all_gather (list)": lambda: dist.all_gather(outs, mine),
         "fabric all_gather (posted sends)": lambda: comm.all_gather(mine),
-        "posted sends, output reused": lambda: comm._exchange_all(out, mine),
+        "posted sends, output reused": lambda: comm.all_gather(mine, out=out),
         "all_to_all_single (same bytes)": lambda: dist.all_to_all_single(out, mine.repeat(world)),
         "fp32 all_reduce (whole gradient)": lambda: dist.all_reduce(grad),
     }

@@ -1,9 +1,10 @@
-"""`Comm`: the blocking collectives routes use, with a byte meter.
+"""`Comm`: the collectives routes use, with a byte meter.
 
 Each call records the logical bytes it moved (see `plan.py`), so the traffic a run reports is
 counted from the collectives actually issued, and a test can compare it with `wire_bytes`.
-Calls are blocking: the DDP hook runs them on one worker thread in bucket order, which keeps
-the collective order identical on every rank (see `runtime/hook.py`).
+Every call is issued at once, in program order, from the hook's one worker thread, which keeps
+the collective order identical on every rank (see `runtime/hook.py`); the plain calls block
+until done, the `_async` ones return a `Pending` to wait on later.
 """
 
 from __future__ import annotations
@@ -14,6 +15,21 @@ import torch
 import torch.distributed as dist
 
 from nfabric_cli.routes.plan import WireBytes, op_wire_bytes
+
+
+class Pending:
+    """A collective in flight: `wait()` completes it and returns its result tensor."""
+
+    __slots__ = ("result", "_works")
+
+    def __init__(self, result: torch.Tensor, works: list) -> None:
+        self.result, self._works = result, works
+
+    def wait(self) -> torch.Tensor:
+        works, self._works = self._works, []
+        for w in works:
+            w.wait()
+        return self.result
 
 
 class Comm:
@@ -58,43 +74,46 @@ class Comm:
         return out
 
     def allreduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        self._meter("allreduce", t.numel() * t.element_size())
-        dist.all_reduce(t, op=op, group=self.group)
-        return t
+        return self.allreduce_async(t, op).wait()
 
     def all_to_all(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Equal-split all-to-all of a 1-D byte buffer whose length is a multiple of W (into
         `out` when given)."""
-        out = torch.empty_like(t) if out is None else out
-        self._meter("all_to_all", t.numel() * t.element_size())
-        dist.all_to_all_single(out, t, group=self.group)
-        return out
+        return self.all_to_all_async(t, out).wait()
 
     def all_gather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's `t`, concatenated in rank order, received straight into one tensor
         (`out` when given)."""
+        return self.all_gather_async(t, out).wait()
+
+    # Issued now, completed by `Pending.wait()`: the hook encodes the next bucket while one is
+    # on the wire. Collectives are still issued in program order, so every rank issues the
+    # same ones in the same order (`runtime/bucket.py`).
+    def allreduce_async(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
+        self._meter("allreduce", t.numel() * t.element_size())
+        return Pending(t, [dist.all_reduce(t, op=op, group=self.group, async_op=True)])
+
+    def all_to_all_async(self, t: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
+        out = torch.empty_like(t) if out is None else out
+        self._meter("all_to_all", t.numel() * t.element_size())
+        return Pending(out, [dist.all_to_all_single(out, t, group=self.group, async_op=True)])
+
+    def all_gather_async(self, t: torch.Tensor, out: torch.Tensor | None = None) -> Pending:
         if out is None:
             out = torch.empty((self.world_size * t.numel(),), dtype=t.dtype, device=t.device)
         self._meter("all_gather", t.numel() * t.element_size())
-        if self._p2p_gather:
-            self._exchange_all(out, t.reshape(-1))
-        else:
-            _all_gather_single(out, t.reshape(-1), group=self.group)
-        return out
-
-    def _exchange_all(self, out: torch.Tensor, mine: torch.Tensor) -> None:
-        """All-gather as W - 1 sends and receives posted at once (the same bytes as a ring)."""
-        n = mine.numel()
-        parts = out.view(self.world_size, n)
+        mine = t.reshape(-1)
+        if not self._p2p_gather:
+            return Pending(out, [_all_gather_single(out, mine, group=self.group, async_op=True)])
+        # as W - 1 sends and receives posted at once (the same bytes as a ring)
+        parts = out.view(self.world_size, mine.numel())
         works = []
         for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            works.append(dist.isend(mine, self._peers[r], group=self.group))
-            works.append(dist.irecv(parts[r], self._peers[r], group=self.group))
+            if r != self.rank:
+                works.append(dist.isend(mine, self._peers[r], group=self.group))
+                works.append(dist.irecv(parts[r], self._peers[r], group=self.group))
         parts[self.rank].copy_(mine)
-        for w in works:
-            w.wait()
+        return Pending(out, works)
 
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Gather to group rank 0 (the central reducer); other ranks get None."""

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from nfabric_cli.routes.base import CodeRoute, Noise, padded_payload_nbytes
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
-from nfabric_cli.routes.comm import Comm, sum_in_rank_order
+from nfabric_cli.routes.comm import Comm, Pending, sum_in_rank_order
 
 
 @dataclass
@@ -77,83 +77,124 @@ def _sizes(p: Piece, w: int) -> _Sizes:
 
 def reduce_pieces(pieces: Sequence[Piece], comm: Comm, slot: object = None) -> None:
     """Reduce every piece with at most one all-to-all and one all-gather (plus one MAX
-    all-reduce when a piece's route agrees max scales); results land in each piece's `x`.
-    The wire buffers are `comm`'s scratch under `slot` (the hook keeps one per bucket),
-    reused from step to step."""
-    pieces = [p for p in pieces if p.x.numel()]
-    w = comm.world_size
-    if not pieces:
-        return
-    if w == 1:
-        for p in pieces:
-            p.route.check_world(1)
-            p.x.copy_(p.route.simulate([p.x], p.segments, p.stats, [p.noise]))
-        return
-    for p in pieces:
-        p.route.check_world(w)
-        assert p.x.dtype == torch.float32 and p.x.is_contiguous(), "pieces are float32 views"
-    sizes = [_sizes(p, w) for p in pieces]
-    codes, scales = _encode(pieces, sizes, comm)
-    dev = pieces[0].x.device
-    sharded = [i for i, s in enumerate(sizes) if not s.gathered]
-    # this rank's all-gather contribution: the sharded pieces' combined shards, then the
-    # gathering pieces' codes and scales
-    mine = comm.scratch((slot, "mine"), sum(s.result or s.block for s in sizes), torch.uint8, dev)
-    if sharded:
-        _all_to_all(pieces, sizes, codes, scales, sharded, mine, comm, slot)
-    off = sum(sizes[i].result for i in sharded)
-    for p, s, c, sc in zip(pieces, sizes, codes, scales, strict=True):
-        if s.gathered:
-            _put(mine[off : off + s.block].view(1, s.block), c, sc, s, p.route.pad_byte)
+    all-reduce when a piece's route agrees max scales); results land in each piece's `x`."""
+    ex = Exchange(pieces, comm, slot)
+    ex.start()
+    ex.middle()
+    ex.finish()
+
+
+class Exchange:
+    """`reduce_pieces` in three stages, so a caller can work between them while the wire
+    does: `start` encodes and issues the first collective, `middle` combines what it
+    brought and issues the all-gather, `finish` waits for it and decodes. Each stage issues
+    its collectives in a fixed order, and a caller that calls the stages of its exchanges in
+    a fixed order keeps every rank's collective order identical (`runtime/bucket.py`). The
+    wire buffers are `comm`'s scratch under `slot` (the hook keeps one per bucket of a step),
+    reused from step to step: a slot's exchange must finish before the slot is used again."""
+
+    def __init__(self, pieces: Sequence[Piece], comm: Comm, slot: object = None) -> None:
+        self.pieces = [p for p in pieces if p.x.numel()]
+        self.comm, self.slot = comm, slot
+        w = comm.world_size
+        for p in self.pieces:
+            p.route.check_world(w)
+            assert p.x.dtype == torch.float32 and p.x.is_contiguous(), "pieces are float32 views"
+        self.sizes = [_sizes(p, w) for p in self.pieces] if w > 1 else []
+        self.sharded = [i for i, s in enumerate(self.sizes) if not s.gathered]
+        self._codes: list[torch.Tensor] = []
+        self._scales: list[torch.Tensor] = []
+        self._mine: torch.Tensor | None = None
+        self._wire: Pending | None = None  # the collective in flight
+
+    def start(self) -> None:
+        """Encode every piece (int scales agreed first, in one blocking MAX all-reduce) and
+        issue the all-to-all of the sharded pieces, or, with none, the all-gather."""
+        if not self.pieces:
+            return
+        comm, w = self.comm, self.comm.world_size
+        if w == 1:
+            for p in self.pieces:
+                p.x.copy_(p.route.simulate([p.x], p.segments, p.stats, [p.noise]))
+            return
+        self._codes, self._scales = _encode(self.pieces, self.sizes, comm)
+        dev = self.pieces[0].x.device
+        # this rank's all-gather contribution: the sharded pieces' combined shards, then the
+        # gathering pieces' codes and scales
+        total = sum(s.result or s.block for s in self.sizes)
+        self._mine = comm.scratch((self.slot, "mine"), total, torch.uint8, dev)
+        if self.sharded:
+            self._wire = self._all_to_all()
+        else:
+            self._wire = self._all_gather()
+
+    def middle(self) -> None:
+        """Combine this rank's shards of the sharded pieces and issue the all-gather."""
+        if not self.sharded or self._mine is None:
+            return
+        recv = self._wire.wait().view(self.comm.world_size, -1)
+        w, rank, off, roff = self.comm.world_size, self.comm.rank, 0, 0
+        for i in self.sharded:
+            p, s = self.pieces[i], self.sizes[i]
+            shards = [recv[r, off : off + s.codes] for r in range(w)]
+            shard_elems = s.codes * p.route.elems_per_byte
+            valid = max(0, min(shard_elems, p.x.numel() - rank * shard_elems))
+            self._mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, p.stats)
+            if s.scale_bytes:
+                self._scales[i] = _agreed(recv, off + s.codes, s, w)
+            off, roff = off + s.block, roff + s.result
+        self._wire = self._all_gather()
+
+    def finish(self) -> None:
+        """Wait for the all-gather and decode every piece into its own memory."""
+        if self._wire is None:
+            return
+        comm, w = self.comm, self.comm.world_size
+        results, self._wire = self._wire.wait().view(w, -1), None
+        off = 0
+        for i in self.sharded:
+            p, s = self.pieces[i], self.sizes[i]
+            packed = results[:, off : off + s.result]
+            packed = packed.reshape(-1) if len(self.pieces) == 1 else packed.contiguous().view(-1)
+            _decode(p, s, packed, self._scales[i], w)
+            off += s.result
+        for p, s, sc in zip(self.pieces, self.sizes, self._scales, strict=True):
+            if not s.gathered:
+                continue
+            shards = [results[r, off : off + s.codes] for r in range(w)]
+            # every rank combines every element: one rank adds the agreement, so the sums
+            # over the ranks count each element once
+            stats = p.stats if comm.rank == 0 else None
+            packed = p.route.combine_packed(shards, w, p.x.numel(), stats)
+            _decode(p, s, packed, _agreed(results, off + s.codes, s, w) if s.scale_bytes else sc, w)
             off += s.block
-    results = comm.scratch((slot, "results"), w * mine.numel(), torch.uint8, dev)
-    results = comm.all_gather(mine, out=results).view(w, -1)
-    off = 0
-    for p, s, sc in zip(pieces, sizes, scales, strict=True):
-        if s.gathered:
-            continue
-        packed = results[:, off : off + s.result]
-        packed = packed.reshape(-1) if len(pieces) == 1 else packed.contiguous().view(-1)
-        _decode(p, s, packed, sc, w)
-        off += s.result
-    for p, s, sc in zip(pieces, sizes, scales, strict=True):
-        if not s.gathered:
-            continue
-        shards = [results[r, off : off + s.codes] for r in range(w)]
-        # every rank combines every element: one rank adds the agreement, so the sums over
-        # the ranks count each element once
-        packed = p.route.combine_packed(shards, w, p.x.numel(), p.stats if comm.rank == 0 else None)
-        _decode(p, s, packed, _agreed(results, off + s.codes, s, w) if s.scale_bytes else sc, w)
-        off += s.block
 
+    def _all_to_all(self) -> Pending:
+        """To rank d, shard d of each sharded piece's codes and its local scales (`_put`)."""
+        comm, w = self.comm, self.comm.world_size
+        dev = self.pieces[0].x.device
+        block = sum(self.sizes[i].block for i in self.sharded)
+        send = comm.scratch((self.slot, "send"), w * block, torch.uint8, dev).view(w, block)
+        off = 0
+        for i in self.sharded:
+            s = self.sizes[i]
+            _put(send[:, off : off + s.block], self._codes[i], self._scales[i], s,
+                 self.pieces[i].route.pad_byte)
+            off += s.block
+        recv = comm.scratch((self.slot, "recv"), w * block, torch.uint8, dev)
+        return comm.all_to_all_async(send.view(-1), out=recv)
 
-def _all_to_all(
-    pieces: Sequence[Piece], sizes: Sequence[_Sizes], codes: Sequence[torch.Tensor],
-    scales: list[torch.Tensor], which: list[int], mine: torch.Tensor, comm: Comm, slot: object,
-) -> None:
-    """The sharded pieces' all-to-all: to rank d, shard d of each one's codes and its local
-    scales (`_put`); this rank combines its shard of each into `mine`, in order, and replaces
-    a mean-agreed piece's local scales by the agreed ones."""
-    w, dev = comm.world_size, mine.device
-    block = sum(sizes[i].block for i in which)
-    send = comm.scratch((slot, "send"), w * block, torch.uint8, dev).view(w, block)
-    off = 0
-    for i in which:
-        s = sizes[i]
-        _put(send[:, off : off + s.block], codes[i], scales[i], s, pieces[i].route.pad_byte)
-        off += s.block
-    recv = comm.scratch((slot, "recv"), w * block, torch.uint8, dev)
-    recv = comm.all_to_all(send.view(-1), out=recv).view(w, block)
-    off = roff = 0
-    for i in which:
-        p, s = pieces[i], sizes[i]
-        shards = [recv[r, off : off + s.codes] for r in range(w)]
-        shard_elems = s.codes * p.route.elems_per_byte
-        valid = max(0, min(shard_elems, p.x.numel() - comm.rank * shard_elems))
-        mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, p.stats)
-        if s.scale_bytes:
-            scales[i] = _agreed(recv, off + s.codes, s, w)
-        off, roff = off + s.block, roff + s.result
+    def _all_gather(self) -> Pending:
+        """Lay the gathering pieces' codes and scales after the combined shards in `mine`,
+        and issue its all-gather."""
+        mine, off = self._mine, sum(self.sizes[i].result for i in self.sharded)
+        for p, s, c, sc in zip(self.pieces, self.sizes, self._codes, self._scales, strict=True):
+            if s.gathered:
+                _put(mine[off : off + s.block].view(1, s.block), c, sc, s, p.route.pad_byte)
+                off += s.block
+        results = self.comm.scratch((self.slot, "results"), self.comm.world_size * mine.numel(),
+                                    torch.uint8, mine.device)
+        return self.comm.all_gather_async(mine, out=results)
 
 
 def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, s: _Sizes, pad: int) -> None:

@@ -6,7 +6,7 @@ so an all-fp32 profile trains bit-identically to plain DDP.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,13 +36,17 @@ class FloatRoute(Route):
         stats: dict[str, float] | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
+        return self.reduce_async(flat, comm)()
+
+    def reduce_async(self, flat: torch.Tensor, comm: Comm) -> Callable[[], torch.Tensor]:
+        """`reduce` issued now; call the result to wait for the agreed mean."""
         x = check_input(flat)
         if self.wire_dtype == x.dtype:
             # In place, as allreduce_hook does: no extra copy of the bucket.
             x.div_(comm.world_size)
-            return comm.allreduce(x)
-        wire = x.div(comm.world_size).to(self.wire_dtype)
-        return comm.allreduce(wire).to(x.dtype)
+            return comm.allreduce_async(x).wait
+        pending = comm.allreduce_async(x.div(comm.world_size).to(self.wire_dtype))
+        return lambda: pending.wait().to(x.dtype)
 
     def simulate(
         self,

@@ -1,9 +1,10 @@
 """`FabricState`: everything the hook needs across buckets and steps.
 
-Per bucket (on the worker thread): inject faults (tests), check finiteness, measure per-scope
-gradient norms, pick each parameter's effective route (profile route unless the health
-monitor forces fp32 for its region or the capacity gate refuses the bucket), reduce each
-(region, route) group, meter the bytes, take the reduced update's norms. Per step (after the
+Per bucket (on the worker thread): inject faults (tests), measure per-scope gradient norms,
+pick each parameter's effective route (profile route unless the health monitor forces fp32
+for its region or the capacity gate refuses the bucket), reduce the bucket
+(`runtime/bucket.py`: encoding it while the previous bucket's results are on the wire),
+meter the bytes, take the reduced update's norms. Per step (after the
 last bucket): one small all-reduce of the health statistics, the step controller's decision
 (`runtime/controller.py`, shared with the calibration simulator; identical on every rank,
 since it only sees agreed numbers): neutralise a non-finite step, scale down a held scope's
@@ -15,9 +16,8 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,26 +26,16 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
-from nfabric_cli.routes.base import CodeRoute, rounding_noise
-from nfabric_cli.routes.exchange import Piece, reduce_pieces
-from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
-from nfabric_cli.routes.plan import WireBytes
+from nfabric_cli.routes.groups import bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.agree import agree_step
+from nfabric_cli.runtime.bucket import BucketJob
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor
 from nfabric_cli.runtime.inject import Injection, apply_injection
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
-
-
-class _Part(NamedTuple):
-    """What one reduce works on: its float tensor, its parameters' sizes and names."""
-
-    x: torch.Tensor
-    segments: tuple[int, ...]
-    names: list[str]
 
 
 def _full(dtype: torch.dtype):  # noqa: ANN202
@@ -111,6 +101,7 @@ class FabricState:
         self._step_started: float | None = None
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
+        self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
 
     @classmethod
@@ -251,6 +242,8 @@ class FabricState:
     def _reduce_bucket(
         self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool, fut: torch.futures.Future
     ) -> None:
+        """One bucket on the worker thread: its statistics and routes, then its reduction,
+        pipelined with the previous bucket's (`runtime/bucket.py`)."""
         step, phase = self.step, self.phase.name
         offsets = [0]
         for n in numels[:-1]:
@@ -263,153 +256,46 @@ class FabricState:
         self._grad_norms.append((regions, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
         specs = [self._effective(n) for n in names]
         groups = bucket_groups(regions, specs, numels)
-        key, probing = (tuple(names), phase), False
+        probing = False
         if any(s.lowbit for s in specs):
-            # Priced per reduce issued below, as compile-profile and calibration price it.
+            # Priced per group as the job reduces it, as compile-profile and calibration price it.
+            key = (tuple(names), phase)
             verdict = self.gate.verdict(key, spec_numels(groups))
             probing = self.gate.timed(key)  # measured admission times the whole bucket
             if not verdict.admit:
-                specs = [FP32] * len(specs)
-        started = time.perf_counter()
-        bucket = len(self._pending)  # this bucket's place in the step
-        full = _full(buffer.dtype)
-        if all(not s.lowbit and s.name == "fp32" for s in specs):
-            local = buffer.clone() if self.trace is not None else None
-            t0 = time.perf_counter()
-            full.reduce(buffer, self.comm)  # in place: exactly allreduce_hook
-            wb = self.comm.take()
-            self.meter.add(step, phase, "fp32", wb)
-            if self.trace is not None:
-                self.trace.record(step, phase, bucket, buffer.numel(), len(names), FP32,
-                                  tuple(numels), time.perf_counter() - t0, wb.sent, wb.received, local)
-        else:
-            # Never encode NaN/Inf (the sign of NaN is not a vote, and error feedback would
-            # keep it): the identity on finite values, so no host read has to decide it. A
-            # non-finite step is zeroed at its end; plain fp32 carries the NaN there by itself.
-            buffer.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            self._reduce_groups(buffer, offsets, names, slices, groups, step, phase, bucket)
-        if probing:
-            self._probe_times.append((key, time.perf_counter() - started))
-        ref = full.wire_bytes(buffer.numel(), self.world_size, self.rank)  # in its own dtype
-        self.meter.add_fp32_reference(step, ref, buffer.dtype)
-        if self.monitor_enabled:  # the update guard's input; read once per step
-            self._update_norms.append((names, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
+                groups = bucket_groups(regions, [FP32] * len(specs), numels)
+        job = BucketJob(self, buffer, names, slices, offsets, groups, step, phase,
+                        index=len(self._pending))
+        job.probing = probing
         self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
+        job.start()
+        previous, self._inflight = self._inflight, job
+        if previous is not None:
+            self._land(previous)
+        job.middle()
         if is_last:
+            self._inflight = None
+            self._land(job)
             self._finish_step(step)
 
-    def _reduce_groups(
-        self,
-        buffer: torch.Tensor,
-        offsets: list[int],
-        names: list[str],
-        slices: list[torch.Tensor],
-        groups: list[BucketGroup],
-        step: int,
-        phase: str,
-        bucket: int = 0,
-    ) -> None:
-        """Reduce a bucket's groups: every sharded low-bit reduce together in one exchange
-        (`routes/exchange.py`: one all-to-all, one all-gather), the others (float routes, the
-        central reducer) one after another. A traced run reduces group by group, so each
-        reduce is timed and metered alone."""
-        dtype = slices[0].dtype
-        pieces: list[Piece] = []
-        labels: list[str] = []
-        finish: list[Callable[[], None]] = []  # copy-backs and error feedback, after the reduce
-        started = time.perf_counter()
-        lowbit = False
-        for gi, group in enumerate(groups):
-            spec = group.spec
-            route = make_route(spec, dtype)
-            stats = self._group_stats(group.region) if spec.lowbit else None
-            lowbit |= spec.lowbit
-            for ks in group.reduces():
-                idx = [group.index[k] for k in ks]
-                part = self._prepare(buffer, offsets, names, slices, idx, spec, step, finish)
-                gen = rounding_noise(spec, self.seed, step, self.rank, part.names, part.segments)
-                if isinstance(route, CodeRoute) and spec.reducer == "sharded" and self.trace is None:
-                    pieces.append(Piece(route, part.x, part.segments, stats, gen))
-                    labels.append(spec.label())
-                    continue
-                local = part.x.clone() if self.trace is not None else None
-                t0 = time.perf_counter()
-                out = route.reduce(part.x, self.comm, part.segments, stats, gen)
-                if out.data_ptr() != part.x.data_ptr():
-                    part.x.copy_(out)
-                seconds = time.perf_counter() - t0
-                wb = self.comm.take()
-                self.meter.add(step, phase, spec.label(), wb)
-                if self.trace is not None:
-                    self.trace.record(step, phase, bucket, sum(s.numel() for s in slices),
-                                      len(names), spec, part.segments, seconds, wb.sent,
-                                      wb.received, local, group=gi)
-        if pieces:
-            reduce_pieces(pieces, self.comm, slot=bucket)  # wire buffers kept per bucket
-            self._meter_pieces(step, phase, pieces, labels, self.comm.take())
-        for fn in finish:
-            fn()
-        if lowbit:
-            self._bucket_times.append(((tuple(names), phase), time.perf_counter() - started))
+    def _land(self, job: BucketJob) -> None:
+        """Finish a bucket's reduction and record what the step's end needs of it."""
+        job.finish()
+        key = (tuple(job.names), job.phase)
+        if job.lowbit:
+            self._bucket_times.append((key, job.seconds))
+        if job.probing:
+            self._probe_times.append((key, job.seconds))
+        full = _full(job.buffer.dtype)
+        ref = full.wire_bytes(job.buffer.numel(), self.world_size, self.rank)  # in its own dtype
+        self.meter.add_fp32_reference(job.step, ref, job.buffer.dtype)
+        if self.monitor_enabled:  # the update guard's input; read once per step
+            self._update_norms.append(
+                (job.names, torch.stack([torch.linalg.vector_norm(g) for g in job.slices])))
 
     def _group_stats(self, region: str) -> dict[str, Any]:
         """The dict a region's low-bit reduces add their agreement sums to, for this step."""
         return self._step_stats.setdefault(region, {})
-
-    def _prepare(
-        self, buffer: torch.Tensor, offsets: list[int], names: list[str],
-        slices: list[torch.Tensor], idx: list[int], spec: RouteSpec, step: int,
-        finish: list[Callable[[], None]],
-    ) -> _Part:
-        """The float32 tensor one reduce works on, and what to do with it afterwards.
-
-        Consecutive parameters without error feedback are reduced in the bucket's own memory
-        (routes decode into their input): nothing to copy back for a float32 bucket. Error
-        feedback compensates a copy (and updates the residual from what was sent); parameters
-        that are not consecutive are concatenated and copied back."""
-        group_names = [names[i] for i in idx]
-        parts = [slices[i] for i in idx]
-        segs = tuple(p.numel() for p in parts)
-        if spec.error_feedback:
-            x = self.ef.compensate_flat(group_names, spec.label(), parts)
-        elif idx == list(range(idx[0], idx[0] + len(idx))):
-            x = buffer[offsets[idx[0]] : offsets[idx[0]] + sum(segs)]
-        else:
-            x = torch.cat(parts)
-        if x.dtype != torch.float32 and spec.name != "fp32":
-            x = x.float()  # code routes decode float32 (a bf16 bucket: copied back below)
-        if spec.error_feedback and spec.lowbit:
-            compensated = x.clone()  # the reduce works in place
-            route = make_route(spec, x.dtype)
-
-            def feedback() -> None:
-                # One roundtrip per reduce (chunks never span parameters: the per-parameter
-                # roundtrips, concatenated), drawing stochastic rounding's noise as sent.
-                gen = rounding_noise(spec, self.seed, step, self.rank, group_names, segs)
-                sent = route.roundtrip(compensated, segs, gen)
-                self.ef.update_flat(group_names, compensated, sent, segs)
-
-            finish.append(feedback)
-        if x.data_ptr() != parts[0].data_ptr():  # not the bucket's own memory
-            def copy_back() -> None:
-                off = 0
-                for part in parts:
-                    part.copy_(x[off : off + part.numel()])
-                    off += part.numel()
-
-            finish.append(copy_back)
-        return _Part(x, segs, group_names)
-
-    def _meter_pieces(self, step: int, phase: str, pieces: list[Piece], labels: list[str],
-                      measured: WireBytes) -> None:
-        """Credit the exchange's bytes to each piece's route: its own plan's bytes (what it
-        alone would have sent), any rounding of the shared collectives to the first."""
-        planned = [p.route.wire_bytes(p.x.numel(), self.world_size, self.rank, p.segments)
-                   for p in pieces]
-        rest = WireBytes(measured.sent - sum(b.sent for b in planned),
-                         measured.received - sum(b.received for b in planned))
-        for i, (label, wb) in enumerate(zip(labels, planned, strict=True)):
-            self.meter.add(step, phase, label, wb + rest if i == 0 else wb)
 
     # -- per step ------------------------------------------------------------------------------
     def _finish_step(self, step: int) -> None:
@@ -464,7 +350,7 @@ class FabricState:
         exc = job.exception()
         if exc is None:
             return
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._inflight = self._pending, [], None
         for f in [p for p, _, _ in pending] + [fut]:
             if not f.done():
                 f.set_exception(exc)
