@@ -35,6 +35,12 @@ def _descendants(event):  # noqa: ANN001, ANN202 - torch.autograd.profiler Funct
         yield from _descendants(child)
 
 
+def _both(rank: int, world: int) -> list[list[int]]:
+    # weights on sign, biases on int8 (interleaved in the bucket: neither group is consecutive)
+    return [_largest_allocation(rank, world, route, rules)
+            for route, rules in (("sign", []), ("sign", [("*.bias", "int8")]))]
+
+
 def _largest_allocation(rank: int, world: int, route: str, rules: list) -> list[int]:
     model = _model()
     ddp = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)  # one bucket
@@ -72,9 +78,8 @@ def _largest_allocation(rank: int, world: int, route: str, rules: list) -> list[
 
 
 def test_a_low_bit_bucket_reduces_in_its_own_memory() -> None:
-    # weights on sign, biases on int8 (interleaved in the bucket: neither group is consecutive)
-    for route, rules in (("sign", []), ("sign", [("*.bias", "int8")])):
-        for hooks, largest, bucket_bytes in run_ranks(_largest_allocation, 2, route, rules):
+    for per_case in run_ranks(_both, 2):
+        for hooks, largest, bucket_bytes in per_case:
             assert hooks == 1
             # codes, scales and packed results only: a full-size copy would be >= 1/3 of it
-            assert 0 < largest < bucket_bytes / 8, (route, rules, largest, bucket_bytes)
+            assert 0 < largest < bucket_bytes / 8, (largest, bucket_bytes)
