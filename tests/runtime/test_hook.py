@@ -58,6 +58,7 @@ def _scenarios(rank: int, world: int) -> dict:
     """Every 2-rank scenario in one spawn: process start-up dominates these tests."""
     return {
         "mixed": _mixed_worker(rank, world),
+        "mixed-pipelined": _mixed_worker(rank, world, cap_mb=0.0005),
         "nan": _nan_worker(rank, world),
         "spike": _spike_worker(rank, world),
         "unused": _unused_worker(rank, world),
@@ -70,15 +71,22 @@ def two_ranks() -> list[dict]:
     return run_ranks(_scenarios, 2)
 
 
-def _mixed_worker(rank: int, world: int) -> dict:
+def _mixed_worker(rank: int, world: int, cap_mb: float = 25) -> dict:
+    """One step's reduced gradients on a mixed profile, and every rank's local gradients.
+    cap_mb 25: one bucket holding every parameter; tiny: a bucket per parameter or two, so
+    buckets pipeline (several exchanges in flight), measured after DDP's bucket rebuild."""
     model = make_model()
-    ddp = DDP(model, bucket_cap_mb=25)  # one bucket holding every parameter
+    ddp = DDP(model, bucket_cap_mb=cap_mb)
     rules = [("head.*", "fp32"), ("body.0.*", "int8")]
     state = attach(ddp, _bindings(model, "sign", rules, world_size=world), total_steps=3)
+    if cap_mb < 1:  # a first step, so DDP rebuilds its buckets before the one measured
+        F.cross_entropy(ddp(batch(1, rank)[0]), batch(1, rank)[1]).backward()
     x, y = batch(0, rank)
     loss = F.cross_entropy(ddp.module(x), y)  # local grads without DDP, for the reference
     local = torch.autograd.grad(loss, list(model.parameters()))
     ddp.zero_grad()
+    submit, buckets = state.submit, []
+    state.submit = lambda *a: buckets.append(1) or submit(*a)  # buckets of the measured step
     F.cross_entropy(ddp(x), y).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     gathered = []
@@ -88,28 +96,43 @@ def _mixed_worker(rank: int, world: int) -> dict:
         gathered.append(parts)
     state.close()
     return {"got": got, "local": dict(zip([n for n, _ in model.named_parameters()], gathered, strict=True)),
-            "bytes": state.bytes_per_route(), "fraction": state.meter.fraction()}
+            "bytes": state.bytes_per_route(), "fraction": state.meter.fraction(),
+            "buckets": len(buckets)}
 
 
-def test_mixed_bucket_keeps_each_parameters_semantics(two_ranks: list[dict]) -> None:
-    world = 2
-    out = [r["mixed"] for r in two_ranks]
+def _check_mixed(out: list[dict]) -> None:
+    world = len(out)
     for name, parts in out[0]["local"].items():
         flat = [p.reshape(-1) for p in parts]
         if name.startswith("head."):
-            expected = (flat[0] / world + flat[1] / world).view_as(parts[0])  # exact mean
-            spec = None
+            spec = RouteSpec("fp32")
         elif name.startswith("body.0."):
             spec = RouteSpec("int8")
         else:
             spec = RouteSpec("sign")
-        if spec is not None:
-            expected = make_route(spec).simulate(flat).view_as(parts[0])
+        expected = make_route(spec).simulate(flat).view_as(parts[0])
         for rank in range(world):
             assert torch.equal(out[rank]["got"][name], expected), (name, rank)
+
+
+def test_mixed_bucket_keeps_each_parameters_semantics(two_ranks: list[dict]) -> None:
+    out = [r["mixed"] for r in two_ranks]
+    _check_mixed(out)  # fp32: the exact mean at two ranks, whatever the order
     labels = set(out[0]["bytes"])
     assert {"fp32", "int8/sharded", "sign/sharded", "control"} <= labels
     assert out[0]["fraction"] < 0.5
+
+
+def test_pipelined_buckets_reduce_exactly(two_ranks: list[dict]) -> None:
+    # a bucket per parameter or two: each bucket's exchange overlaps the next one's
+    out = [r["mixed-pipelined"] for r in two_ranks]
+    assert out[0]["buckets"] >= 3
+    _check_mixed(out)
+    three = run_ranks(_mixed_worker, 3, 0.0005)  # sharded exchanges (all-to-all, all-gather)
+    assert three[0]["buckets"] >= 3
+    for name in [n for n in three[0]["local"] if n.startswith("head.")]:
+        del three[0]["local"][name]  # fp32 at three ranks sums in gloo's ring order
+    _check_mixed(three)
 
 
 def _nan_worker(rank: int, world: int) -> dict:
