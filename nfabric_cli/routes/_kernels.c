@@ -1032,3 +1032,54 @@ void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const
         }
     }
 }
+
+/* Combine and decode in one pass, for a reduce whose every rank combines every element (the
+ * codes were all-gathered): per element, c = the sum over the W shards of its raw `kind` code,
+ * its combined value v = values[c] (when `values`, one per possible sum: the sign vote) or
+ * c + offset, and out = pre_scale(v) * s with its chunk's scale s: the float ops of
+ * nf_combine_pack, then nf_decode_codes of that packed result, without the result. Tile by
+ * tile, the chunk cursor moving along; `margin` (may be NULL) gets the sum of |2c - W| over
+ * the first `numel` elements, elements past `numel` (padding) are not written. */
+void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, int kind,
+                       int64_t offset, const int64_t *values, const int64_t *blocks,
+                       int64_t nblocks, const float *scales, int mode, float d, int64_t numel,
+                       float *out, int64_t *margin) {
+    int32_t acc[NF_SUM_TILE * 8];
+    float v[NF_SUM_TILE * 8];
+    const int per = elems_per_byte(kind);
+    int64_t m = 0, b = 0, r = 0; /* the chunk cursor: block b, its chunk r */
+    for (int64_t j0 = 0; j0 < nbytes; j0 += NF_SUM_TILE) {
+        const int64_t nb = nbytes - j0 < NF_SUM_TILE ? nbytes - j0 : NF_SUM_TILE;
+        const int64_t e0 = j0 * per;
+        if (e0 >= numel) break;
+        const int64_t ne = numel - e0 < nb * per ? numel - e0 : nb * per;
+        sum_tile(shards, w, j0, nb, kind, acc);
+        if (values) {
+            for (int64_t i = 0; i < ne; ++i) v[i] = (float)values[acc[i]];
+        } else {
+            const int32_t off = (int32_t)offset; /* |offset| <= 8 W: int32 lanes vectorize */
+            for (int64_t i = 0; i < ne; ++i) v[i] = (float)(acc[i] + off);
+        }
+        if (margin) {
+            for (int64_t i = 0; i < ne; ++i) {
+                const int64_t dm = 2 * (int64_t)acc[i] - w;
+                m += dm < 0 ? -dm : dm;
+            }
+        }
+        /* scale the tile's elements [e0, e0 + ne) chunk by chunk */
+        for (int64_t e = e0; e < e0 + ne;) {
+            while (b < nblocks && e >= blocks[3 * b] + (r + 1) * blocks[3 * b + 2]) {
+                ++scales;
+                if (++r == blocks[3 * b + 1]) { ++b; r = 0; }
+            }
+            const int64_t end = blocks[3 * b] + (r + 1) * blocks[3 * b + 2];
+            const int64_t stop = end < e0 + ne ? end : e0 + ne;
+            const float s = *scales;
+            if (mode == 0) for (int64_t i = e; i < stop; ++i) out[i] = pre_scale(v[i - e0], 0, d) * s;
+            else if (mode == 1) for (int64_t i = e; i < stop; ++i) out[i] = pre_scale(v[i - e0], 1, d) * s;
+            else for (int64_t i = e; i < stop; ++i) out[i] = pre_scale(v[i - e0], 2, d) * s;
+            e = stop;
+        }
+    }
+    if (margin) *margin = m;
+}

@@ -189,6 +189,7 @@ class CodeRoute(Route):
     elems_per_byte = 1  # payload packing density
     pad_byte = 0  # a byte that encodes "zero" codes, used to pad payloads to whole shards
     scale_agreement = "max"  # "max" (exact all-reduce MAX) or "mean" (rank-ordered mean)
+    fused_decode = True  # `combine_decode` in one native pass (else combine, then decode)
 
     # -- subclass hooks ---------------------------------------------------------------------
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
@@ -341,6 +342,31 @@ class CodeRoute(Route):
         if margin is not None:
             self._add_margins(margin, valid, world_size, stats)
         return packed
+
+    def combine_decode(
+        self, shards: Sequence[torch.Tensor], world_size: int, scales: torch.Tensor,
+        layout: ChunkLayout, out: torch.Tensor, stats: dict[str, float] | None,
+    ) -> torch.Tensor:
+        """Every rank's whole codes combined and decoded into `out` (`layout.numel` elements),
+        with their agreement added to `stats`: `combine_packed` then `_decode_result`, bit for
+        bit, natively in one pass without the packed result (a reduce that gathered codes
+        needs no result to send)."""
+        k = kernels.native(shards[0])
+        how = self.native_combine(world_size) if k is not None and self.fused_decode else None
+        n = layout.numel
+        if how is None:
+            packed = self.combine_packed(shards, world_size, n, stats)
+            return self._decode_result(packed, n, world_size, scales, layout, out=out)
+        kind, value = how
+        s, mode, d = self.decode_mode(scales, world_size)
+        table = value if isinstance(value, torch.Tensor) else None
+        # only a vote (a table of values per count) has an agreement, as in combine_packed
+        margin = k.combine_decode(shards, kind, layout, s, mode, d, out,
+                                  offset=0 if table is not None else value, values=table,
+                                  margin=stats is not None and table is not None)
+        if margin is not None:
+            self._add_margins(margin, n, world_size, stats)
+        return out
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - routes are cached, stateless singletons
     def _result_codes(self, world_size: int) -> tuple[str, int, int, torch.Tensor | None]:

@@ -165,8 +165,10 @@ class Exchange:
             # every rank combines every element: one rank adds the agreement, so the sums
             # over the ranks count each element once
             stats = p.stats if comm.rank == 0 else None
-            packed = p.route.combine_packed(shards, w, p.x.numel(), stats)
-            _decode(p, s, packed, _agreed(results, off + s.codes, s, w) if s.scale_bytes else sc, w)
+            agreed = _agreed(results, off + s.codes, s, w) if s.scale_bytes else sc
+            out = p.route.combine_decode(shards, w, agreed, s.layout, p.x, stats)
+            if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory
+                p.x.copy_(out)
             off += s.block
 
     def _all_to_all(self) -> Pending:

@@ -57,6 +57,8 @@ _SIGNATURES: dict[str, list] = {
     "nf_combine_pack": [_P, _I, _I, ctypes.c_int, _I, _P, ctypes.c_int, _I, _P, _P],
     "nf_decode_values": [_P, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
+    "nf_combine_decode": [_P, _I, _I, ctypes.c_int, _I, _P, _P, _I, _P, ctypes.c_int, _F, _I,
+                          _P, _P],
 }
 #: Code kinds `sum_codes` adds up, with elements per byte.
 SUM_KINDS: dict[str, tuple[int, int]] = {"int8": (0, 1), "nibble": (1, 2), "trit": (2, 5), "bit": (3, 8)}
@@ -344,6 +346,35 @@ class Kernels:
         self.lib.nf_decode_codes(packed.data_ptr(), bits, mul, lo, _blocks(layout).data_ptr(),
                                  len(layout.blocks), scales.data_ptr(), mode, d, out.data_ptr())
         return out
+
+
+    def combine_decode(
+        self, shards: Sequence[torch.Tensor], kind: str, layout: ChunkLayout, scales: torch.Tensor,
+        mode: int, d: float, out: torch.Tensor, *, offset: int = 0,
+        values: torch.Tensor | None = None, margin: bool = False,
+    ) -> int | None:
+        """Decode into `out` (float32, `layout.numel`) the combined value of every element of
+        the shards' raw `kind` codes, `values[c]` (one per possible sum c) or `c + offset`,
+        scaled per chunk as `decode_codes` scales (mode, d): `combine_pack` then
+        `decode_codes`, bit for bit, without the packed result. With `margin`, returns the sum
+        of |2c - W| over the layout's elements."""
+        code, per = SUM_KINDS[kind]
+        ptrs, nbytes = self._shard_ptrs(shards)
+        if nbytes * per < layout.numel:
+            raise ValueError(f"{nbytes * per} codes for a layout of {layout.numel}")
+        if values is not None:
+            values = values.to(torch.int64).contiguous()
+            if values.numel() < len(shards) + 1:
+                raise ValueError("values must have one entry per count 0..W")
+        scales = _need(scales.float(), 4 * layout.nchunks, "scales")
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
+            raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
+        total = ctypes.c_int64(0)
+        self.lib.nf_combine_decode(ptrs, len(shards), nbytes, code, offset, _ptr(values),
+                                   _blocks(layout).data_ptr(), len(layout.blocks),
+                                   scales.data_ptr(), mode, d, layout.numel, out.data_ptr(),
+                                   ctypes.byref(total) if margin else None)
+        return total.value if margin else None
 
 
 def _check_torch_agrees(k: Kernels) -> str | None:
