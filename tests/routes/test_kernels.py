@@ -229,7 +229,7 @@ def test_combine_decode_is_combine_then_decode(isa: str, spec: RouteSpec,
         codes = [route._pad(p.codes, route._sizes(n, 1)[0]) for p in payloads]
         scales = sum(p.scales for p in payloads) / world
 
-        def decoded(codes: list = codes, world: int = world) -> tuple:
+        def decoded(codes: list = codes, world: int = world, scales: torch.Tensor = scales) -> tuple:
             stats: dict[str, float] = {}
             out = torch.full((n,), float("nan"))
             got = route.combine_decode(codes, world, scales, layout, out, stats)
