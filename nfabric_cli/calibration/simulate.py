@@ -7,12 +7,12 @@ the profile's substrate); each simulated rank's gradient on its own batch
 (`train_batch(step, rank, W, seed)`), every parameter's aggregate under the plan with
 per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over forked
 ones; float routes add the ranks in the order gloo does in the real run's all-reduce of that
-step's DDP bucket or float group, `reduces.py`); the health statistics gathered the way the hook agrees them (per-region gradient norm
-= sqrt of the summed squared local norms, sign agreement from the routes'
-`agree_sum / agree_n`, loss = mean of the ranks' losses, any non-finite value marks the
-step) and the aggregate's norms go to the same `StepController` the hook drives, whose
-decision (skip a non-finite step, scale down a held scope's update) is applied before the
-optimizer and scheduler step; it also decides the next steps' plans.
+step's DDP bucket or float group, `reduces.py`); the health statistics gathered the way the
+hook agrees them (per-region gradient norm = sqrt of the summed squared local norms, sign
+agreement from the routes' `agree_sum / agree_n`, loss = mean of the ranks' losses, any
+non-finite value marks the step) and the aggregate's norms go to the same `StepController`
+the hook drives, whose decision (skip a non-finite step, scale down a held scope's update) is
+applied before the optimizer and scheduler step; it also decides the next steps' plans.
 """
 
 from __future__ import annotations
