@@ -3,8 +3,8 @@
 We call DDP's own `torch.distributed._compute_bucket_assignment_by_size` with the limits DDP
 uses, so the plan is DDP's, not a re-implementation. Two layouts exist:
 
-- default DDP (`find_unused_parameters=False`): the first step uses one big bucket, then the
-  reducer *rebuilds* buckets in the order gradients became ready, the first bucket capped at
+- default DDP (`find_unused_parameters=False`): the first step uses one big bucket
+  (`first_step_buckets`: registration order), then the reducer *rebuilds* buckets in the order gradients became ready, the first bucket capped at
   the first-bucket size and the rest at `bucket_cap_mb`. That rebuilt layout is the one every
   later step uses, so it is the plan. The ready order is taken from a traced backward pass
   (`trace_ready_order`) when one is given, else assumed to be the reverse of registration order
@@ -18,6 +18,7 @@ Bindings are keyed by parameter name, so the runtime stays correct whichever lay
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,19 +75,39 @@ def plan_buckets(
     """Parameter names per bucket, bucket 0 first, each bucket in its flat-buffer order."""
     if not params:
         return []
+    if find_unused_parameters:
+        return first_step_buckets(params, bucket_cap_mb, find_unused_parameters)
     first, cap = bucket_caps(bucket_cap_mb)
     tensors = [p.param for p in params]
     sparse = [_expects_sparse(p) for p in params]
+    order = _ready_indices(params, ready_order)
+    groups, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], [first, cap], [sparse[i] for i in order], order
+    )
+    return [[params[i].name for i in group] for group in groups]
+
+
+def first_step_buckets(
+    params: list[TrainableParam],
+    bucket_cap_mb: float | None = None,
+    find_unused_parameters: bool = False,
+) -> list[list[str]]:
+    """DDP's initial assignment, which its first step reduces (as `plan_buckets`): without
+    `find_unused_parameters`, one bucket per dtype in registration order (DDP disables initial
+    bucketing, `compute_bucket_size_limits`), rebuilt after that step; with it, buckets capped
+    as usual, kept for good."""
+    if not params:
+        return []
+    first, cap = bucket_caps(bucket_cap_mb)
     if find_unused_parameters:
         limits = [first, cap] if first < cap else [cap]
-        groups, _ = dist._compute_bucket_assignment_by_size(tensors, limits, sparse)
-        groups = list(reversed(groups))  # DDP hands the reducer the reversed list
     else:
-        order = _ready_indices(params, ready_order)
-        groups, _ = dist._compute_bucket_assignment_by_size(
-            [tensors[i] for i in order], [first, cap], [sparse[i] for i in order], order
-        )
-    return [[params[i].name for i in group] for group in groups]
+        limits = [sys.maxsize]
+    groups, _ = dist._compute_bucket_assignment_by_size(
+        [p.param for p in params], limits, [_expects_sparse(p) for p in params]
+    )
+    # DDP hands the reducer the reversed list
+    return [[params[i].name for i in group] for group in reversed(groups)]
 
 
 def _ready_indices(params: list[TrainableParam], ready_order: list[str] | None) -> list[int]:

@@ -5,19 +5,26 @@ A route's result for an element depends only on its chunk, and chunks never span
 (scales, codes and sign votes are per chunk; stochastic-rounding noise is drawn per parameter),
 so any split of the parameters into groups gives the same values bit for bit: the hook's
 per-bucket groups, one group per (region, route) over the whole model, or the parameter shards
-that forked processes aggregate side by side (`shard`). Mirrors `runtime/state.py`.
+that forked processes aggregate side by side (`shard`). A float route's sum is per element
+too, in the order gloo adds that element in the real run's all-reduce (`reduces.py`, given as
+`orders`). Mirrors `runtime/state.py`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nfabric_cli.routes import ErrorFeedback, make_route
 from nfabric_cli.routes.base import Route, rounding_noise
+from nfabric_cli.routes.ring import Piece, join_pieces, ring_pieces
 from nfabric_cli.routes.spec import RouteSpec
+
+if TYPE_CHECKING:
+    from nfabric_cli.calibration.reduces import ReduceOrders
 
 #: (agree_sum, agree_n) per health scope: the sign routes' vote agreement.
 Agreement = dict[str, tuple[float, float]]
@@ -72,10 +79,12 @@ class Aggregator:
     """Per-rank error feedback for the parameters it owns, and their aggregation."""
 
     def __init__(
-        self, names: Sequence[str], world_size: int, seed: int, owned: Sequence[int]
+        self, names: Sequence[str], world_size: int, seed: int, owned: Sequence[int],
+        orders: ReduceOrders | None = None,
     ) -> None:
         self.names, self.world_size, self.seed = list(names), world_size, seed
         self.owned = list(owned)
+        self.orders = orders
         self.efs = [ErrorFeedback() for _ in range(world_size)]
         self._routes: dict[RouteSpec, Route] = {}
 
@@ -112,7 +121,11 @@ class Aggregator:
             noise = [rounding_noise(spec, self.seed, step, r, names, segs)
                      for r in range(self.world_size)]
             stats: dict[str, float | torch.Tensor] = {}  # the torch path's margins: a tensor
-            result = route.simulate(flats, segs, stats, noise)
+            if spec.lowbit:
+                result = route.simulate(flats, segs, stats, noise)
+            else:  # a float route: the sum in gloo's order
+                pieces = self._pieces(step, plan, idx, route, segs)
+                result = route.simulate(flats, segs, stats, noise, pieces=pieces)
             if spec.error_feedback and spec.lowbit:
                 # One roundtrip per rank and group, as the hook does it (same noise as sent).
                 for ef, flat, nz in zip(self.efs, flats, noise, strict=True):
@@ -123,6 +136,15 @@ class Aggregator:
                 s, n = agree.get(region, (0.0, 0.0))
                 agree[region] = (s + float(stats["agree_sum"]), n + float(stats["agree_n"]))
         return agree
+
+    def _pieces(self, step: int, plan: StepRoutes, idx: list[int], route: Route,
+                segs: tuple[int, ...]) -> tuple[Piece, ...]:
+        """Ring pieces of a float group's flat: the real run's (`orders`), else as if each
+        parameter were all-reduced alone (any split of the parameters agrees)."""
+        if self.orders is not None:
+            return self.orders.group(step, plan, tuple(idx))
+        size = route.wire_dtype.itemsize  # type: ignore[attr-defined]
+        return join_pieces([ring_pieces(0, n, n, self.world_size, size) for n in segs], segs)
 
 
 def merge_agreement(parts: Sequence[Agreement]) -> Agreement:

@@ -54,6 +54,7 @@ from nfabric_cli.calibration.aggregate import (
     shard,
 )
 from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_thread, usable_cpus
+from nfabric_cli.calibration.reduces import ReduceOrders
 from nfabric_cli.runtime.inject import Injection, apply_injection
 
 __all__ = ["PER_PARAMETER", "Decide", "RanksStep", "SimulatedRanks", "default_processes",
@@ -109,10 +110,12 @@ class SimulatedRanks:
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         injections: Sequence[Injection] = (),
+        orders: ReduceOrders | None = None,
     ) -> None:
         """`groups[i]`: what parameter i is reduced with (see `aggregate.shard`); `optimizer`
         (and `scheduler`, stepped once per step): built over `params` (or a superset);
-        `injections`: nan / spike faults put into a rank's gradient as the hook puts them."""
+        `injections`: nan / spike faults put into a rank's gradient as the hook puts them;
+        `orders`: the real run's all-reduces, for float routes' summation order."""
         self.workload, self.model, self.params = workload, model, params
         self.injections = tuple(injections)
         self.world_size, self.seed = world_size, seed
@@ -137,7 +140,8 @@ class SimulatedRanks:
         self.out_views = list(torch.split(self.out, self.numels))
         self.bad = torch.zeros(world_size, dtype=torch.bool)  # per rank: non-finite this step
         self.shards = shard(self.numels, self.processes, groups)
-        self.aggregators = [Aggregator(names, world_size, seed, owned) for owned in self.shards]
+        self.aggregators = [Aggregator(names, world_size, seed, owned, orders)
+                            for owned in self.shards]
         self._plans: dict[StepRoutes, int] = {}
         self.conns: list[Connection] = []
         self.children: list[Any] = []

@@ -6,12 +6,13 @@ holds its region or the capacity gate refuses its bucket; the gate's static verd
 the profile's substrate); each simulated rank's gradient on its own batch
 (`train_batch(step, rank, W, seed)`), every parameter's aggregate under the plan with
 per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over forked
-ones); the health statistics gathered the way the hook agrees them (per-region gradient norm
-= sqrt of the summed squared local norms, sign agreement from the routes'
-`agree_sum / agree_n`, loss = mean of the ranks' losses, any non-finite value marks the
-step) and the aggregate's norms go to the same `StepController` the hook drives, whose
-decision (skip a non-finite step, scale down a held scope's update) is applied before the
-optimizer and scheduler step; it also decides the next steps' plans.
+ones; float routes add the ranks in the order gloo does in the real run's all-reduce of that
+step's DDP bucket or float group, `reduces.py`); the health statistics gathered the way the
+hook agrees them (per-region gradient norm = sqrt of the summed squared local norms, sign
+agreement from the routes' `agree_sum / agree_n`, loss = mean of the ranks' losses, any
+non-finite value marks the step) and the aggregate's norms go to the same `StepController`
+the hook drives, whose decision (skip a non-finite step, scale down a held scope's update) is
+applied before the optimizer and scheduler step; it also decides the next steps' plans.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration.aggregate import StepRoutes
 from nfabric_cli.calibration.cpus import one_thread
 from nfabric_cli.calibration.ranks import RanksStep, SimulatedRanks
+from nfabric_cli.calibration.reduces import ReduceOrders, ddp_layouts
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.routes.spec import RouteSpec
@@ -105,9 +107,16 @@ class SimulatedDDP:
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
+        # From three ranks on, gloo's ring adds an element's values in an order set by its
+        # place in the all-reduced buffer (at two it is rank order, with nothing to trace).
+        orders = None
+        if world_size > 2:
+            layouts = ddp_layouts(workload, self.model, self.names, world_size, seed,
+                                  bindings.bucket_cap_mb, bindings.find_unused_parameters)
+            orders = ReduceOrders(layouts, [p.numel() for _, p in self.params], world_size)
         self.ranks = SimulatedRanks(
             workload, self.model, [p for _, p in self.params], self.names, world_size, seed,
-            processes, groups, self.optimizer, self.scheduler, injections,
+            processes, groups, self.optimizer, self.scheduler, injections, orders,
         )
 
     def close(self) -> None:

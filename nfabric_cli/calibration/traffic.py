@@ -15,7 +15,7 @@ from itertools import combinations
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.routes import FP32, make_route
-from nfabric_cli.routes.groups import bucket_groups, spec_numels
+from nfabric_cli.routes.groups import bucket_groups, spec_numels, whole_bucket
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
 
@@ -75,7 +75,7 @@ def step_bytes(
         ref = fp32.wire_bytes(bucket.numel, world_size).total
         total_ref += ref
         share = [ref * n / bucket.numel if bucket.numel else 0.0 for n in numels]
-        if all(s.name == "fp32" and not s.lowbit for s in specs):
+        if whole_bucket(specs):
             sent += ref
             for region, s in zip(regions, share, strict=True):
                 credit((region, phase), s, s)

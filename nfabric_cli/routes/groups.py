@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from nfabric_cli.routes.plan import WireBytes
-from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.routes.spec import FP32, RouteSpec
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,23 @@ def bucket_groups(
         BucketGroup(region, spec, tuple(idx), tuple(int(numels[i]) for i in idx))
         for (region, spec), idx in found.items()
     ]
+
+
+def whole_bucket(specs: Sequence[RouteSpec]) -> bool:
+    """Whether the hook reduces a bucket as one all-reduce of its whole buffer (every
+    parameter on plain fp32, as when the capacity gate refuses it): plain DDP's reduce."""
+    return all(not s.lowbit and s.name == "fp32" for s in specs)
+
+
+def bucket_reduces(
+    regions: Sequence[str], specs: Sequence[RouteSpec], numels: Sequence[int]
+) -> list[BucketGroup]:
+    """The reduces the hook issues for a bucket: the whole buffer on fp32 (`whole_bucket`),
+    else one per (region, route) group (`bucket_groups`). Each float group is one all-reduce
+    of its parameters laid end to end in bucket order, which fixes gloo's summation order."""
+    if whole_bucket(specs):
+        return [BucketGroup("", FP32, tuple(range(len(numels))), tuple(int(n) for n in numels))]
+    return bucket_groups(regions, specs, numels)
 
 
 def spec_numels(groups: Iterable[BucketGroup]) -> list[tuple[RouteSpec, int]]:

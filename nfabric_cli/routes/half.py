@@ -1,8 +1,8 @@
 """`bf16` / `fp16`: halve the bytes with a 16-bit all-reduce (PyTorch's fp16_compress_hook math).
 
 Divide by the world size first (fp16 overflows otherwise), cast, all-reduce in 16 bits, cast
-back. The 16-bit sum's rounding depends on the reduction order inside the backend, so the
-simulator agrees with the collective to within a 16-bit ulp, not bit for bit.
+back. The 16-bit sum rounds at every addition, so the simulator adds in gloo's ring order
+(`ring.py`, checked for 16-bit buffers too) to agree with the collective bit for bit.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Within a bucket (`start`): all sharded low-bit reduces share one exchange
 (`routes/exchange.py`: at most one all-to-all and one all-gather); float groups (fp32,
 bf16, fp16) are one all-reduce each, issued before it; the central reducer runs its own
 collectives then and there. A bucket whose parameters are all on fp32 is one in-place
-all-reduce, exactly `allreduce_hook`'s. A traced run (`nfabric validate --trace`) reduces
+all-reduce, exactly plain DDP's. A traced run (`nfabric validate --trace`) reduces
 group by group, blocking, so each reduce is timed and metered alone.
 """
 
@@ -31,7 +31,7 @@ from nfabric_cli.routes import FP32, make_route
 from nfabric_cli.routes.base import CodeRoute, rounding_noise
 from nfabric_cli.routes.exchange import Exchange, Piece
 from nfabric_cli.routes.fp32 import FloatRoute
-from nfabric_cli.routes.groups import BucketGroup
+from nfabric_cli.routes.groups import BucketGroup, whole_bucket
 from nfabric_cli.routes.plan import WireBytes
 from nfabric_cli.routes.spec import RouteSpec
 
@@ -79,7 +79,7 @@ class BucketJob:
         """Prepare every reduce, issue the float all-reduces and start the exchange."""
         st, slices = self.state, self.slices
         dtype = slices[0].dtype
-        if all(g.spec.name == "fp32" and not g.spec.lowbit for g in self.groups):
+        if whole_bucket([g.spec for g in self.groups]):
             self._whole_bucket_fp32()
             return
         # Never encode NaN/Inf (the sign of NaN is not a vote, and error feedback would keep
@@ -125,7 +125,7 @@ class BucketJob:
 
     # -- parts of start ------------------------------------------------------------------------
     def _whole_bucket_fp32(self) -> None:
-        """Every parameter on fp32: one in-place all-reduce of the bucket, allreduce_hook's."""
+        """Every parameter on fp32: one in-place all-reduce of the bucket, plain DDP's."""
         st = self.state
         full = make_route(FP32, self.buffer.dtype)
         if st.trace is not None:

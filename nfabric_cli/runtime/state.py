@@ -26,6 +26,7 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
+from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.agree import agree_step
@@ -82,7 +83,7 @@ class FabricState:
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
                                          monitor=monitor, gate=gate)
         self._scopes = self.controller.scopes
-        # Phases with every parameter on plain fp32 take allreduce_hook's direct path.
+        # Phases with every parameter on plain fp32 take plain DDP's direct path.
         self._fp32_phases = {
             p.name for p in bindings.phases
             if direct_fp32 and trace is None
@@ -214,7 +215,8 @@ class FabricState:
         return fut
 
     def _fp32_direct(self, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
-        """A phase with every parameter on fp32: allreduce_hook's path, on the calling thread.
+        """A phase with every parameter on fp32: plain DDP's path (`ddp_mean_`, then an
+        all-reduce), on the calling thread.
 
         Nothing can fall back (the monitor only acts on low-bit scopes) and fp32 carries a
         NaN to every rank by itself, so there is no step decision to wait for: the bucket's
@@ -224,7 +226,7 @@ class FabricState:
         step, phase = self.step, self.phase.name
         if self.injections:
             apply_injection(self.injections, step, self.rank, [buffer])
-        buffer.div_(self.world_size)
+        ddp_mean_(buffer, self.world_size)
         wb = _full(buffer.dtype).wire_bytes(buffer.numel(), self.world_size, self.rank)
         self.meter.add(step, phase, "fp32", wb)
         self.meter.add_fp32_reference(step, wb, buffer.dtype)

@@ -7,7 +7,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nfabric_cli.binding.buckets import bucket_caps, bucket_slots, plan_buckets, trace_ready_order
+from nfabric_cli.binding.buckets import (
+    bucket_caps,
+    bucket_slots,
+    first_step_buckets,
+    plan_buckets,
+    trace_ready_order,
+)
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from tests.binding import models
 
@@ -106,6 +112,27 @@ def test_default_order_matches_membership_and_traced_order_matches_offsets(gloo)
     assert [n for n, _, _ in guess[1][1]] == ["1.bias", "1.weight", "0.bias", "0.weight"]
     assert [n for n, _, _ in real[1][1]] == ["1.weight", "1.bias", "0.bias", "0.weight"]
     assert planned_layout(model, bucket_cap_mb=0.5, ready_order=traced(model, x)) == real
+
+
+def first_layout(model: nn.Module, **kwargs):
+    params = trainable_parameters(model)
+    buckets = first_step_buckets(params, **kwargs)
+    slots = bucket_slots(buckets, params)
+    return [(i, [(n, slots[n].offset, slots[n].numel) for n in names])
+            for i, names in enumerate(buckets)]
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_first_step_uses_ddps_initial_assignment(gloo, find_unused):
+    model, x = models.split(), torch.randn(2, 8)
+    kwargs = {"bucket_cap_mb": 0.25, "find_unused_parameters": find_unused}
+    first = first_layout(model, **kwargs)
+    assert first == real_layout(model, x, steps=1, **kwargs)
+    if find_unused:  # kept for good: the plan
+        assert first == planned_layout(model, **kwargs)
+    else:  # one bucket in registration order, whatever the cap; rebuilt after the step
+        assert [n for n, _, _ in first[0][1]] == [n for n, _ in model.named_parameters()]
+        assert len(first) == 1 and len(planned_layout(model, **kwargs)) == 3
 
 
 def test_default_cap_single_bucket_with_small_first_bucket(gloo):
