@@ -66,6 +66,24 @@ class CapacityGate:
             self._cache[key] = cached
         return cached
 
+    def refuses(self, key: tuple) -> bool:
+        """Whether the next verdict for bucket `key` is known already to be fp32 (a cached or
+        revoked model verdict, or a measured one between probe cycles): the hook can then
+        send the bucket as plain DDP would, with nothing to time."""
+        if not self.enabled:
+            return False
+        if self.measured is not None:
+            settled = self.measured.settled(key)
+            return settled is not None and not settled.admit
+        cached = self._cache.get(key)
+        return key in self._revoked or (cached is not None and not cached.admit)
+
+    def sight(self, key: tuple) -> None:
+        """Count a step of bucket `key` sent without a verdict (`refuses` said fp32): the
+        measured gate's probe cycles count steps by verdicts."""
+        if self.enabled and self.measured is not None:
+            self.measured.verdict(key)
+
     def timed(self, key: tuple) -> bool:
         """Whether this step's reduce of bucket `key` must be timed whole (it is probing)."""
         return self.enabled and self.measured is not None and self.measured.timed(key)

@@ -66,6 +66,14 @@ class MeasuredAdmission:
             return Verdict("admit", "probe incomplete: admitted as written")
         return p.decision
 
+    def settled(self, key: tuple) -> Verdict | None:
+        """The decision the next `verdict(key)` returns if it will not probe, else None."""
+        p = self._probes.get(key)
+        if p is None or p.decision is None:
+            return None
+        pos = p.seen - p.start
+        return p.decision if 2 * self.steps <= pos < 2 * self.steps + self.recheck_every else None
+
     def timed(self, key: tuple) -> bool:
         """Whether the hook must time this step's reduce of `key` (it is probing)."""
         p = self._probes.get(key)

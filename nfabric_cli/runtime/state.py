@@ -103,6 +103,10 @@ class FabricState:
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
+        # per phase, the low-bit buckets of its last step through the worker (`_gated_off`)
+        self._lowbit_keys: dict[str, list[tuple]] = {}
+        self._step_keys: list[tuple] = []
+        self._direct_step = False
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
 
     @classmethod
@@ -206,17 +210,32 @@ class FabricState:
             raise RuntimeError("nfabric state is closed")
         if self._step_started is None:
             self._step_started = time.perf_counter()
+            self._direct_step = self._gated_off()
         if self.phase.name in self._fp32_phases:
             return self._fp32_direct(buffer, is_last)
-        fut: torch.futures.Future = torch.futures.Future()
         names = [self._names[id(p)] for p in params]
+        if self._direct_step:
+            self.gate.sight((tuple(names), self.phase.name))
+            return self._fp32_direct(buffer, is_last)
+        fut: torch.futures.Future = torch.futures.Future()
         job = self._pool.submit(self._reduce_bucket, buffer, names, [p.numel() for p in params], is_last, fut)
         job.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
 
+    def _gated_off(self) -> bool:
+        """Whether this step goes out as plain DDP: the capacity gate already refuses every
+        low-bit bucket of the phase's last step (and none of them probes now), so nothing
+        low-bit is sent and there is nothing to decide. Decided at a step's first bucket on
+        agreed verdicts, so every rank decides alike; a bucket the last step did not have
+        (DDP rebuilt its buckets) goes out as fp32 too, and the next step takes the worker
+        path again to have it priced."""
+        keys = self._lowbit_keys.get(self.phase.name)
+        return bool(keys) and all(self.gate.refuses(k) for k in keys)
+
     def _fp32_direct(self, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
-        """A phase with every parameter on fp32: plain DDP's path (`ddp_mean_`, then an
-        all-reduce), on the calling thread.
+        """A phase with every parameter on fp32, or a step the gate sends all fp32
+        (`_gated_off`): plain DDP's path (`ddp_mean_`, then an all-reduce), on the calling
+        thread.
 
         Nothing can fall back (the monitor only acts on low-bit scopes) and fp32 carries a
         NaN to every rank by itself, so there is no step decision to wait for: the bucket's
@@ -262,6 +281,7 @@ class FabricState:
         if any(s.lowbit for s in specs):
             # Priced per group as the job reduces it, as compile-profile and calibration price it.
             key = (tuple(names), phase)
+            self._step_keys.append(key)
             verdict = self.gate.verdict(key, spec_numels(groups))
             probing = self.gate.timed(key)  # measured admission times the whole bucket
             if not verdict.admit:
@@ -331,6 +351,7 @@ class FabricState:
                         g.mul_(factor)
         pending, self._pending = self._pending, []
         self._step_stats, self._bucket_times, self._probe_times = {}, [], []
+        self._lowbit_keys[self.phase.name], self._step_keys = self._step_keys, []
         self._grad_norms, self._update_norms = [], []
         self._advance(step)
         for fut, buf, _ in pending:

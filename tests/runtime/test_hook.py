@@ -218,13 +218,19 @@ def _gate_bindings(model, world: int):  # noqa: ANN001, ANN202
 def _gate_worker(rank: int, world: int) -> dict:
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=25)
+    plain = DDP(make_model(), bucket_cap_mb=25)
     bindings = _gate_bindings(model, world)
-    state = attach(ddp, bindings, total_steps=1)
-    _train(ddp, 1, state, rank)
+    state = attach(ddp, bindings, total_steps=4)
+    _train(ddp, 4, state, rank)
+    _train(plain, 4, rank=rank)
     state.close()
+    frame = state.traffic_frame()
     return {"decided": {(frozenset(names), phase): v
                         for (names, phase), v in state.gate.decided().items()},
-            "bytes": state.bytes_per_route()}
+            "bytes": state.bytes_per_route(),
+            "control_steps": sorted(set(frame[frame.route == "control"].step)),
+            "plain": all(torch.equal(a, b) for a, b in
+                         zip(plain.parameters(), ddp.parameters(), strict=True))}
 
 
 def test_runtime_gate_prices_two_sign_regions_as_compile_profile_does(
@@ -248,6 +254,10 @@ def test_runtime_gate_prices_two_sign_regions_as_compile_profile_does(
         assert (v.admit, v.reason) == (False, bucket.reasons["all"])
         assert (v.fp32_time_s, v.lowbit_time_s) == (want.fp32_time_s, want.lowbit_time_s)
         assert set(r["gate"]["bytes"]) == {"fp32", "control"}  # refused: the bucket went fp32
+        # once refused, a step is sent as plain DDP sends it: no statistics round after the
+        # first step, and the same parameters bit for bit
+        assert r["gate"]["control_steps"] == [0]
+        assert r["gate"]["plain"]
 
 
 def _unused_worker(rank: int, world: int) -> bool:

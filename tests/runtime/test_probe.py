@@ -50,6 +50,25 @@ def test_a_probe_cycle_times_both_paths_then_keeps_the_faster() -> None:
     assert [again.verdict(KEY).verdict for _ in range(3)] == ["fallback"] * 3
 
 
+def test_a_settled_refusal_is_known_before_the_step_until_the_recheck() -> None:
+    """`refuses` (what lets the hook send a step as plain DDP) holds exactly on the steps
+    whose verdict is a kept fp32 decision: not while probing, not on the recheck's first."""
+    gate = CapacityGate(None, 2, measure=True)
+    m = gate.measured
+    m.steps, m.recheck_every = 2, 3
+    seen = []
+    for t in [0.05, 0.05, 0.02, 0.02] * 2 + [0.0] * 3:  # two cycles, fp32 faster, then kept
+        refused = gate.refuses(KEY)
+        v = m.verdict(KEY)
+        seen.append((refused, v.admit))
+        assert not refused or not v.admit  # a refusal announced is a refusal taken
+        m.observe(KEY, t)
+    # cycle 1: 4 probed steps, then 3 kept fp32 steps (refused), then the recheck probes
+    assert [r for r, _ in seen] == [False] * 4 + [True] * 3 + [False] * 4
+    gate.sight(KEY)  # a step sent as plain DDP still counts towards the next recheck
+    assert m.settled(KEY) is not None
+
+
 def test_the_gate_measures_only_when_asked_and_only_without_a_substrate() -> None:
     assert CapacityGate(None, 2).measured is None  # default: admitted as written
     assert CapacityGate(None, 2, measure=True).measured is not None
