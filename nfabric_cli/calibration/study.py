@@ -144,22 +144,27 @@ class Calibrator:
         )
 
     def _prune_by_bound(self, trial: optuna.Trial, bindings: Bindings) -> None:
-        """Prune before training when even the traffic lower bound loses to the best trial
-        within tolerance: fallbacks only move regions to fp32, so no run of this config can
-        measure less than the cheapest mix of its routes and fp32."""
-        ok = [t.user_attrs["traffic_fraction"]
-              for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-              if within_tolerance(t.user_attrs.get("degradation", math.inf), self.spec.tolerance)
-              and "traffic_fraction" in t.user_attrs]
-        if not ok:
+        """Prune before training when even the traffic lower bound cannot make this config
+        a candidate: fallbacks only move regions to fp32, so no run of it can measure less
+        than the cheapest mix of its routes and fp32. A candidate is the best trial within
+        tolerance, or with confirmation one of the `confirm_candidates` cheapest (if the
+        cheapest fail on other seeds or lengths, the next ones must have been trained)."""
+        ok = sorted(t.user_attrs["traffic_fraction"]
+                    for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                    if within_tolerance(t.user_attrs.get("degradation", math.inf),
+                                        self.spec.tolerance)
+                    and "traffic_fraction" in t.user_attrs)
+        k = self.spec.confirm_candidates if self.spec.confirm_cells() else 1
+        if len(ok) < k:
             return
         gate = CapacityGate(bindings.meta.get("substrate"), self.spec.world_size)
         bound = traffic_lower_bound(bindings, self.spec.world_size, self.spec.steps, gate)
-        if bound <= min(ok) + 1e-12:
+        if bound <= ok[k - 1] + 1e-12:
             return
         trial.set_user_attr("steps_run", 0)
         trial.set_user_attr("traffic_bound", bound)
-        note = f"traffic bound {bound:.4f} > best admissible {min(ok):.4f}"
+        rank = "best" if k == 1 else f"{k}th cheapest"
+        note = f"traffic bound {bound:.4f} > {rank} admissible {ok[k - 1]:.4f}"
         self.sink.trial_finished({"number": trial.number, "kind": trial.user_attrs.get("kind"),
                                   "state": "PRUNED", "note": note})
         raise optuna.TrialPruned(note)

@@ -396,6 +396,31 @@ def test_a_config_whose_traffic_bound_cannot_win_is_pruned_untrained(tmp_path: P
     assert run.study.trials[-1].intermediate_values == {}
 
 
+def test_with_confirmation_a_config_is_pruned_only_if_it_cannot_be_a_candidate(
+        tmp_path: Path) -> None:
+    """Confirmation may reject the cheapest admissible trials, so the search keeps training
+    configs that could be among the `candidates` cheapest: pruned by bound only once that
+    many admissible trials are cheaper than its bound."""
+    from nfabric_cli.calibration.space import uniform_config
+
+    wl = get_workload(TINY)
+    url = f"sqlite:///{tmp_path}/s.db"
+    costly = uniform_config(tiny_spec(), {"head": "int8"})  # the head alone on int8: ~84 %
+    states = {}
+    for candidates in (4, 2):
+        confirm = {"seeds": [1], "candidates": candidates}
+        name = f"c{candidates}"
+        first = run_study(wl, tiny_spec(trials=3, tolerance=1.0, confirm=confirm), url, name)
+        traffic = sorted(t.user_attrs["traffic_fraction"] for t in first.study.trials)
+        assert len(traffic) == 3 and traffic[1] < 0.5  # 3 admissible, the 2nd cheapest < 50 %
+        first.study.enqueue_trial(costly.params(tiny_spec()), {"kind": "search"})
+        last = run_study(wl, tiny_spec(trials=4, tolerance=1.0, confirm=confirm), url,
+                         name).study.trials[-1]
+        states[candidates] = (last.state, last.user_attrs["steps_run"] > 0)
+    assert states[4] == (TrialState.COMPLETE, True)  # fewer admissible than candidates: trained
+    assert states[2] == (TrialState.PRUNED, False)  # two cheaper admissible: it cannot place
+
+
 def test_bench_replay_spends_exactly_the_steps_of_live_pruned_studies(tmp_path: Path) -> None:
     """bench.calibrate_pruning --replay judges shapes without training: it must reproduce what
     run_study does with the pruner and the traffic bound, trial by trial."""
