@@ -163,8 +163,8 @@ class Calibrator:
             return
         trial.set_user_attr("steps_run", 0)
         trial.set_user_attr("traffic_bound", bound)
-        rank = "best" if k == 1 else f"{k}th cheapest"
-        note = f"traffic bound {bound:.4f} > {rank} admissible {ok[k - 1]:.4f}"
+        rank = "best admissible" if k == 1 else f"the {k} cheapest admissible, up to"
+        note = f"traffic bound {bound:.4f} > {rank} {ok[k - 1]:.4f}"
         self.sink.trial_finished({"number": trial.number, "kind": trial.user_attrs.get("kind"),
                                   "state": "PRUNED", "note": note})
         raise optuna.TrialPruned(note)
