@@ -12,8 +12,9 @@ Each scope (a profile region) and the special scope ``"all"`` run one small stat
     any state --`max_trips` trips in the phase--> pinned --next phase--> ok
 
 Trips: non-finite gradients or loss and loss spikes (above `loss_spike` times the median *and*
-`loss_spike_z` robust standard deviations above it, so the noise of small-batch losses near
-zero does not count) trip ``"all"`` (every scope on FP32);
+`loss_spike_z` robust standard deviations above it *and* `loss_spike_floor` times the run's
+early loss, so the noise of small-batch losses near zero does not count) trip ``"all"``
+(every scope on FP32);
 gradient-norm blow-up or collapse and sign-agreement collapse trip the one scope. Judgements
 compare against windowed medians of earlier steps; re-admission uses the stricter readmit
 thresholds, so a value between the readmit and the trip threshold keeps a scope on FP32
@@ -118,6 +119,7 @@ class HealthMonitor:
         self._holds: dict[str, _Hold] = {s: _Hold() for s in [ALL, *scopes]}
         w = self.thresholds.window
         self._loss_window: deque[float] = deque(maxlen=w)
+        self._early: list[float] = []  # the run's first `window` healthy losses (the floor's)
         self._norm_windows: dict[str, deque[float]] = {s: deque(maxlen=w) for s in scopes}
         self._events: list[HealthEvent] = []
         #: (step, scope, reason) of every trip signal judged, acted on or not (a scope on fp32,
@@ -195,6 +197,8 @@ class HealthMonitor:
             whole = self._holds[ALL].status == "ok"
             if stats.loss is not None and whole:
                 self._loss_window.append(float(stats.loss))
+                if len(self._early) < self.thresholds.window:
+                    self._early.append(float(stats.loss))
             for scope, norm in stats.grad_norms.items():
                 if whole and self._holds[scope].status == "ok":
                     self._norm_windows[scope].append(float(norm))
@@ -213,7 +217,8 @@ class HealthMonitor:
         t = self.thresholds
         if ratio > t.loss_spike:
             z = _robust_z(float(stats.loss), self._loss_window)
-            if z > t.loss_spike_z:
+            floor = t.loss_spike_floor * statistics.median(self._early)
+            if z > t.loss_spike_z and float(stats.loss) > floor:
                 spread = f" ({z:.0f} robust sd)" if math.isfinite(z) else ""
                 return _TRIP, f"loss spike {ratio:.1f}x median{spread}"
             return _UNHEALTHY, ""
@@ -322,6 +327,7 @@ class HealthMonitor:
             "routes": dict(self._routes),
             "holds": {s: asdict(h) for s, h in self._holds.items()},
             "loss_window": list(self._loss_window),
+            "early_losses": list(self._early),
             "norm_windows": {s: list(w) for s, w in self._norm_windows.items()},
             "events": [e.to_dict() for e in self._events],
             "phase": self._phase,
@@ -336,6 +342,8 @@ class HealthMonitor:
         self._holds = {s: _Hold(**h) for s, h in state["holds"].items()}
         self._loss_window.clear()
         self._loss_window.extend(state["loss_window"])
+        # a state saved before the floor existed: its window stands in for the early losses
+        self._early = list(state.get("early_losses", state["loss_window"]))
         for s, values in state["norm_windows"].items():
             self._norm_windows[s].clear()
             self._norm_windows[s].extend(values)

@@ -26,6 +26,12 @@ class HealthThresholds:
     # ... and loss - median > loss_spike_z robust standard deviations (1.4826 * MAD of the
     # window): small-batch losses near zero triple on noise alone (0 turns this test off)
     loss_spike_z: float = 10.0
+    # ... and loss > loss_spike_floor * the run's early loss (the median of its first `window`
+    # healthy losses): late in a run small-batch losses near zero jump 3-6x, 10-19 robust sd,
+    # on a hard batch (vision.v4 at 600 steps: 8 such trips, pinned fp32 for the last half,
+    # 58 % traffic, no accuracy at stake); a spike still below a quarter of where training
+    # started is not one to fall back for (0 turns this test off)
+    loss_spike_floor: float = 0.25
     loss_readmit: float = 1.5  # healthy only when loss <= loss_readmit * median (stricter)
     grad_blowup: float = 10.0  # trip when a scope's grad norm > grad_blowup * its median
     grad_collapse: float = 1e-3  # trip when a scope's grad norm < grad_collapse * its median
@@ -51,6 +57,7 @@ class HealthThresholds:
             ("min_history", 1 <= self.min_history <= self.window, f"in [1, window={self.window}]"),
             ("loss_spike", self.loss_spike > 1, "> 1"),
             ("loss_spike_z", self.loss_spike_z >= 0, ">= 0"),
+            ("loss_spike_floor", self.loss_spike_floor >= 0, ">= 0"),
             ("loss_readmit", 1 <= self.loss_readmit <= self.loss_spike,
              f"in [1, loss_spike={self.loss_spike:g}]"),
             ("grad_blowup", self.grad_blowup > 1, "> 1"),

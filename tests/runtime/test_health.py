@@ -169,6 +169,30 @@ def test_nan_trips_all_with_one_event_and_loss_spike_too():
     assert not m.forced_fp32("b") and m.effective_route("b") == "fp32"
 
 
+def test_a_late_spike_below_the_floor_of_the_early_loss_does_not_trip():
+    """Late in a run a small-batch loss near zero jumps several times its median, far above
+    its robust spread, on a hard batch: below loss_spike_floor x the run's early loss it is
+    unhealthy (no re-admission on it) but not a trip; above the floor it trips as before."""
+    m = make_monitor(loss_spike_z=0.0)  # the ratio and the floor only
+    losses = [2.0, 2.2, 2.1, 1.9, 2.0]  # early: median 2.0, the floor 0.25 x 2.0 = 0.5
+    losses += [0.05, 0.04, 0.05, 0.06, 0.05]  # late: the window's median is 0.05
+    for step, loss in enumerate(losses):
+        assert m.check(StepStats(step, loss, False, {"a": 1.0, "b": 1.0})) == []
+    assert m.check(StepStats(10, 0.45, False, {"a": 1.0, "b": 1.0})) == []  # 9x, under 0.5
+    assert m.detections == []
+    events = m.check(StepStats(11, 0.6, False, {"a": 1.0, "b": 1.0}))  # 12x and over 0.5
+    assert as_tuples(events) == [(11, "all", "int8+sign", "fp32", "loss spike 12.0x median (37 robust sd)")]
+    # the early losses are part of the state: a resumed monitor keeps the same floor
+    again = make_monitor(loss_spike_z=0.0)
+    again.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    assert again.state_dict() == m.state_dict()
+    off = make_monitor(loss_spike_z=0.0, loss_spike_floor=0.0)  # 0 turns the floor off
+    for step, loss in enumerate(losses):
+        off.check(StepStats(step, loss, False, {"a": 1.0, "b": 1.0}))
+    assert off.check(StepStats(10, 0.45, False, {"a": 1.0, "b": 1.0}))[0].reason == \
+        "loss spike 9.0x median"
+
+
 def test_fp32_scopes_are_never_forced():
     m = make_monitor({"a": "fp32", "b": "int8"})
     events = feed(m, [1, 1, 1, 20, 1e-6])
