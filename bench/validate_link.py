@@ -8,8 +8,8 @@ the namespace's loopback tx counter (kernel-counted bytes). Needs root (ip netns
 is plain loopback in the same kind of namespace.
 
 Arms: `fp32` (plain DDP), `static` (every parameter on sign: the kernel-counted bytes of an
-all-sign run), `profile` (no substrate, so with `--gate measure` it keeps, per bucket, whichever
-of low-bit and fp32 its first steps timed faster), `fp16` and `powersgd` (rank 2). Issue 16's
+all-sign run), `profile` (no substrate, so with `--gate measure` it keeps whichever of
+low-bit and plain fp32 its probe steps timed faster, whole steps), `fp16` and `powersgd` (rank 2). Issue 16's
 goals: at every rate profile <= 1.05 x min(fp32, static); at 20 Mbit/s profile <= 0.8 x
 PowerSGD and <= 0.08 x fp32; all-sign loopback tx / fp32's <= 0.04.
 

@@ -59,8 +59,8 @@ def validate(
     timeout: float = typer.Option(30.0, "--timeout", help="Seconds a rank may make no progress."),
     gate: str = typer.Option("model", "--gate", help="The profile arm's capacity gate: model "
                              "(the profile's substrate prices buckets; none: all admitted) or "
-                             "measure (no substrate: time low-bit and fp32 per bucket, keep the "
-                             "faster; not reproducible run to run)."),
+                             "measure (no substrate: time whole steps on low-bit and fp32, keep "
+                             "the faster; not reproducible run to run)."),
     json_out: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Run fp32, static and profile arms (and baselines) on real ranks; exit 0 pass, 1 fail."""

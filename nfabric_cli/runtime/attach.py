@@ -61,7 +61,7 @@ def attach(
     reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
     `trace_dir` records per-bucket traces for `nfabric replay` (see `runtime/trace.py`).
     `gate`: the capacity gate (False: every bucket as written); ``"measure"``: with no
-    substrate, time the low-bit and fp32 paths per bucket and keep the faster (`probe.py`).
+    substrate, time whole steps on the low-bit and fp32 paths and keep the faster (`probe.py`).
     The same as ``ddp_model.register_comm_hook(FabricState.create(...), fabric_hook)``.
 
     Example::

@@ -68,7 +68,6 @@ class BucketJob:
         self.slices, self.offsets, self.groups = slices, offsets, groups
         self.step, self.phase, self.index = step, phase, index
         self.lowbit = any(g.spec.lowbit for g in groups)
-        self.probing = False  # the measured gate times this bucket whole this step
         self.seconds = 0.0  # the worker's time on this bucket, its three stages together
         self._after: list[Callable[[], None]] = []  # waits, copy-backs, error feedback
         self._exchange: Exchange | None = None

@@ -8,8 +8,8 @@ bucket is admitted as the profile wrote it.
 Measured collective times can revoke an admission: if a bucket's low-bit reduction is seen
 slower than the model's fp32 prediction by the margin for `revoke_after` consecutive steps,
 that bucket falls back to fp32 (decided from all-reduced timings, so every rank agrees).
-With ``measure=True`` and no substrate, the gate times both paths per bucket instead and
-keeps the faster (`probe.py`, opt-in).
+With ``measure=True`` and no substrate, the hook times whole steps on both paths instead and
+keeps the faster (`probe.py`, opt-in); a step it sends low-bit is admitted as written here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 ADMIT_AS_WRITTEN = Verdict("admit", "no substrate: admitted as written")
 ALL_FP32 = Verdict("admit", "all fp32")
+MEASURED_LOWBIT = Verdict("admit", "measured: the step goes low-bit")
 
 
 class CapacityGate:
@@ -53,9 +54,8 @@ class CapacityGate:
             return ADMIT_AS_WRITTEN
         from nfabric_cli.substrate.cost import as_groups, bucket_verdict
 
-        if self.measured is not None:  # probed per step: nothing cached
-            pairs = as_groups(groups)
-            return self.measured.verdict(key) if _lowbit(pairs) else ALL_FP32
+        if self.measured is not None:  # the step's path was measured (`probe.py`)
+            return MEASURED_LOWBIT if _lowbit(as_groups(groups)) else ALL_FP32
         if key in self._revoked:
             return Verdict("fallback", self._revoked[key])
         cached = self._cache.get(key)
@@ -68,29 +68,12 @@ class CapacityGate:
 
     def refuses(self, key: tuple) -> bool:
         """Whether the next verdict for bucket `key` is known already to be fp32 (a cached or
-        revoked model verdict, or a measured one between probe cycles): the hook can then
-        send the bucket as plain DDP would, with nothing to time."""
-        if not self.enabled:
+        revoked model verdict): the hook can then send the bucket as plain DDP would, with
+        nothing to time. (The measured gate decides whole steps: `probe.py`.)"""
+        if not self.enabled or self.measured is not None:
             return False
-        if self.measured is not None:
-            settled = self.measured.settled(key)
-            return settled is not None and not settled.admit
         cached = self._cache.get(key)
         return key in self._revoked or (cached is not None and not cached.admit)
-
-    def sight(self, key: tuple) -> None:
-        """Count a step of bucket `key` sent without a verdict (`refuses` said fp32): the
-        measured gate's probe cycles count steps by verdicts."""
-        if self.enabled and self.measured is not None:
-            self.measured.verdict(key)
-
-    def timed(self, key: tuple) -> bool:
-        """Whether this step's reduce of bucket `key` must be timed whole (it is probing)."""
-        return self.enabled and self.measured is not None and self.measured.timed(key)
-
-    def observe_probe(self, key: tuple, seconds: float) -> tuple[str, str] | None:
-        """A probed bucket's agreed time; at a probe cycle's end, (path kept, why)."""
-        return None if self.measured is None else self.measured.observe(key, seconds)
 
     def decided(self) -> dict[tuple, Verdict]:
         """Every verdict taken so far, by bucket key (revocations are in the events log)."""

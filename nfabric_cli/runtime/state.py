@@ -35,6 +35,7 @@ from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor
 from nfabric_cli.runtime.inject import Injection, apply_injection
+from nfabric_cli.runtime.probe import FP32 as FP32_PATH
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
 
@@ -98,8 +99,11 @@ class FabricState:
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
         self._step_stats: dict[str, dict[str, Any]] = {}  # per region: agreement sums
         self._bucket_times: list[tuple[tuple, float]] = []
-        self._probe_times: list[tuple[tuple, float]] = []  # whole buckets the gate is timing
         self._step_started: float | None = None
+        # the measured gate (`probe.py`): the last step's first bucket, and (phase, path) when
+        # its period is being timed
+        self._period_start = 0.0
+        self._timing: tuple[str, str] | None = None
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
@@ -211,26 +215,49 @@ class FabricState:
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()
-        if self.phase.name in self._fp32_phases:
+        if self.phase.name in self._fp32_phases or self._direct_step:
             return self._fp32_direct(buffer, is_last)
         names = [self._names[id(p)] for p in params]
-        if self._direct_step:
-            self.gate.sight((tuple(names), self.phase.name))
-            return self._fp32_direct(buffer, is_last)
         fut: torch.futures.Future = torch.futures.Future()
         job = self._pool.submit(self._reduce_bucket, buffer, names, [p.numel() for p in params], is_last, fut)
         job.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
 
     def _gated_off(self) -> bool:
-        """Whether this step goes out as plain DDP: the capacity gate already refuses every
-        low-bit bucket of the phase's last step (and none of them probes now), so nothing
+        """Whether this step goes out as plain DDP: the measured gate chose fp32 for it, or the
+        model gate already refuses every low-bit bucket of the phase's last step, so nothing
         low-bit is sent and there is nothing to decide. Decided at a step's first bucket on
         agreed verdicts, so every rank decides alike; a bucket the last step did not have
         (DDP rebuilt its buckets) goes out as fp32 too, and the next step takes the worker
         path again to have it priced."""
+        if self.gate.measured is not None and self.gate.enabled:
+            return self._measured_path() == FP32_PATH
         keys = self._lowbit_keys.get(self.phase.name)
         return bool(keys) and all(self.gate.refuses(k) for k in keys)
+
+    def _measured_path(self) -> str:
+        """The measured gate's path for this step (`probe.py`), at its first bucket: record
+        the last step's period if it was timed, decide a finished probe cycle on the ranks'
+        mean medians (one small blocking all-reduce: the worker is idle between steps and
+        every rank reaches it at the same step), then ask for this step's path."""
+        probe, phase, now = self.gate.measured, self.phase.name, self._step_started
+        if self._timing is not None:
+            probe.record(*self._timing, now - self._period_start)
+        self._timing, self._period_start = None, now
+        if phase in self._fp32_phases:
+            return FP32_PATH
+        due = probe.due(phase)
+        if due is not None:
+            medians = torch.tensor(due, dtype=torch.float64, device=self.device)
+            dist.all_reduce(medians, group=self.comm.group)
+            low, full = (medians / self.world_size).tolist()
+            kept, why = probe.decide(phase, low, full)
+            self._log({"step": self.step, "scope": "step", "from": "probe", "to": kept,
+                       "reason": why})
+        path, timed = probe.path(phase)
+        if timed:
+            self._timing = (phase, path)
+        return path
 
     def _fp32_direct(self, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
         """A phase with every parameter on fp32, or a step the gate sends all fp32
@@ -277,18 +304,15 @@ class FabricState:
         self._grad_norms.append((regions, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
         specs = [self._effective(n) for n in names]
         groups = bucket_groups(regions, specs, numels)
-        probing = False
         if any(s.lowbit for s in specs):
             # Priced per group as the job reduces it, as compile-profile and calibration price it.
             key = (tuple(names), phase)
             self._step_keys.append(key)
             verdict = self.gate.verdict(key, spec_numels(groups))
-            probing = self.gate.timed(key)  # measured admission times the whole bucket
             if not verdict.admit:
                 groups = bucket_groups(regions, [FP32] * len(specs), numels)
         job = BucketJob(self, buffer, names, slices, offsets, groups, step, phase,
                         index=len(self._pending))
-        job.probing = probing
         self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
         job.start()
         previous, self._inflight = self._inflight, job
@@ -306,8 +330,6 @@ class FabricState:
         key = (tuple(job.names), job.phase)
         if job.lowbit:
             self._bucket_times.append((key, job.seconds))
-        if job.probing:
-            self._probe_times.append((key, job.seconds))
         full = _full(job.buffer.dtype)
         ref = full.wire_bytes(job.buffer.numel(), self.world_size, self.rank)  # in its own dtype
         self.meter.add_fp32_reference(job.step, ref, job.buffer.dtype)
@@ -326,20 +348,15 @@ class FabricState:
         acc = {f"{k}:{region}": st[k] for region, st in self._step_stats.items()
                for k in ("agree_sum", "agree_n") if k in st}
         agreed = agree_step(self.comm, self._scopes, self._grad_norms, loss, acc,
-                            [t for _, t in self._bucket_times + self._probe_times],
+                            [t for _, t in self._bucket_times],
                             self._update_norms, self.device)
         self.meter.add(step, self.phase.name, "control", self.comm.take())
         decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
                                           agreed.agreement, agreed.update_norms)
-        n_low = len(self._bucket_times)
-        for (key, _), seconds in zip(self._bucket_times, agreed.bucket_seconds[:n_low], strict=True):
+        for (key, _), seconds in zip(self._bucket_times, agreed.bucket_seconds, strict=True):
             reason = self.gate.observe(key, seconds)
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
-        for (key, _), seconds in zip(self._probe_times, agreed.bucket_seconds[n_low:], strict=True):
-            decided = self.gate.observe_probe(key, seconds)
-            if decided:
-                self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "probe", "to": decided[0], "reason": decided[1]})
         if decision.skip:
             for _, buf, _ in self._pending:
                 buf.zero_()
@@ -350,7 +367,7 @@ class FabricState:
                     if factor is not None:
                         g.mul_(factor)
         pending, self._pending = self._pending, []
-        self._step_stats, self._bucket_times, self._probe_times = {}, [], []
+        self._step_stats, self._bucket_times = {}, []
         self._lowbit_keys[self.phase.name], self._step_keys = self._step_keys, []
         self._grad_norms, self._update_norms = [], []
         self._advance(step)

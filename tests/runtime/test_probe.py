@@ -1,5 +1,6 @@
-"""Measured admission (`gate="measure"`, issue 16, part 4): with no substrate, each low-bit
-bucket is timed on both paths and keeps the faster; every rank decides alike."""
+"""Measured admission (`gate="measure"`, issue 16, part 4): with no substrate, whole steps are
+timed on both paths (the profile's routes and plain DDP's fp32) and the phase keeps the
+faster; every rank decides alike."""
 
 from __future__ import annotations
 
@@ -11,67 +12,67 @@ from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.runtime.attach import attach
 from nfabric_cli.runtime.gate import CapacityGate
-from nfabric_cli.runtime.probe import MeasuredAdmission
+from nfabric_cli.runtime.probe import FP32, LOWBIT, MeasuredAdmission
 from tests.distutil import run_ranks
 from tests.runtime.models import make_model, train_steps
 
-KEY = (("a", "b"), "all")
+PHASE = "all"
 
 
-def _cycle(m: MeasuredAdmission, low: list[float], fp32: list[float]) -> list:
-    """One probe cycle: the paths it takes, with the given agreed times fed back."""
-    paths, events = [], []
-    for t in [*low, *fp32]:
-        v = m.verdict(KEY)
-        paths.append(v.verdict)
-        assert m.timed(KEY)
-        events.append(m.observe(KEY, t))
-    return paths, events
+def _cycle(m: MeasuredAdmission, low: float, fp32: float) -> list[tuple[str, bool]]:
+    """One probe cycle's steps (path, timed), every timed step recorded with the given time."""
+    out = []
+    for _ in range(m.warmup + 2 * m.steps):
+        assert m.due(PHASE) is None
+        path, timed = m.path(PHASE)
+        out.append((path, timed))
+        if timed:
+            m.record(PHASE, path, low if path == LOWBIT else fp32)
+    return out
 
 
-def test_a_probe_cycle_times_both_paths_then_keeps_the_faster() -> None:
-    m = MeasuredAdmission(steps=3, recheck_every=4)
-    paths, events = _cycle(m, [0.010, 0.030, 0.012], [0.020, 0.021, 0.019])
-    assert paths == ["admit"] * 3 + ["fallback"] * 3
-    assert events[:-1] == [None] * 5
-    assert events[-1] == ("low-bit", "measured: low-bit 12.00 ms vs fp32 20.00 ms (median of "
-                                     "3 steps each)")
-    for _ in range(4):  # kept, untimed, until the recheck
-        v = m.verdict(KEY)
-        assert v.admit and (v.fp32_time_s, v.lowbit_time_s) == (0.020, 0.012)
-        assert not m.timed(KEY) and m.observe(KEY, 1.0) is None
+def test_a_probe_cycle_alternates_whole_steps_then_keeps_the_faster() -> None:
+    m = MeasuredAdmission(steps=3, recheck_every=4, warmup=2)
+    steps = _cycle(m, low=0.012, fp32=0.020)
+    assert steps == [(LOWBIT, False)] * 2 + [(LOWBIT, True), (FP32, True)] * 3
+    assert m.due(PHASE) == (0.012, 0.020) and m.decision(PHASE) is None
+    assert m.decide(PHASE, 0.012, 0.020) == (
+        LOWBIT, "measured step: low-bit 12.00 ms vs fp32 20.00 ms (median of 3 steps each, "
+                "mean over ranks)")
+    assert m.due(PHASE) is None  # decided once
+    assert [m.path(PHASE) for _ in range(4)] == [(LOWBIT, False)] * 4  # kept until the recheck
     # the recheck probes again; now low-bit is slower: fp32 is kept
-    paths, events = _cycle(m, [0.05, 0.05, 0.05], [0.02, 0.02, 0.02])
-    assert paths == ["admit"] * 3 + ["fallback"] * 3 and events[-1][0] == "fp32"
-    assert not m.verdict(KEY).admit
-    # a resumed run continues the same schedule
-    again = MeasuredAdmission(steps=3, recheck_every=4)
+    assert _cycle(m, low=0.05, fp32=0.02)[2:4] == [(LOWBIT, True), (FP32, True)]
+    assert m.decide(PHASE, *m.due(PHASE))[0] == FP32
+    assert m.path(PHASE) == (FP32, False)
+    # a resumed run continues the same schedule, with the same decision
+    again = MeasuredAdmission(steps=3, recheck_every=4, warmup=2)
     again.load_state_dict(m.state_dict())
-    assert [again.verdict(KEY).verdict for _ in range(3)] == ["fallback"] * 3
+    assert [again.path(PHASE) for _ in range(3)] == [(FP32, False)] * 3
+    assert again.path(PHASE) == (LOWBIT, False)  # the next recheck's warm-up
 
 
-def test_a_settled_refusal_is_known_before_the_step_until_the_recheck() -> None:
-    """`refuses` (what lets the hook send a step as plain DDP) holds exactly on the steps
-    whose verdict is a kept fp32 decision: not while probing, not on the recheck's first."""
-    gate = CapacityGate(None, 2, measure=True)
-    m = gate.measured
-    m.steps, m.recheck_every = 2, 3
-    seen = []
-    for t in [0.05, 0.05, 0.02, 0.02] * 2 + [0.0] * 3:  # two cycles, fp32 faster, then kept
-        refused = gate.refuses(KEY)
-        v = m.verdict(KEY)
-        seen.append((refused, v.admit))
-        assert not refused or not v.admit  # a refusal announced is a refusal taken
-        m.observe(KEY, t)
-    # cycle 1: 4 probed steps, then 3 kept fp32 steps (refused), then the recheck probes
-    assert [r for r, _ in seen] == [False] * 4 + [True] * 3 + [False] * 4
-    gate.sight(KEY)  # a step sent as plain DDP still counts towards the next recheck
-    assert m.settled(KEY) is not None
+def test_medians_not_means_and_a_cycle_without_times_stays_as_written() -> None:
+    m = MeasuredAdmission(steps=3, recheck_every=10, warmup=0)
+    for t_low, t_fp in [(0.010, 0.020), (0.500, 0.021), (0.012, 0.019)]:  # one slow outlier
+        assert m.path(PHASE) == (LOWBIT, True)
+        m.record(PHASE, LOWBIT, t_low)
+        assert m.path(PHASE) == (FP32, True)
+        m.record(PHASE, FP32, t_fp)
+    assert m.due(PHASE) == (0.012, 0.020)
+    # a run resumed mid-cycle lost its in-flight times: nothing to decide, profile as written
+    fresh = MeasuredAdmission(steps=1, recheck_every=10, warmup=0)
+    fresh.path(PHASE), fresh.path(PHASE)
+    assert fresh.due(PHASE) is None and fresh.path(PHASE) == (LOWBIT, False)
+    with pytest.raises(ValueError, match="probe steps must be >= 1"):
+        MeasuredAdmission(steps=0)
 
 
 def test_the_gate_measures_only_when_asked_and_only_without_a_substrate() -> None:
     assert CapacityGate(None, 2).measured is None  # default: admitted as written
-    assert CapacityGate(None, 2, measure=True).measured is not None
+    measured = CapacityGate(None, 2, measure=True)
+    assert measured.measured is not None
+    assert not measured.refuses((("a",), PHASE))  # the hook asks the probe, per step
     substrate = {"link_gbps": 10.0, "latency_us": 20.0}
     assert CapacityGate(substrate, 2, measure=True).measured is None  # the model prices it
     model = make_model()
@@ -83,21 +84,36 @@ def test_the_gate_measures_only_when_asked_and_only_without_a_substrate() -> Non
         StepController(bindings, 4, 2, lambda e: None, gate="measured")
 
 
-def _measured_run(rank: int, world: int) -> list:
+class _LowBitSlower(MeasuredAdmission):
+    """Decides as if low-bit were a second slower per step: the fp32 path is taken for sure."""
+
+    def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str]:
+        return super().decide(phase, lowbit_s + 1.0, fp32_s)
+
+
+def _measured_run(rank: int, world: int) -> dict:
+    steps = 12
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.001)
     bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
                                bucket_cap_mb=None)
-    state = attach(ddp, bindings, total_steps=10, gate="measure")
-    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, 10)
+    state = attach(ddp, bindings, total_steps=steps, gate="measure")
+    state.gate.measured = _LowBitSlower(steps=2, recheck_every=100, warmup=1)
+    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, steps)
     state.close()
-    return [{k: v for k, v in e.items() if k != "rank"} for e in state.events
-            if e.get("from") == "probe"]
+    frame = state.traffic_frame()
+    return {"events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events
+                       if e.get("from") == "probe"],
+            "control_steps": sorted(set(frame[frame.route == "control"].step)),
+            "sign_steps": sorted(set(frame[frame.route == "sign/sharded"].step))}
 
 
-def test_every_rank_takes_the_same_measured_decisions() -> None:
+def test_every_rank_decides_alike_and_an_fp32_step_is_plain_ddp() -> None:
     a, b = run_ranks(_measured_run, 2)
-    assert a == b and len(a) >= 2  # one decision per rebuilt bucket, after its 6 probe steps
-    assert all(e["step"] == a[0]["step"] and e["to"] in ("low-bit", "fp32") for e in a)
-    assert all(e["reason"].startswith("measured: low-bit ") and " vs fp32 " in e["reason"]
-               for e in a)
+    assert a == b
+    (event,) = a["events"]  # one decision, at the first step after the 1 + 4 probe steps
+    assert event["step"] == 5 and (event["scope"], event["to"]) == ("step", "fp32")
+    assert event["reason"].startswith("measured step: low-bit ") and " vs fp32 " in event["reason"]
+    # warm-up and the low-bit probes went through the worker (sign bytes, a statistics round);
+    # the fp32 probes and every step after the decision went out as plain DDP: neither
+    assert a["sign_steps"] == a["control_steps"] == [0, 1, 3]
