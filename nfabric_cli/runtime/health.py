@@ -15,10 +15,16 @@ Trips: non-finite gradients or loss and loss spikes (above `loss_spike` times th
 `loss_spike_z` robust standard deviations above it *and* `loss_spike_floor` times the run's
 early loss, so the noise of small-batch losses near zero does not count) trip ``"all"``
 (every scope on FP32);
-gradient-norm blow-up or collapse and sign-agreement collapse trip the one scope. Judgements
+gradient-norm blow-up (above `grad_blowup` times the median *and* `grad_blowup_floor` times
+the scope's early norm: late in a run, converged, single hard batches jump 10-17x a median
+that has fallen tenfold) or collapse and sign-agreement collapse trip the one scope. Judgements
 compare against windowed medians of earlier steps; re-admission uses the stricter readmit
 thresholds, so a value between the readmit and the trip threshold keeps a scope on FP32
-without counting a trip (hysteresis). Events are logged only on transitions.
+without counting a trip (hysteresis). Re-admission asks whether what tripped has passed: a
+norm far *below* its old level keeps a scope held only after a collapse trip; after a blow-up
+it is what a converging run does (transformer at 600 steps: norms 10x below the pre-trip
+median kept every scope on fp32 for the last half of the run). Events are logged only on
+transitions.
 
 Example::
 
@@ -85,6 +91,7 @@ class HealthEvent:
 
 # Verdicts of one check for one scope, from worst to best. NONE: no data for the scope.
 _TRIP, _UNHEALTHY, _HEALTHY, _NONE = "trip", "unhealthy", "healthy", "none"
+_COLLAPSE = "grad-norm collapse"
 
 
 @dataclass
@@ -95,6 +102,9 @@ class _Hold:
     trips: int = 0  # trips counted in the current phase
     hold_until: int = -1  # last step of the cooldown
     healthy_run: int = 0  # consecutive healthy checks in probation
+    # tripped by a gradient-norm collapse: re-admission also needs the norm back up (after
+    # any other trip a norm below its old level is training converging, not a fault)
+    collapsed: bool = False
 
     @property
     def forced(self) -> bool:
@@ -121,6 +131,7 @@ class HealthMonitor:
         self._loss_window: deque[float] = deque(maxlen=w)
         self._early: list[float] = []  # the run's first `window` healthy losses (the floor's)
         self._norm_windows: dict[str, deque[float]] = {s: deque(maxlen=w) for s in scopes}
+        self._early_norms: dict[str, list[float]] = {s: [] for s in scopes}  # the floor's
         self._events: list[HealthEvent] = []
         #: (step, scope, reason) of every trip signal judged, acted on or not (a scope on fp32,
         #: one already held): what the detectors saw, e.g. their false-trip rate on fp32 runs
@@ -202,6 +213,8 @@ class HealthMonitor:
             for scope, norm in stats.grad_norms.items():
                 if whole and self._holds[scope].status == "ok":
                     self._norm_windows[scope].append(float(norm))
+                    if len(self._early_norms[scope]) < self.thresholds.window:
+                        self._early_norms[scope].append(float(norm))
         self._events.extend(events)
         return events
 
@@ -233,10 +246,13 @@ class HealthMonitor:
             if ratio is None:
                 verdicts.append((_HEALTHY, ""))
             elif ratio > t.grad_blowup:
-                verdicts.append((_TRIP, f"grad-norm blow-up {ratio:.1f}x median"))
+                floor = t.grad_blowup_floor * statistics.median(self._early_norms[scope])
+                blowup = (_TRIP, f"grad-norm blow-up {ratio:.1f}x median")
+                verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
             elif ratio < t.grad_collapse:
-                verdicts.append((_TRIP, f"grad-norm collapse {ratio:.2g}x median"))
-            elif ratio > t.grad_readmit or ratio * t.grad_readmit < 1:
+                verdicts.append((_TRIP, f"{_COLLAPSE} {ratio:.2g}x median"))
+            elif ratio > t.grad_readmit or (ratio * t.grad_readmit < 1
+                                            and self._holds[scope].collapsed):
                 verdicts.append((_UNHEALTHY, ""))
             else:
                 verdicts.append((_HEALTHY, ""))
@@ -267,6 +283,7 @@ class HealthMonitor:
         if hold.status == "cooldown" and step > hold.hold_until:
             hold.status = "probation"
         if verdict == _TRIP:
+            hold.collapsed = reason.startswith(_COLLAPSE)
             if hold.status == "cooldown":
                 hold.hold_until = step + t.cooldown  # still bad: restart the hold, not a new trip
                 return []
@@ -329,6 +346,7 @@ class HealthMonitor:
             "loss_window": list(self._loss_window),
             "early_losses": list(self._early),
             "norm_windows": {s: list(w) for s, w in self._norm_windows.items()},
+            "early_norms": {s: list(v) for s, v in self._early_norms.items()},
             "events": [e.to_dict() for e in self._events],
             "phase": self._phase,
             "last_step": self._last_step,
@@ -347,6 +365,8 @@ class HealthMonitor:
         for s, values in state["norm_windows"].items():
             self._norm_windows[s].clear()
             self._norm_windows[s].extend(values)
+        self._early_norms = {s: list(v) for s, v in
+                             state.get("early_norms", state["norm_windows"]).items()}
         self._events = [HealthEvent(e["step"], e["scope"], e["from"], e["to"], e["reason"])
                         for e in state["events"]]
         self._phase, self._last_step = state["phase"], state["last_step"]

@@ -80,9 +80,16 @@ def test_borderline_value_keeps_fp32_without_counting_a_trip():
 
 def test_borderline_collapse_side_and_loss_hysteresis_for_all():
     m = make_monitor()
-    # 0.2x median is above collapse (1e-3) but below 1/readmit (1/3): not healthy
-    events = feed(m, [1, 1, 1, 20, 1, 1, 0.2, 1, 1])
+    # after a collapse trip, 0.2x median (above collapse, 1e-3, but below 1/readmit, 1/3) is
+    # not healthy: the norm must come back up
+    events = feed(m, [1, 1, 1, 5e-4, 1, 1, 0.2, 1, 1])
     assert [(e.step, e.to_route) for e in events] == [(3, "fp32"), (8, "sign")]
+    # after a blow-up it is: a run converging on fp32 (norms far below the pre-trip level)
+    # is re-admitted as soon as one that came back to its level
+    for low in (0.2, 0.01):
+        m = make_monitor()
+        events = feed(m, [1, 1, 1, 20, 1, 1, low, low, 1])
+        assert [(e.step, e.to_route) for e in events] == [(3, "fp32"), (7, "sign")]
 
     m = make_monitor()
     losses = [1, 1, 1, 4, 1, 1, 2, 2, 1, 1]  # spike at 3; 2x (> 1.5 readmit) at 6, 7
@@ -191,6 +198,28 @@ def test_a_late_spike_below_the_floor_of_the_early_loss_does_not_trip():
         off.check(StepStats(step, loss, False, {"a": 1.0, "b": 1.0}))
     assert off.check(StepStats(10, 0.45, False, {"a": 1.0, "b": 1.0}))[0].reason == \
         "loss spike 9.0x median"
+
+
+def test_a_late_blowup_below_the_scope_s_early_norm_does_not_trip():
+    """Late in a converged run one hard batch lifts a scope's norm 10-17x a median that has
+    fallen tenfold: below grad_blowup_floor x the scope's early norm that is unhealthy (no
+    re-admission on it) but not a trip; above it, it trips as before."""
+    m = make_monitor()  # window 5: the early norms are the first 5, median 4.0, the floor 4.0
+    events = feed(m, [4.0, 5.0, 3.0, 4.0, 4.0] + [0.2] * 5)  # late: the window's median is 0.2
+    assert events == [] and m.detections == []
+    assert feed(m, [3.5], start=10) == [] and m.detections == []  # 17.5x, but under 4.0
+    events = feed(m, [4.4], start=11)  # 22x and over 4.0
+    assert as_tuples(events) == [(11, "a", "sign", "fp32", "grad-norm blow-up 22.0x median")]
+    # the early norms are part of the state: a resumed monitor keeps the same floor
+    again = make_monitor()
+    again.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    assert again.state_dict() == m.state_dict()
+    off = make_monitor(grad_blowup_floor=0.0)  # 0 turns the floor off
+    feed(off, [4.0, 5.0, 3.0, 4.0, 4.0] + [0.2] * 5)
+    assert as_tuples(feed(off, [3.5], start=10)) == [
+        (10, "a", "sign", "fp32", "grad-norm blow-up 17.5x median")]
+    with pytest.raises(InputError, match="grad_blowup_floor must be >= 0"):
+        HealthThresholds(grad_blowup_floor=-1.0)
 
 
 def test_fp32_scopes_are_never_forced():
