@@ -196,8 +196,11 @@ class CodeRoute(Route):
         raise NotImplementedError
 
     def encode_codes(
-        self, x: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, gen: torch.Generator | None
+        self, x: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, gen: torch.Generator | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The packed codes of `x` under agreed `scales`; where the route can, written into
+        `out` (uint8, at least the payload's bytes: the exchange's wire buffer), else new."""
         raise NotImplementedError
 
     def combine(

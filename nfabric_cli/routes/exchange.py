@@ -104,7 +104,8 @@ class Exchange:
         self.sharded = [i for i, s in enumerate(self.sizes) if not s.gathered]
         self._codes: list[torch.Tensor] = []
         self._scales: list[torch.Tensor] = []
-        self._mine: torch.Tensor | None = None
+        self._mine: torch.Tensor | None = None  # this rank's part of the all-gather ...
+        self._results: torch.Tensor | None = None  # ... and every rank's
         self._wire: Pending | None = None  # the collective in flight
 
     def start(self) -> None:
@@ -117,12 +118,17 @@ class Exchange:
             for p in self.pieces:
                 p.x.copy_(p.route.simulate([p.x], p.segments, p.stats, [p.noise]))
             return
-        self._codes, self._scales = _encode(self.pieces, self.sizes, comm)
         dev = self.pieces[0].x.device
         # this rank's all-gather contribution: the sharded pieces' combined shards, then the
-        # gathering pieces' codes and scales
+        # gathering pieces' codes and scales (encoded in place where the route can)
         total = sum(s.result or s.block for s in self.sizes)
-        self._mine = comm.scratch((self.slot, "mine"), total, torch.uint8, dev)
+        self._mine, self._results = comm.gather_buffers((self.slot, "gather"), total,
+                                                        torch.uint8, dev)
+        dests, off = [], sum(self.sizes[i].result for i in self.sharded)
+        for s in self.sizes:
+            dests.append(self._mine[off : off + s.codes] if s.gathered else None)
+            off += s.block if s.gathered else 0
+        self._codes, self._scales = _encode(self.pieces, self.sizes, comm, dests)
         if self.sharded:
             self._wire = self._all_to_all()
         else:
@@ -194,9 +200,7 @@ class Exchange:
             if s.gathered:
                 _put(mine[off : off + s.block].view(1, s.block), c, sc, s, p.route.pad_byte)
                 off += s.block
-        results = self.comm.scratch((self.slot, "results"), self.comm.world_size * mine.numel(),
-                                    torch.uint8, mine.device)
-        return self.comm.all_gather_async(mine, out=results)
+        return self.comm.all_gather_async(mine, out=self._results)
 
 
 def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, s: _Sizes, pad: int) -> None:
@@ -205,7 +209,8 @@ def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, s: _Sizes
     it sends them): R = W shards, or one row of whole codes."""
     rows = dst.shape[0]
     full, rest = divmod(codes.numel(), s.codes)
-    dst[:full, : s.codes] = codes[: full * s.codes].view(full, s.codes)
+    if codes.data_ptr() != dst.data_ptr():  # (not encoded in place: `_encode`'s `dests`)
+        dst[:full, : s.codes] = codes[: full * s.codes].view(full, s.codes)
     if full < rows:
         dst[full, :rest] = codes[full * s.codes :]
         dst[full, rest : s.codes] = pad
@@ -228,11 +233,13 @@ def _decode(p: Piece, s: _Sizes, packed: torch.Tensor, scales: torch.Tensor, w: 
 
 
 def _encode(
-    pieces: Sequence[Piece], sizes: Sequence[_Sizes], comm: Comm
+    pieces: Sequence[Piece], sizes: Sequence[_Sizes], comm: Comm,
+    dests: Sequence[torch.Tensor | None],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each piece's packed codes, and its scales: the agreed MAX for max-agreed routes (one
     all-reduce for all of them), the local ones for mean-agreed routes (agreed after the
-    all-to-all that carries them)."""
+    all-to-all that carries them). A max-agreed piece with a `dests` buffer (its place on
+    the wire) is encoded there where its route can."""
     codes: list[torch.Tensor | None] = [None] * len(pieces)
     scales: list[torch.Tensor | None] = [None] * len(pieces)
     maxed = [i for i, p in enumerate(pieces) if p.route.scale_agreement == "max"]
@@ -246,5 +253,5 @@ def _encode(
         for i, agreed in zip(maxed, flat.split([t.numel() for t in local]), strict=True):
             p = pieces[i]
             scales[i] = agreed
-            codes[i] = p.route.encode_codes(p.x, sizes[i].layout, agreed, p.noise)
+            codes[i] = p.route.encode_codes(p.x, sizes[i].layout, agreed, p.noise, dests[i])
     return codes, scales  # type: ignore[return-value]

@@ -43,6 +43,7 @@ class IntRoute(CodeRoute):
         layout: ChunkLayout,
         absmax: torch.Tensor,
         gen: torch.Generator | torch.Tensor | None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inv = torch.where(absmax > 0, self.qmax / absmax, torch.zeros_like(absmax))
         k = kernels.native(x)
@@ -52,7 +53,7 @@ class IntRoute(CodeRoute):
             noise = gen if isinstance(gen, torch.Tensor) else torch.rand(x.shape, generator=gen)
             noise = noise.to(x.device)
         if k is not None:
-            return k.quantize(x, layout, inv, self.qmax, noise)  # the same draws as below
+            return k.quantize(x, layout, inv, self.qmax, noise, out)  # the same draws as below
         q = layout.scale_into(x, inv, torch.empty_like(x))
         if noise is not None:
             q.add_(noise).floor_()
@@ -64,8 +65,10 @@ class IntRoute(CodeRoute):
         """int8 codes -> the uint8 payload."""
         raise NotImplementedError
 
-    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
-        return self._pack_codes(self._codes(x, layout, scales, gen))
+    def encode_codes(self, x, layout, scales, gen, out=None):  # noqa: ANN001 - see CodeRoute
+        # int8 codes are the payload: quantised straight into `out` (no copy, no page faults)
+        direct = out[: x.numel()].view(torch.int8) if out is not None and self.elems_per_byte == 1 else None
+        return self._pack_codes(self._codes(x, layout, scales, gen, direct))
 
     def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
         """Nearest rounding: absmax and codes in one visit per chunk (same bytes as

@@ -159,13 +159,17 @@ class Kernels:
     # -- int8 / int4 ------------------------------------------------------------------------
     def quantize(
         self, x: torch.Tensor, layout: ChunkLayout, inv: torch.Tensor, qmax: int,
-        noise: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """int8 codes clamp(round(x * inv)) per chunk, or clamp(floor(x * inv + noise))."""
+        """int8 codes clamp(round(x * inv)) per chunk, or clamp(floor(x * inv + noise)); into
+        `out` (int8, contiguous, numel elements) when given."""
         inv = _need(inv.float(), 4 * layout.nchunks, "inverse scales")
         if noise is not None:
             noise = _need(noise, 4 * x.numel(), "rounding noise")
-        out = self.empty(x.numel(), torch.int8)
+        if out is None:
+            out = self.empty(x.numel(), torch.int8)
+        else:
+            out = _need(out, x.numel(), "int8 codes")
         self.lib.nf_quantize(_src(x, layout).data_ptr(), _ptr(noise), _blocks(layout).data_ptr(),
                              len(layout.blocks), inv.data_ptr(), float(qmax), out.data_ptr())
         return out

@@ -38,7 +38,7 @@ class SignRoute(CodeRoute):
             x, lambda v: torch.linalg.vector_norm(v, ord=1, dim=1) / v.shape[1]
         )
 
-    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
+    def encode_codes(self, x, layout, scales, gen, out=None):  # noqa: ANN001 - see CodeRoute
         k = kernels.native(x)
         return k.sign_bits(x) if k is not None else pack_bool(x > 0)
 

@@ -57,7 +57,7 @@ class TernaryRoute(CodeRoute):
         keep = self._gate(x, layout)
         return torch.where(keep, torch.sign(x), torch.zeros_like(x)).to(torch.int8)
 
-    def encode_codes(self, x, layout, scales, gen):  # noqa: ANN001 - see CodeRoute
+    def encode_codes(self, x, layout, scales, gen, out=None):  # noqa: ANN001 - see CodeRoute
         k = self._native(layout, x)
         if k is not None:
             return k.ternary_gate(x, layout, self.spec.tau, packed=True)[2]

@@ -23,6 +23,7 @@ PIECES = [
     (RouteSpec("sign", mode="count", chunk=128), (77,)),
     (RouteSpec("int4", chunk=64), (0,)),
     (RouteSpec("int4", chunk=64), (300, 41)),
+    (RouteSpec("int8", chunk=256), (1000, 24)),  # nearest: quantised straight onto the wire
 ]
 SIGN_ONLY = [PIECES[0], PIECES[3]]
 
