@@ -36,6 +36,11 @@ from nfabric_cli.routes.base import CodeRoute, Noise, padded_payload_nbytes
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.comm import Comm, Pending, sum_in_rank_order
 
+#: Key of the sub-dict of a piece's `stats` that receives the agreement sums of a piece
+#: combined whole on every rank (it gathers codes): complete on each rank, the same on all,
+#: so they are not summed over ranks. A sharded piece adds its shard's sums to `stats` itself.
+WHOLE = "whole"
+
 
 @dataclass
 class Piece:
@@ -155,7 +160,7 @@ class Exchange:
         """Wait for the all-gather and decode every piece into its own memory."""
         if self._wire is None:
             return
-        comm, w = self.comm, self.comm.world_size
+        w = self.comm.world_size
         results, self._wire = self._wire.wait().view(w, -1), None
         off = 0
         for i in self.sharded:
@@ -168,9 +173,8 @@ class Exchange:
             if not s.gathered:
                 continue
             shards = [results[r, off : off + s.codes] for r in range(w)]
-            # every rank combines every element: one rank adds the agreement, so the sums
-            # over the ranks count each element once
-            stats = p.stats if comm.rank == 0 else None
+            # every rank combines every element, so every rank holds the whole agreement
+            stats = None if p.stats is None else p.stats.setdefault(WHOLE, {})
             agreed = _agreed(results, off + s.codes, s, w) if s.scale_bytes else sc
             out = p.route.combine_decode(shards, w, agreed, s.layout, p.x, stats)
             if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory

@@ -4,7 +4,8 @@ uninterrupted one would.
 Shared by every rank (the decisions are agreed): the step controller's state (the step, so
 the phase and the stochastic rounding noise continue; the health monitor; the update guard's
 windows; the capacity gate's verdicts and revocations; the skipped steps). Per rank: the error-feedback residuals (each rank's own compression
-error), its byte counters and its event log. `state_dict(all_ranks=True)` gathers every
+error), its byte counters, its event log and the reduce times not yet agreed (the last
+bucket's ride in the next step's statistics round). `state_dict(all_ranks=True)` gathers every
 rank's part on every rank (one collective: call it on all ranks, between steps), so a
 framework that writes the checkpoint from rank 0 only still saves everything; with
 `all_ranks=False` each rank returns only its own part (for frameworks that save per rank).
@@ -47,6 +48,7 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
     if state._pending:
         raise RuntimeError("state_dict() during a step: call it between optimizer steps")
     mine = _rank_part(state.ef, state.meter, state.events, state.step_times)
+    mine["bucket_times"] = [[list(names), phase, s] for (names, phase), s in state._bucket_times]
     ranks = {state.rank: mine}
     if all_ranks and state.world_size > 1:
         gathered: list[Any] = [None] * state.world_size
@@ -106,5 +108,7 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
     state.meter.load_state_dict(mine["meter"])
     state.events[:] = [dict(e) for e in mine["events"]]
     state.step_times[:] = list(mine["step_times"])
+    state._bucket_times[:] = [((tuple(names), phase), s)
+                              for names, phase, s in mine.get("bucket_times", [])]
     state.controller.load_state_dict(sd)
     return notes

@@ -26,10 +26,11 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
+from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
-from nfabric_cli.runtime.agree import agree_step
+from nfabric_cli.runtime.agree import StatsRound
 from nfabric_cli.runtime.bucket import BucketJob
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
@@ -98,7 +99,11 @@ class FabricState:
         self._grad_norms: list[tuple[list[str], torch.Tensor]] = []
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
         self._step_stats: dict[str, dict[str, Any]] = {}  # per region: agreement sums
+        # low-bit buckets' reduce times, agreed in the next statistics round that starts
+        # after they land (the step's last bucket: the next step's), for the model gate
         self._bucket_times: list[tuple[tuple, float]] = []
+        self._round: StatsRound | None = None
+        self._round_times: list[tuple[tuple, float]] = []  # the times `_round` carries
         self._step_started: float | None = None
         # the measured gate (`probe.py`): the last step's first bucket, and (phase, path) when
         # its period is being timed
@@ -321,6 +326,7 @@ class FabricState:
         job.middle()
         if is_last:
             self._inflight = None
+            self._start_round()  # on the wire while the last bucket's all-gather is
             self._land(job)
             self._finish_step(step)
 
@@ -342,18 +348,30 @@ class FabricState:
         return self._step_stats.setdefault(region, {})
 
     # -- per step ------------------------------------------------------------------------------
-    def _finish_step(self, step: int) -> None:
+    def _start_round(self) -> None:
+        """Issue the step's statistics all-reduce once everything it sums exists: the loss,
+        the gradient norms (taken before encoding), the agreement sums of sharded reduces
+        (combined in each bucket's middle stage). The sums of pieces combined whole on every
+        rank are complete already (`exchange.WHOLE`) and wait for the result; so do the update
+        norms. The collective order stays the same on every rank: every rank issues it at the
+        same point of the same bucket."""
         with self._lock:
             loss, self._loss = self._loss, None
         acc = {f"{k}:{region}": st[k] for region, st in self._step_stats.items()
                for k in ("agree_sum", "agree_n") if k in st}
-        agreed = agree_step(self.comm, self._scopes, self._grad_norms, loss, acc,
-                            [t for _, t in self._bucket_times],
-                            self._update_norms, self.device)
+        self._round_times, self._bucket_times = self._bucket_times, []
+        self._round = StatsRound(self.comm, self._scopes, self._grad_norms, loss, acc,
+                                 [t for _, t in self._round_times], self.device)
+
+    def _finish_step(self, step: int) -> None:
+        whole = {f"{k}:{region}": st[WHOLE][k] for region, st in self._step_stats.items()
+                 if WHOLE in st for k in ("agree_sum", "agree_n") if k in st[WHOLE]}
+        agreed = self._round.result(self._update_norms, whole)
+        self._round = None
         self.meter.add(step, self.phase.name, "control", self.comm.take())
         decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
                                           agreed.agreement, agreed.update_norms)
-        for (key, _), seconds in zip(self._bucket_times, agreed.bucket_seconds, strict=True):
+        for (key, _), seconds in zip(self._round_times, agreed.bucket_seconds, strict=True):
             reason = self.gate.observe(key, seconds)
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
@@ -367,7 +385,7 @@ class FabricState:
                     if factor is not None:
                         g.mul_(factor)
         pending, self._pending = self._pending, []
-        self._step_stats, self._bucket_times = {}, []
+        self._step_stats, self._round_times = {}, []
         self._lowbit_keys[self.phase.name], self._step_keys = self._step_keys, []
         self._grad_norms, self._update_norms = [], []
         self._advance(step)

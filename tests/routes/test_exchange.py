@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nfabric_cli.routes import Comm, CommOp, RouteSpec, make_route
-from nfabric_cli.routes.exchange import Piece, reduce_pieces
+from nfabric_cli.routes.exchange import WHOLE, Piece, reduce_pieces
 from tests.distutil import run_ranks
 
 # (route, segments): odd lengths, several parameters per piece, one empty piece
@@ -99,7 +99,16 @@ def test_one_exchange_equals_each_route_alone(world: int) -> None:
             make_route(spec).simulate(_grads(world, segs, k), segs, stats,
                                       _noise(spec, world, segs, k))
             if "agree_n" in stats:
-                # a piece that gathers codes is combined whole on every rank, counted on one
-                total = sum(float(r["stats"][k].get("agree_sum", 0)) for r in results)
-                assert total == float(stats["agree_sum"])
-                assert sum(r["stats"][k].get("agree_n", 0) for r in results) == stats["agree_n"]
+                gathered = make_route(spec).gathers_codes(world)
+                for r in results:
+                    # a piece that gathers codes is combined whole on every rank: every rank
+                    # holds the whole count, apart (not to be summed over ranks)
+                    whole = r["stats"][k].get(WHOLE)
+                    assert (whole is not None) == gathered, (world, spec)
+                    if gathered:
+                        assert float(whole["agree_sum"]) == float(stats["agree_sum"])
+                        assert whole["agree_n"] == stats["agree_n"]
+                if not gathered:  # sharded: each rank counts its shard
+                    total = sum(float(r["stats"][k].get("agree_sum", 0)) for r in results)
+                    assert total == float(stats["agree_sum"])
+                    assert sum(r["stats"][k].get("agree_n", 0) for r in results) == stats["agree_n"]
