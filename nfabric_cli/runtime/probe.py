@@ -4,12 +4,14 @@ The capacity gate prices buckets on a fitted substrate (`substrate/cost.py`); wi
 admits every bucket as the profile wrote it, however slow low-bit is on the link at hand.
 With ``gate="measure"`` (`attach`, `validate --gate measure`) and no substrate, each phase with
 a low-bit route runs a *probe cycle*: `warmup` steps as written (untimed: first steps pay for
-allocation and DDP's bucket rebuild), then `2 * steps` steps alternating between the profile's
-routes and plain DDP's fp32 path, each step's period (first bucket to next step's first
-bucket) timed. At the next step's first bucket the ranks all-reduce their medians (one small
-blocking all-reduce per cycle, while nothing else is in flight), so every rank takes the same
-decision; the phase then keeps the faster path until `recheck_every` more steps have passed,
-and probes again. Every decision is an event with both medians.
+allocation and DDP's bucket rebuild), then up to `steps` pairs of steps, one on the profile's
+routes and one on plain DDP's fp32 path, each step's period (first bucket to next step's first
+bucket) timed. After each pair, at the next step's first bucket, the ranks all-reduce their
+medians so far (one small blocking all-reduce, while nothing else is in flight) and every
+rank takes the same decision: keep the faster path once one is `decisive` times the other
+(a slow link: one pair, not four, of slow fp32 steps) or after the last pair, else probe on.
+The phase keeps its path until `recheck_every` more steps have passed, and probes again.
+Every decision is an event with both medians.
 
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, the worker thread's hand-offs and the gradient
@@ -19,8 +21,8 @@ unshaped loopback the bucket timings said low-bit 3.4 ms against fp32 5.8 ms whi
 
 Opt-in, not the default: a decision from wall-clock times differs from run to run, so
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
-simulator stay bit-reproducible without it). Probing costs `steps` steps on the slower path
-per cycle.
+simulator stay bit-reproducible without it). Probing costs 1 to `steps` steps on the slower
+path per cycle.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ LOWBIT, FP32 = "low-bit", "fp32"
 class _Cycle:
     start: int = 0  # the phase step its current cycle began at
     seen: int = 0  # steps of the phase so far
+    decided_at: int = 0  # the phase step its decision was taken at
     times: dict[str, list[float]] = field(default_factory=lambda: {LOWBIT: [], FP32: []})
     decision: str | None = None  # the path kept (None: not decided yet)
     reason: str = ""
@@ -46,10 +49,13 @@ class MeasuredAdmission:
     `record` the previous step's period, `due` / `decide` a finished cycle on agreed medians,
     then `path` for this step."""
 
-    def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2) -> None:
-        if steps < 1 or recheck_every < 0 or warmup < 0:
-            raise ValueError("probe steps must be >= 1, recheck_every and warmup >= 0")
+    def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2,
+                 decisive: float = 1.5) -> None:
+        if steps < 1 or recheck_every < 0 or warmup < 0 or decisive < 1:
+            raise ValueError("probe steps must be >= 1, recheck_every and warmup >= 0, "
+                             "decisive >= 1")
         self.steps, self.recheck_every, self.warmup = steps, recheck_every, warmup
+        self.decisive = decisive
         self._cycles: dict[str, _Cycle] = {}
 
     @property
@@ -60,36 +66,46 @@ class MeasuredAdmission:
         """This step's path in `phase` and whether its period is to be timed (one call per
         step of the phase)."""
         c = self._cycles.setdefault(phase, _Cycle())
-        pos = c.seen - c.start
-        if c.decision is not None and pos >= self._probe_end + self.recheck_every:
-            c.start, pos = c.seen, 0  # probe again
+        if c.decision is not None and c.seen - c.decided_at >= self.recheck_every:
+            c.start = c.seen  # probe again
             c.times, c.decision, c.reason = {LOWBIT: [], FP32: []}, None, ""
+        pos = c.seen - c.start
         c.seen += 1
+        if c.decision is not None:
+            return c.decision, False
         if pos < self.warmup:
             return LOWBIT, False
         if pos < self._probe_end:
             return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
-        return c.decision or LOWBIT, False  # undecided (a resumed cycle lost its times): as written
+        return LOWBIT, False  # undecided (a resumed cycle lost its times): as written
 
     def record(self, phase: str, path: str, seconds: float) -> None:
         """A timed step's period (measured on this rank)."""
         self._cycles[phase].times[path].append(seconds)
 
     def due(self, phase: str) -> tuple[float, float] | None:
-        """(low-bit, fp32) local medians when `phase`'s cycle has probed its last step and not
-        been decided, else None. The same on every rank (it depends on step counts only)."""
+        """(low-bit, fp32) local medians so far when `phase`'s cycle has just probed a pair
+        and is undecided, else None. The same on every rank (it depends on step counts only)."""
         c = self._cycles.get(phase)
-        if c is None or c.seen - c.start != self._probe_end or c.decision is not None:
+        if c is None or c.decision is not None:
+            return None
+        pos = c.seen - c.start
+        if not self.warmup < pos <= self._probe_end or (pos - self.warmup) % 2:
             return None
         low, full = c.times[LOWBIT], c.times[FP32]
         if not low or not full:
             return None
         return statistics.median(low), statistics.median(full)
 
-    def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str]:
-        """Take the decision on agreed medians; returns (path kept, why) for the event."""
+    def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
+        """Judge agreed medians after a pair: (path kept, why) for the event once one path is
+        `decisive` times the other or the last pair is in, else None (probe on)."""
         c = self._cycles[phase]
-        c.decision = LOWBIT if lowbit_s < fp32_s else FP32
+        last = c.seen - c.start >= self._probe_end
+        slow, fast = max(lowbit_s, fp32_s), min(lowbit_s, fp32_s)
+        if not last and slow < self.decisive * fast:
+            return None
+        c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
         n = min(len(c.times[LOWBIT]), len(c.times[FP32]))
         c.reason = (f"measured step: low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} "
                     f"ms (median of {n} steps each, mean over ranks)")
@@ -101,11 +117,12 @@ class MeasuredAdmission:
         return None if c is None else c.decision
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cycles": {phase: [c.start, c.seen, c.times, c.decision, c.reason]
+        return {"cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision, c.reason]
                            for phase, c in self._cycles.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycles = {}
-        for phase, (start, seen, times, decision, reason) in state.get("cycles", {}).items():
-            self._cycles[phase] = _Cycle(start, seen, {k: list(v) for k, v in times.items()},
-                                         decision, reason)
+        for phase, row in state.get("cycles", {}).items():
+            start, seen, decided_at, times, decision, reason = row
+            self._cycles[phase] = _Cycle(start, seen, decided_at,
+                                         {k: list(v) for k, v in times.items()}, decision, reason)

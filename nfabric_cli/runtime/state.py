@@ -242,9 +242,9 @@ class FabricState:
 
     def _measured_path(self) -> str:
         """The measured gate's path for this step (`probe.py`), at its first bucket: record
-        the last step's period if it was timed, decide a finished probe cycle on the ranks'
-        mean medians (one small blocking all-reduce: the worker is idle between steps and
-        every rank reaches it at the same step), then ask for this step's path."""
+        the last step's period if it was timed, judge a probed pair on the ranks' mean medians
+        (one small blocking all-reduce: the worker is idle between steps and every rank
+        reaches it at the same step), then ask for this step's path."""
         probe, phase, now = self.gate.measured, self.phase.name, self._step_started
         if self._timing is not None:
             probe.record(*self._timing, now - self._period_start)
@@ -256,9 +256,10 @@ class FabricState:
             medians = torch.tensor(due, dtype=torch.float64, device=self.device)
             dist.all_reduce(medians, group=self.comm.group)
             low, full = (medians / self.world_size).tolist()
-            kept, why = probe.decide(phase, low, full)
-            self._log({"step": self.step, "scope": "step", "from": "probe", "to": kept,
-                       "reason": why})
+            decided = probe.decide(phase, low, full)
+            if decided is not None:
+                self._log({"step": self.step, "scope": "step", "from": "probe",
+                           "to": decided[0], "reason": decided[1]})
         path, timed = probe.path(phase)
         if timed:
             self._timing = (phase, path)
