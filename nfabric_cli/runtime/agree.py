@@ -80,14 +80,20 @@ class StatsRound:
         if self._pending is not None:
             self._pending.wait()
         f64 = {"dtype": torch.float64, "device": self.device}
-        after = [t.reshape(-1) for _, t in updates]
-        v = host_read(torch.cat([self.vec, *(t.to(**f64) for t in after)]) if after else self.vec)
+        whole = whole or {}
+        # the whole sums may be device tensors: read with the rest, in the one host read
+        extra = [torch.as_tensor(v).to(**f64).reshape(1) for v in whole.values()]
+        after = [t.reshape(-1).to(**f64) for _, t in updates]
+        parts = [self.vec, *extra, *after]
+        v = host_read(torch.cat(parts) if len(parts) > 1 else self.vec)
         scopes, n = self.scopes, 3 + 3 * len(self.scopes)
         keys = [f"{k}:{s}" for s in scopes for k in _KINDS]
         vals = dict(zip(keys, v[3:n], strict=True))
-        for key, value in (whole or {}).items():
-            vals[key] += float(value)
         seconds = v[n:n + self.n_seconds]
+        n += self.n_seconds
+        for key, value in zip(whole, v[n:n + len(whole)], strict=True):
+            vals[key] += value
+        n += len(whole)
         return Agreed(
             nonfinite=v[0] > 0,
             loss=v[2] / v[1] if v[1] > 0 else None,
@@ -96,7 +102,7 @@ class StatsRound:
                        if vals[f"agree_n:{s}"] > 0},
             bucket_seconds=[t / self.comm.world_size for t in seconds],
             update_norms=dict(zip([name for names, _ in updates for name in names],
-                                  v[n + self.n_seconds:], strict=True)),
+                                  v[n:], strict=True)),
         )
 
 

@@ -9,7 +9,8 @@
 so bucket k encodes while bucket k-1's results are on the wire, and decodes while bucket
 k+1's codes are. The stages of all jobs run in this fixed order on every rank, so every rank
 issues the same collectives in the same order (gloo and NCCL match collectives by order).
-The last bucket of a step finishes at once; then the step's statistics are agreed.
+After the last bucket's middle stage the step's statistics all-reduce is issued (it travels
+with that bucket's all-gather), then the last bucket finishes and the statistics are read.
 
 Within a bucket (`start`): all sharded low-bit reduces share one exchange
 (`routes/exchange.py`: at most one all-to-all and one all-gather); float groups (fp32,

@@ -48,7 +48,7 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
     if state._pending:
         raise RuntimeError("state_dict() during a step: call it between optimizer steps")
     mine = _rank_part(state.ef, state.meter, state.events, state.step_times)
-    mine["bucket_times"] = [[list(names), phase, s] for (names, phase), s in state._bucket_times]
+    mine["bucket_seconds"] = [s for _, s in state._bucket_times]
     ranks = {state.rank: mine}
     if all_ranks and state.world_size > 1:
         gathered: list[Any] = [None] * state.world_size
@@ -61,6 +61,9 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
         "world_size": state.world_size,
         "total_steps": state.total_steps,
         **state.controller.state_dict(),  # step, skipped steps, monitor, guard, gate
+        # the buckets whose times the next statistics round carries: the same on every rank
+        # (each rank's seconds are in its part), so the round has one length everywhere
+        "pending_times": [[list(names), phase] for (names, phase), _ in state._bucket_times],
         "ranks": ranks,
     }
 
@@ -108,7 +111,9 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
     state.meter.load_state_dict(mine["meter"])
     state.events[:] = [dict(e) for e in mine["events"]]
     state.step_times[:] = list(mine["step_times"])
-    state._bucket_times[:] = [((tuple(names), phase), s)
-                              for names, phase, s in mine.get("bucket_times", [])]
+    keys = [(tuple(names), phase) for names, phase in sd.get("pending_times", [])]
+    seconds = mine.get("bucket_seconds") or [0.0] * len(keys)  # a missing part: no times
+    state._bucket_times[:] = list(zip(keys, seconds, strict=True))
+    state._timing = None  # a step timed before the load is not this run's
     state.controller.load_state_dict(sd)
     return notes

@@ -101,7 +101,7 @@ class CapacityGate:
             self.measured.load_state_dict(state["measured"])
 
     def observe(self, key: tuple, measured_lowbit_s: float) -> str | None:
-        """Feed an (all-ranks max) measured low-bit time; return a reason when revoking."""
+        """Feed a measured low-bit time (the mean over ranks); return a reason when revoking."""
         v = self._cache.get(key)
         if v is None or not v.admit or v.fp32_time_s is None or key in self._revoked:
             return None

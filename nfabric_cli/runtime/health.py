@@ -283,7 +283,9 @@ class HealthMonitor:
         if hold.status == "cooldown" and step > hold.hold_until:
             hold.status = "probation"
         if verdict == _TRIP:
-            hold.collapsed = reason.startswith(_COLLAPSE)
+            # a collapse anywhere in the hold keeps the lower readmit bound until re-admission
+            collapsed = reason.startswith(_COLLAPSE)
+            hold.collapsed = collapsed or (hold.collapsed and hold.status != "ok")
             if hold.status == "cooldown":
                 hold.hold_until = step + t.cooldown  # still bad: restart the hold, not a new trip
                 return []

@@ -22,7 +22,7 @@ unshaped loopback the bucket timings said low-bit 3.4 ms against fp32 5.8 ms whi
 Opt-in, not the default: a decision from wall-clock times differs from run to run, so
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
 simulator stay bit-reproducible without it). Probing costs 1 to `steps` steps on the slower
-path per cycle.
+path per cycle (and the `warmup` steps, which run low-bit).
 """
 
 from __future__ import annotations
@@ -73,11 +73,12 @@ class MeasuredAdmission:
         c.seen += 1
         if c.decision is not None:
             return c.decision, False
+        if pos >= self._probe_end:  # undecided: a resumed cycle lost its times; probe again
+            c.start, pos = c.seen - 1, 0
+            c.times = {LOWBIT: [], FP32: []}
         if pos < self.warmup:
             return LOWBIT, False
-        if pos < self._probe_end:
-            return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
-        return LOWBIT, False  # undecided (a resumed cycle lost its times): as written
+        return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
 
     def record(self, phase: str, path: str, seconds: float) -> None:
         """A timed step's period (measured on this rank)."""
@@ -110,11 +111,6 @@ class MeasuredAdmission:
         c.reason = (f"measured step: low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} "
                     f"ms (median of {n} steps each, mean over ranks)")
         return c.decision, c.reason
-
-    def decision(self, phase: str) -> str | None:
-        """The path `phase` keeps between probes (None: not decided yet)."""
-        c = self._cycles.get(phase)
-        return None if c is None else c.decision
 
     def state_dict(self) -> dict[str, Any]:
         return {"cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision, c.reason]

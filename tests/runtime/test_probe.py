@@ -68,7 +68,7 @@ def test_a_decisive_pair_ends_the_probe_early() -> None:
     assert _cycle(m, low=0.030, fp32=0.019)[1][0] == FP32  # 1.58x the other way
 
 
-def test_medians_not_means_and_a_cycle_without_times_stays_as_written() -> None:
+def test_medians_not_means_and_a_cycle_without_times_probes_again() -> None:
     m = MeasuredAdmission(steps=3, recheck_every=10, warmup=0, decisive=100.0)
     for t_low, t_fp in [(0.010, 0.020), (0.500, 0.021), (0.012, 0.019)]:  # one slow outlier
         assert m.path(PHASE) == (LOWBIT, True)
@@ -76,10 +76,14 @@ def test_medians_not_means_and_a_cycle_without_times_stays_as_written() -> None:
         assert m.path(PHASE) == (FP32, True)
         m.record(PHASE, FP32, t_fp)
     assert m.due(PHASE) == (0.012, 0.020)
-    # a run resumed mid-cycle lost its in-flight times: nothing to decide, profile as written
-    fresh = MeasuredAdmission(steps=1, recheck_every=10, warmup=0)
-    fresh.path(PHASE), fresh.path(PHASE)
-    assert fresh.due(PHASE) is None and fresh.path(PHASE) == (LOWBIT, False)
+    # a run resumed mid-cycle lost its in-flight times: nothing to decide, so it probes again
+    fresh = MeasuredAdmission(steps=1, recheck_every=10, warmup=1)
+    assert [fresh.path(PHASE) for _ in range(3)] == [(LOWBIT, False), (LOWBIT, True), (FP32, True)]
+    assert fresh.due(PHASE) is None  # no times recorded
+    assert [fresh.path(PHASE) for _ in range(3)] == [(LOWBIT, False), (LOWBIT, True), (FP32, True)]
+    fresh.record(PHASE, LOWBIT, 0.01)
+    fresh.record(PHASE, FP32, 0.02)
+    assert fresh.due(PHASE) == (0.01, 0.02)
     with pytest.raises(ValueError, match="probe steps must be >= 1"):
         MeasuredAdmission(steps=0)
 

@@ -32,6 +32,15 @@ def _order(rank: int, world: int) -> dict:
         log.append(("round", -1))
         return round_init(self, *args, **kwargs)
 
+    wholes: list[dict] = []
+    result = agree.StatsRound.result
+
+    def kept_whole(self, updates, whole=None):  # noqa: ANN001, ANN202
+        wholes.append({k: float(v) for k, v in (whole or {}).items()})
+        wholes[-1]["reduced"] = [float(x) for x in self.vec[3:]]  # what the ranks summed
+        return result(self, updates, whole)
+
+    agree.StatsRound.result = kept_whole
     bucket.BucketJob.finish, agree.StatsRound.__init__ = logged_finish, logged_round
     agreements: list[dict] = []
     decide = state.controller.decide
@@ -45,8 +54,11 @@ def _order(rank: int, world: int) -> dict:
         train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, 3)
     finally:
         bucket.BucketJob.finish, agree.StatsRound.__init__ = finish, round_init
+        agree.StatsRound.result = result
     state.close()
-    return {"log": log, "agreement": agreements}
+    numel = sum(p.numel() for p in model.parameters())
+    return {"log": log, "agreement": agreements, "whole": wholes, "numel": numel,
+            "scopes": list(state._scopes)}
 
 
 def test_the_round_is_issued_before_the_last_bucket_is_waited_for() -> None:
@@ -67,7 +79,17 @@ def test_the_round_is_issued_before_the_last_bucket_is_waited_for() -> None:
         # last bucket lands, after every other one has
         assert events[-2:] == [("round", -1), ("finish", last)]
         assert [i for _, i in events[:-2]] == list(range(last))
-    # at W = 2 every sign piece gathers codes: its agreement is complete on each rank (not
-    # all-reduced) and a proper mean agreement in [0, 1]
+    # at W = 2 every sign piece gathers codes: its agreement is complete on each rank, counted
+    # once per element and rank (agree_n = W x elements, the same on both ranks) and not in
+    # the all-reduced vector (summed there it would count twice)
+    def sums(r: dict) -> list[dict]:  # (the vector's norms are each rank's own before the sum)
+        return [{k: v for k, v in w.items() if k != "reduced"} for w in r["whole"]]
+
+    assert sums(a) == sums(b) and len(a["whole"]) == 3
+    (scope,) = a["scopes"]
+    for whole in a["whole"]:
+        assert whole[f"agree_n:{scope}"] == 2 * a["numel"]
+        norm2, agree_sum, agree_n = whole["reduced"][:3]  # the scope's row of the vector
+        assert norm2 > 0 and agree_sum == agree_n == 0.0
     for agreement in a["agreement"]:
         assert agreement and all(0.0 <= v <= 1.0 for v in agreement.values())
