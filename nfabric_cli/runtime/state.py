@@ -37,6 +37,7 @@ from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor
 from nfabric_cli.runtime.inject import Injection, apply_injection
 from nfabric_cli.runtime.probe import FP32 as FP32_PATH
+from nfabric_cli.runtime.probe import LOWBIT as LOWBIT_PATH
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
 
@@ -91,6 +92,9 @@ class FabricState:
             if direct_fp32 and trace is None
             and all(b.routes[p.name].name == "fp32" for b in bindings.params.values())
         }
+        # phases with a low-bit route somewhere: the only ones the measured gate probes
+        self._lowbit_phases = {p.name for p in bindings.phases
+                               if any(b.routes[p.name].lowbit for b in bindings.params.values())}
         self._loss: torch.Tensor | float | None = None
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
@@ -251,6 +255,8 @@ class FabricState:
         self._timing, self._period_start = None, now
         if phase in self._fp32_phases:
             return FP32_PATH
+        if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
+            return LOWBIT_PATH
         due = probe.due(phase)
         if due is not None:
             medians = torch.tensor(due, dtype=torch.float64, device=self.device)
