@@ -43,12 +43,38 @@ def _spec(tmp_path: Path, **top) -> Path:
     return path
 
 
-def _worker(tmp_path: Path, url: str, *extra: str, name: str = "shared") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "nfabric_cli", "calibrate", TINY, "--spec",
-           str(tmp_path / "spec.toml"), "--storage", url, "--study", name, "--out",
-           str(tmp_path / "out"), "--processes", "1", *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **FAST}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+#: Runs `python -m nfabric_cli ARGS` with a start barrier: a worker's first `Study.ask` waits
+#: (up to 60 s) until both workers have reached theirs. Without it, on a loaded machine the
+#: worker that finished importing first could take every trial of the tiny study before the
+#: other asked for one, and "both took trials" failed on timing alone.
+_BARRIER = """
+import os, runpy, sys, time
+import optuna
+folder = sys.argv.pop(1)
+ask, waited = optuna.study.Study.ask, []
+def ask_once_both_are_ready(self, *args, **kwargs):
+    if not waited:
+        waited.append(True)
+        open(os.path.join(folder, f"ready-{os.getpid()}"), "w").close()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return ask(self, *args, **kwargs)
+optuna.study.Study.ask = ask_once_both_are_ready
+sys.argv[0] = "nfabric"
+runpy.run_module("nfabric_cli", run_name="__main__")
+"""
+
+
+def _worker(tmp_path: Path, url: str, *extra: str, name: str = "shared",
+            barrier: Path | None = None) -> subprocess.Popen:
+    """`nfabric calibrate` on the shared study; with `barrier`, behind `_BARRIER`."""
+    args = ["calibrate", TINY, "--spec", str(tmp_path / "spec.toml"), "--storage", url,
+            "--study", name, "--out", str(tmp_path / "out"), "--processes", "1", *extra]
+    run = ["-m", "nfabric_cli"] if barrier is None else ["-c", _BARRIER, str(barrier)]
+    return subprocess.Popen([sys.executable, *run, *args], cwd=ROOT, env={**os.environ, **FAST},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
@@ -106,9 +132,13 @@ def _check_shared_study(tmp_path: Path, url: str, logs: str) -> optuna.Study:
     return study
 
 
+
+
 def _two_workers(tmp_path: Path, url: str) -> None:
     _spec(tmp_path)
-    procs = [_worker(tmp_path, url) for _ in range(2)]
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [_worker(tmp_path, url, barrier=barrier) for _ in range(2)]
     results = [_finish(p) for p in procs]
     logs = "\n".join(f"--- worker {i}: rc {rc}\n{out}\n{err}"
                      for i, (rc, out, err) in enumerate(results))
