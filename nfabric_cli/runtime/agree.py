@@ -3,7 +3,7 @@ every rank shares.
 
 The step's statistics stay tensors on the buckets' device until the step ends: each bucket's
 gradient norms (before the reduce) and update norms (after it), the sign routes' vote
-margins, the observed loss. `agree_step` packs them into one float64 vector, on the device:
+margins, the observed loss. `StatsRound` packs them into one float64 vector, on the device:
 whether anything was not finite, the ranks' losses (count and sum: a rank that did not
 `observe` a loss does not count), per scope the squared gradient norm and the agreement sums,
 and each low-bit bucket's reduce time (summed, so the gate judges the ranks' mean). That vector
@@ -104,17 +104,6 @@ class StatsRound:
             update_norms=dict(zip([name for names, _ in updates for name in names],
                                   v[n:], strict=True)),
         )
-
-
-def agree_step(comm: Comm, scopes: list[str], norms: Sequence[Named],
-               loss: torch.Tensor | float | None,
-               acc: dict[str, torch.Tensor | float], bucket_seconds: list[float],
-               updates: Sequence[Named], device: torch.device) -> Agreed:
-    """All-reduce this rank's statistics once and read them back once (`StatsRound` issued
-    and read at once). `norms`: per bucket, its parameters' scopes and local gradient norms;
-    `acc`: "agree_sum:<scope>" / "agree_n:<scope>" sums (tensors or floats); `updates`: per
-    bucket, the reduced update's norms (identical on every rank)."""
-    return StatsRound(comm, scopes, norms, loss, acc, bucket_seconds, device).result(updates)
 
 
 def _pack(scopes: list[str], norms: Sequence[Named], loss: torch.Tensor | float | None,

@@ -129,9 +129,9 @@ class HealthMonitor:
         self._holds: dict[str, _Hold] = {s: _Hold() for s in [ALL, *scopes]}
         w = self.thresholds.window
         self._loss_window: deque[float] = deque(maxlen=w)
-        self._early: list[float] = []  # the run's first `window` healthy losses (the floor's)
         self._norm_windows: dict[str, deque[float]] = {s: deque(maxlen=w) for s in scopes}
-        self._early_norms: dict[str, list[float]] = {s: [] for s in scopes}  # the floor's
+        # the floors': the run's first `window` healthy losses (under "all") and norms per scope
+        self._early: dict[str, list[float]] = {s: [] for s in [ALL, *scopes]}
         self._events: list[HealthEvent] = []
         #: (step, scope, reason) of every trip signal judged, acted on or not (a scope on fp32,
         #: one already held): what the detectors saw, e.g. their false-trip rate on fp32 runs
@@ -207,16 +207,23 @@ class HealthMonitor:
         if not nonfinite_reason:
             whole = self._holds[ALL].status == "ok"
             if stats.loss is not None and whole:
-                self._loss_window.append(float(stats.loss))
-                if len(self._early) < self.thresholds.window:
-                    self._early.append(float(stats.loss))
+                self._healthy(ALL, float(stats.loss), self._loss_window)
             for scope, norm in stats.grad_norms.items():
                 if whole and self._holds[scope].status == "ok":
-                    self._norm_windows[scope].append(float(norm))
-                    if len(self._early_norms[scope]) < self.thresholds.window:
-                        self._early_norms[scope].append(float(norm))
+                    self._healthy(scope, float(norm), self._norm_windows[scope])
         self._events.extend(events)
         return events
+
+    def _healthy(self, key: str, value: float, window: deque[float]) -> None:
+        """A healthy value joins its window, and the early values while there are fewer than
+        `window` of them."""
+        window.append(value)
+        if len(self._early[key]) < self.thresholds.window:
+            self._early[key].append(value)
+
+    def _floor(self, key: str, factor: float) -> float:
+        """`factor` times the median of the early values under `key`."""
+        return factor * statistics.median(self._early[key])
 
     def _detect(self, step: int, scope: str, verdict: str, reason: str) -> None:
         if verdict == _TRIP:
@@ -230,7 +237,7 @@ class HealthMonitor:
         t = self.thresholds
         if ratio > t.loss_spike:
             z = _robust_z(float(stats.loss), self._loss_window)
-            floor = t.loss_spike_floor * statistics.median(self._early)
+            floor = self._floor(ALL, t.loss_spike_floor)
             if z > t.loss_spike_z and float(stats.loss) > floor:
                 spread = f" ({z:.0f} robust sd)" if math.isfinite(z) else ""
                 return _TRIP, f"loss spike {ratio:.1f}x median{spread}"
@@ -246,7 +253,7 @@ class HealthMonitor:
             if ratio is None:
                 verdicts.append((_HEALTHY, ""))
             elif ratio > t.grad_blowup:
-                floor = t.grad_blowup_floor * statistics.median(self._early_norms[scope])
+                floor = self._floor(scope, t.grad_blowup_floor)
                 blowup = (_TRIP, f"grad-norm blow-up {ratio:.1f}x median")
                 verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
             elif ratio < t.grad_collapse:
@@ -346,9 +353,9 @@ class HealthMonitor:
             "routes": dict(self._routes),
             "holds": {s: asdict(h) for s, h in self._holds.items()},
             "loss_window": list(self._loss_window),
-            "early_losses": list(self._early),
+            "early_losses": list(self._early[ALL]),
             "norm_windows": {s: list(w) for s, w in self._norm_windows.items()},
-            "early_norms": {s: list(v) for s, v in self._early_norms.items()},
+            "early_norms": {s: list(self._early[s]) for s in self._scopes},
             "events": [e.to_dict() for e in self._events],
             "phase": self._phase,
             "last_step": self._last_step,
@@ -363,12 +370,12 @@ class HealthMonitor:
         self._loss_window.clear()
         self._loss_window.extend(state["loss_window"])
         # a state saved before the floor existed: its window stands in for the early losses
-        self._early = list(state.get("early_losses", state["loss_window"]))
+        self._early = {ALL: list(state.get("early_losses", state["loss_window"]))}
         for s, values in state["norm_windows"].items():
             self._norm_windows[s].clear()
             self._norm_windows[s].extend(values)
-        self._early_norms = {s: list(v) for s, v in
-                             state.get("early_norms", state["norm_windows"]).items()}
+        self._early.update({s: list(v) for s, v in
+                            state.get("early_norms", state["norm_windows"]).items()})
         self._events = [HealthEvent(e["step"], e["scope"], e["from"], e["to"], e["reason"])
                         for e in state["events"]]
         self._phase, self._last_step = state["phase"], state["last_step"]

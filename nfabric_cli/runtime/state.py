@@ -42,6 +42,13 @@ from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
 
 
+def _agreement(step_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """"agree_sum:<scope>" / "agree_n:<scope>" of each region's sums, as `StatsRound` takes
+    them."""
+    return {f"{k}:{region}": st[k] for region, st in step_stats.items()
+            for k in ("agree_sum", "agree_n") if k in st}
+
+
 def _full(dtype: torch.dtype):  # noqa: ANN202
     """The full-precision route for a bucket of `dtype` (its own dtype on the wire)."""
     return make_route(FP32, dtype)
@@ -106,8 +113,6 @@ class FabricState:
         # low-bit buckets' reduce times, agreed in the next statistics round that starts
         # after they land (the step's last bucket: the next step's), for the model gate
         self._bucket_times: list[tuple[tuple, float]] = []
-        self._round: StatsRound | None = None
-        self._round_times: list[tuple[tuple, float]] = []  # the times `_round` carries
         self._step_started: float | None = None
         # the measured gate (`probe.py`): the last step's first bucket, and (phase, path) when
         # its period is being timed
@@ -333,9 +338,9 @@ class FabricState:
         job.middle()
         if is_last:
             self._inflight = None
-            self._start_round()  # on the wire while the last bucket's all-gather is
+            stats, timed = self._start_round()  # on the wire with the last bucket's all-gather
             self._land(job)
-            self._finish_step(step)
+            self._finish_step(step, stats, timed)
 
     def _land(self, job: BucketJob) -> None:
         """Finish a bucket's reduction and record what the step's end needs of it."""
@@ -355,30 +360,27 @@ class FabricState:
         return self._step_stats.setdefault(region, {})
 
     # -- per step ------------------------------------------------------------------------------
-    def _start_round(self) -> None:
+    def _start_round(self) -> tuple[StatsRound, list[tuple[tuple, float]]]:
         """Issue the step's statistics all-reduce once everything it sums exists: the loss,
         the gradient norms (taken before encoding), the agreement sums of sharded reduces
         (combined in each bucket's middle stage). The sums of pieces combined whole on every
         rank are complete already (`exchange.WHOLE`) and wait for the result; so do the update
         norms. The collective order stays the same on every rank: every rank issues it at the
-        same point of the same bucket."""
+        same point of the same bucket. Returns the round and the (bucket, seconds) it carries."""
         with self._lock:
             loss, self._loss = self._loss, None
-        acc = {f"{k}:{region}": st[k] for region, st in self._step_stats.items()
-               for k in ("agree_sum", "agree_n") if k in st}
-        self._round_times, self._bucket_times = self._bucket_times, []
-        self._round = StatsRound(self.comm, self._scopes, self._grad_norms, loss, acc,
-                                 [t for _, t in self._round_times], self.device)
+        timed, self._bucket_times = self._bucket_times, []
+        stats = StatsRound(self.comm, self._scopes, self._grad_norms, loss,
+                           _agreement(self._step_stats), [t for _, t in timed], self.device)
+        return stats, timed
 
-    def _finish_step(self, step: int) -> None:
-        whole = {f"{k}:{region}": st[WHOLE][k] for region, st in self._step_stats.items()
-                 if WHOLE in st for k in ("agree_sum", "agree_n") if k in st[WHOLE]}
-        agreed = self._round.result(self._update_norms, whole)
-        self._round = None
+    def _finish_step(self, step: int, stats: StatsRound, timed: list[tuple[tuple, float]]) -> None:
+        whole = _agreement({r: st[WHOLE] for r, st in self._step_stats.items() if WHOLE in st})
+        agreed = stats.result(self._update_norms, whole)
         self.meter.add(step, self.phase.name, "control", self.comm.take())
         decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
                                           agreed.agreement, agreed.update_norms)
-        for (key, _), seconds in zip(self._round_times, agreed.bucket_seconds, strict=True):
+        for (key, _), seconds in zip(timed, agreed.bucket_seconds, strict=True):
             reason = self.gate.observe(key, seconds)
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
@@ -392,7 +394,7 @@ class FabricState:
                     if factor is not None:
                         g.mul_(factor)
         pending, self._pending = self._pending, []
-        self._step_stats, self._round_times = {}, []
+        self._step_stats = {}
         self._lowbit_keys[self.phase.name], self._step_keys = self._step_keys, []
         self._grad_norms, self._update_norms = [], []
         self._advance(step)
