@@ -11,7 +11,9 @@ Each scope (a profile region) and the special scope ``"all"`` run one small stat
                     +------ a real trip during probation (counted) --+
     any state --`max_trips` trips in the phase--> pinned --next phase--> ok
 
-Trips: non-finite gradients or loss and loss spikes (above `loss_spike` times the median *and*
+Non-finite steps: the caller zeroes every one; `nonfinite_repeat` of them within `window` steps
+trip ``"all"`` (fewer only keep a scope in probation from counting the step as healthy).
+Trips: repeated non-finite steps and loss spikes (above `loss_spike` times the median *and*
 `loss_spike_z` robust standard deviations above it *and* `loss_spike_floor` times the run's
 early loss, so the noise of small-batch losses near zero does not count) trip ``"all"``
 (every scope on FP32);
@@ -136,6 +138,7 @@ class HealthMonitor:
         #: (step, scope, reason) of every trip signal judged, acted on or not (a scope on fp32,
         #: one already held): what the detectors saw, e.g. their false-trip rate on fp32 runs
         self.detections: list[tuple[int, str, str]] = []
+        self._nonfinite: list[int] = []  # steps of the non-finite checks within `window`
         self._phase: str | None = None
         self._last_step: int | None = None
 
@@ -190,7 +193,10 @@ class HealthMonitor:
 
         nonfinite_reason = _nonfinite_reason(stats)
         events: list[HealthEvent] = []
-        verdict, reason = (_TRIP, nonfinite_reason) if nonfinite_reason else self._judge_all(stats)
+        if nonfinite_reason:
+            verdict, reason = self._judge_nonfinite(stats.step, nonfinite_reason)
+        else:
+            verdict, reason = self._judge_all(stats)
         self._detect(stats.step, ALL, verdict, reason)
         events += self._advance(ALL, verdict, reason, stats.step)
         for scope in self._scopes:
@@ -228,6 +234,16 @@ class HealthMonitor:
     def _detect(self, step: int, scope: str, verdict: str, reason: str) -> None:
         if verdict == _TRIP:
             self.detections.append((step, scope, reason))
+
+    def _judge_nonfinite(self, step: int, reason: str) -> tuple[str, str]:
+        """A trip once `nonfinite_repeat` non-finite steps fall within `window` steps; a lone
+        one is unhealthy only (the caller zeroes its update either way)."""
+        t = self.thresholds
+        self._nonfinite = [s for s in self._nonfinite if s > step - t.window] + [step]
+        n = len(self._nonfinite)
+        if n < t.nonfinite_repeat:
+            return _UNHEALTHY, ""
+        return _TRIP, reason if t.nonfinite_repeat == 1 else f"{reason} ({n} in {t.window} steps)"
 
     def _judge_all(self, stats: StepStats) -> tuple[str, str]:
         """Loss against its windowed median (a finite step without a loss is healthy)."""
@@ -357,6 +373,7 @@ class HealthMonitor:
             "norm_windows": {s: list(w) for s, w in self._norm_windows.items()},
             "early_norms": {s: list(self._early[s]) for s in self._scopes},
             "events": [e.to_dict() for e in self._events],
+            "nonfinite_steps": list(self._nonfinite),
             "phase": self._phase,
             "last_step": self._last_step,
         }
@@ -378,6 +395,7 @@ class HealthMonitor:
                             state.get("early_norms", state["norm_windows"]).items()})
         self._events = [HealthEvent(e["step"], e["scope"], e["from"], e["to"], e["reason"])
                         for e in state["events"]]
+        self._nonfinite = list(state.get("nonfinite_steps", []))
         self._phase, self._last_step = state["phase"], state["last_step"]
 
     def state(self) -> dict[str, Any]:

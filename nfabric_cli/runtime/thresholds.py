@@ -13,7 +13,8 @@ from typing import Any
 
 from nfabric_cli.errors import InputError
 
-_INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips")
+_INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips",
+               "nonfinite_repeat")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,12 @@ class HealthThresholds:
     healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
     max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
     update_cap: float = 2.0  # a held scope's update norm <= update_cap * its healthy median (0: off)
+    # Non-finite steps within `window` steps that trip "all" to fp32; fewer are only skipped
+    # (zeroed on every rank, as AMP's GradScaler skips an overflowing step). A lone NaN says
+    # nothing about the routes (they never encode one), and falling back for it cost up to
+    # 0.8 points against the same run without the monitor (bench/robustness.py); a repeat
+    # may be a route's doing, so it falls back. 1: every non-finite step trips.
+    nonfinite_repeat: int = 2
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -76,6 +83,7 @@ class HealthThresholds:
             ("healthy_to_readmit", self.healthy_to_readmit >= 1, ">= 1"),
             ("max_trips", self.max_trips >= 1, ">= 1"),
             ("update_cap", self.update_cap >= 0, ">= 0 (0 turns the update guard off)"),
+            ("nonfinite_repeat", self.nonfinite_repeat >= 1, ">= 1"),
         ]
         for name, ok, requirement in rules:
             if not ok:

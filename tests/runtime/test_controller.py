@@ -108,8 +108,11 @@ def test_a_nonfinite_step_is_skipped_and_its_update_is_not_recorded():
     for u in [1.0] * 5:
         step(c, 1.0, 1.0, u)
     d = step(c, math.nan, math.nan, math.nan, nonfinite=True)
-    assert d.skip and c.skipped_steps == [5]
-    assert [e["to"] for e in log[-2:]] == ["fp32", "skipped"]
+    assert d.skip and d.scales == {} and c.skipped_steps == [5]
+    assert [e["to"] for e in log] == ["skipped"]  # a lone one: no fallback
+    d = step(c, 1.0, 1.0, math.nan, nonfinite=True)  # the repeat falls back, and is skipped
+    assert d.skip and c.skipped_steps == [5, 6]
+    assert [e["to"] for e in log] == ["skipped", "fp32", "skipped"]
     assert c.guard.state_dict()["windows"]["*"] == [1.0] * 5
 
 

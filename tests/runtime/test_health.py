@@ -139,11 +139,10 @@ def test_phase_change_resets_trip_counts_but_keeps_a_running_hold():
 def test_nonfinite_step_resets_a_scopes_healthy_run():
     m = make_monitor()
     feed(m, [1, 1, 1, 20, 1, 1, 1])  # trip at 3; cooldown 4-5; step 6 healthy (run 1)
-    m.check(StepStats(7, 1.0, True, {"a": 1.0, "b": 1.0}))
+    m.check(StepStats(7, 1.0, True, {"a": 1.0, "b": 1.0}))  # a lone one: "all" does not trip
     feed(m, [1] * 5, start=8)
-    assert [(e.step, e.scope, e.to_route) for e in m.events] == [
-        (3, "a", "fp32"), (7, "all", "fp32"), (9, "a", "sign"), (11, "all", "int8+sign"),
-    ]
+    # step 7 is not healthy: a's run restarts at 8 and it is re-admitted at 9, not at 8
+    assert [(e.step, e.scope, e.to_route) for e in m.events] == [(3, "a", "fp32"), (9, "a", "sign")]
 
 
 def test_pin_from_ok_is_one_event_with_the_pin_reason():
@@ -154,18 +153,40 @@ def test_pin_from_ok_is_one_event_with_the_pin_reason():
     ]
 
 
-def test_nan_trips_all_with_one_event_and_loss_spike_too():
-    m = make_monitor()
+def test_a_lone_nonfinite_step_is_not_a_trip_a_repeat_within_the_window_is():
+    m = make_monitor()  # window 5, nonfinite_repeat 2
+    assert m.check(StepStats(0, 1.0, True, {"a": 1.0, "b": 1.0})) == []
+    assert not m.forced_fp32("a") and m.detections == []
+    m.check(StepStats(1, 1.0, False, {"a": 1.0, "b": 1.0}))
+    # the count is part of the state: a resumed monitor trips on the repeat as this one would
+    again = make_monitor()
+    again.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    assert again.state_dict() == m.state_dict()
+    for mon in (m, again):
+        events = mon.check(StepStats(4, math.nan, False, {"a": 1.0}))
+        assert as_tuples(events) == [(4, "all", "int8+sign", "fp32", "nonfinite loss (2 in 5 steps)")]
+        assert mon.effective_route("a") == mon.effective_route("b") == "fp32"
+        assert mon.forced_fp32("all") and mon.state()["scopes"]["a"]["status"] == "ok"
+
+    m = make_monitor()  # 0 and 5 are not within 5 steps of each other
+    assert m.check(StepStats(0, 1.0, True, {"a": 1.0})) == []
+    assert m.check(StepStats(5, 1.0, False, {"a": math.inf})) == []
+    assert as_tuples(m.check(StepStats(6, 1.0, True, {}))) == [
+        (6, "all", "int8+sign", "fp32", "nonfinite gradient (2 in 5 steps)")]
+
+
+def test_nonfinite_repeat_1_trips_all_at_once_and_loss_spike_too():
+    m = make_monitor(nonfinite_repeat=1)
     events = m.check(StepStats(0, 1.0, True, {"a": 1.0, "b": 1.0}))
     assert as_tuples(events) == [(0, "all", "int8+sign", "fp32", "nonfinite gradient")]
     assert m.effective_route("a") == m.effective_route("b") == "fp32"
     assert m.forced_fp32("all") and m.state()["scopes"]["a"]["status"] == "ok"
 
-    m = make_monitor()
+    m = make_monitor(nonfinite_repeat=1)
     assert as_tuples(m.check(StepStats(0, math.nan, False, {"a": 1.0}))) == [
         (0, "all", "int8+sign", "fp32", "nonfinite loss")
     ]
-    m = make_monitor()  # an inf norm is non-finite even if the caller's flag says otherwise
+    m = make_monitor(nonfinite_repeat=1)  # an inf norm is non-finite whatever the flag says
     assert m.check(StepStats(0, 1.0, False, {"a": math.inf}))[0].reason == "nonfinite gradient"
 
     m = make_monitor({"a": "sign", "b": "fp32"})
@@ -248,11 +269,11 @@ def test_nonfinite_step_values_never_enter_the_windows():
         m.check(StepStats(step, 1e-6, True, {"a": 1e6, "b": 1.0}))  # medians would move
     for step in range(6, 12):
         m.check(StepStats(step, 1.0, False, {"a": 1.0, "b": 1.0}))
-    # "all": tripped at 3, re-signalled at 4 and 5 (hold to 7), healthy 8 and 9 -> re-admitted 9.
-    # With the flagged values in the windows, loss 1.0 would be a 1e6x spike and a=1.0 a
-    # 1e-6x collapse.
+    # "all": a lone one at 3, tripped by the repeat at 4, re-signalled at 5 (hold to 7),
+    # healthy 8 and 9 -> re-admitted 9. With the flagged values in the windows, loss 1.0
+    # would be a 1e6x spike and a=1.0 a 1e-6x collapse.
     assert as_tuples(m.events) == [
-        (3, "all", "int8+sign", "fp32", "nonfinite gradient"),
+        (4, "all", "int8+sign", "fp32", "nonfinite gradient (2 in 5 steps)"),
         (9, "all", "fp32", "int8+sign", "re-admitted after 2 healthy checks"),
     ]
     assert m.state()["scopes"]["all"]["trips"] == 1
@@ -266,7 +287,7 @@ def random_run(seed: int, reverse_dicts: bool) -> HealthMonitor:
         if rng.random() < 0.05:
             norms["a"] *= 50
         loss = 1.0 + 0.1 * rng.random() + (5.0 if rng.random() < 0.03 else 0.0)
-        nonfinite = rng.random() < 0.02
+        nonfinite = rng.random() < 0.06  # lone ones and repeats within the window
         sign = {"a": rng.random() * 0.2}
         if step == 120:
             m.set_routes({"a": "ternary"})
@@ -319,6 +340,8 @@ def test_thresholds_round_trip_and_validation():
         ({"grad_blowup": math.nan}, "grad_blowup must be a finite number"),
         ({"cooldown": -1}, "cooldown must be >= 0"),
         ({"healthy_to_readmit": 0}, "healthy_to_readmit must be >= 1"),
+        ({"nonfinite_repeat": 0}, "nonfinite_repeat must be >= 1"),
+        ({"nonfinite_repeat": 2.0}, "nonfinite_repeat must be an integer"),
     ]
     for values, message in bad:
         with pytest.raises(InputError, match=message):

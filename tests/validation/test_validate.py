@@ -58,7 +58,7 @@ def all_arms(prof, tmp_path_factory):
     report = tmp_path_factory.mktemp("all") / "report"
     r = nfabric(
         "validate", prof, "--workload", TINY, "--steps", STEPS, "--baselines", "fp16,powersgd",
-        "--inject", "nan@3:1", "--report", report, "--record-trace", report.parent / "trace",
+        "--inject", "nan@2:0,nan@3:1", "--report", report, "--record-trace", report.parent / "trace",
         "--json",
     )  # fmt: skip
     return r, report
@@ -134,20 +134,22 @@ def test_bytes_per_arm_are_exact(all_arms):
     assert first.nunique() == rest.nunique() == 1 and rest.iloc[0] - first.iloc[0] == 16
     assert 0 < first.iloc[0] - modelled < 256
     static = static["bytes"]
-    # profile: low-bit until the NaN at step 3 trips the monitor, fp32 (+ control) after it
+    # profile: low-bit until the second NaN (step 3) trips the monitor, fp32 (+ control) after
     profile = frame[(frame.arm == "profile") & (frame["rank"] == 0)]["bytes"].tolist()
     assert all(static.iloc[0] < b < 0.2 * fp32 for b in profile[:4])
     assert all(fp32 < b < fp32 + 256 for b in profile[4:])
 
 
-def test_injected_nan_falls_back_at_that_step(all_arms):
+def test_injected_nans_are_skipped_and_the_repeat_falls_back(all_arms):
     _, report = all_arms
     s = summary(report)
     assert s["arms"]["profile"]["fallbacks"] == 1
     assert s["arms"]["fp32"]["fallbacks"] == s["arms"]["fp16"]["fallbacks"] == 0
     hits = {(e["step"], e["rank"], e["to"]) for e in s["events"]}
-    assert {(3, 0, "fp32"), (3, 1, "fp32"), (3, 0, "skipped"), (3, 1, "skipped")} <= hits
-    assert all(e["step"] >= 3 for e in s["events"])
+    assert {(3, 0, "fp32"), (3, 1, "fp32"), (2, 0, "skipped"), (2, 1, "skipped"),
+            (3, 0, "skipped"), (3, 1, "skipped")} <= hits
+    assert not {(2, 0, "fp32"), (2, 1, "fp32")} & hits  # a lone NaN is only neutralised
+    assert all(e["step"] >= 2 for e in s["events"])
 
 
 def test_dead_rank_fails_fast_and_names_rank_and_step(prof, tmp_path):
