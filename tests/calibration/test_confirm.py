@@ -4,6 +4,7 @@ where it was proven."""
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -92,6 +93,25 @@ def test_the_winner_is_the_cheapest_candidate_that_holds_on_every_cell() -> None
     study.set_user_attr(cell_job("mid", (1, 40)), {"metric": 0.8, "traffic_fraction": 0.1})
     assert robust_winner(study, spec, True, ref) is None
     assert not pending(study, spec, True, ref)
+
+
+def test_a_boundary_between_phases_that_route_alike_does_not_make_another_candidate() -> None:
+    spec = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "candidates": 3})
+
+    def key(boundary: float, warmup: str = "sign") -> str:
+        return json.dumps({"boundaries": [boundary], "ef": False, "tau": None,
+                           "routes": [[warmup, "int8"], ["sign", "int8"]]}, sort_keys=True)
+
+    study = _study(spec, {
+        key(0.05): {"traffic": 0.05, "degr": 0.01},
+        key(0.16): {"traffic": 0.05, "degr": 0.01},  # the same training: not a candidate
+        key(0.2): {"traffic": 0.05, "degr": 0.02},  # routes alike, another result: one
+        key(0.05, "int8"): {"traffic": 0.06, "degr": 0.01},
+        key(0.16, "int8"): {"traffic": 0.06, "degr": 0.01},  # phases differ: the boundary counts
+    })
+    assert [t.user_attrs["key"] for t in candidates(study, spec)] == [
+        key(0.05), key(0.2), key(0.05, "int8")]
 
 
 def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_proven(
