@@ -168,6 +168,8 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
         meta["substrate"] = spec.substrate
     if winner is not None:
         meta["proven"] = _proven(run, winner, confirmation)
+    elif confirmation is not None:  # nothing held: the profile is the reference, all fp32
+        meta["proven"] = {"fp32": True}
     profile = config_profile(spec, config, meta, row_evidence(run, config, winner))
     return Outcome(profile, None, None, len(finished), pruned, best, pareto, spent, run.new_trials,
                    pending=waiting)

@@ -4,7 +4,8 @@
 winner was shown within tolerance on (the search's own run and every confirmation cell,
 `calibration/choice.py`). A profile calibrated before that record existed was proven on its
 provenance's one seed at its budget's one length. A hand-written profile (`profile init`) has
-neither, and nothing is compared.
+neither, and nothing is compared; nor has a calibrated profile that is all fp32 because no
+low-bit candidate held (``{"fp32": true}``: it is the reference, there is nothing to prove).
 
 Outside that range a profile may still be right, but nothing measured says so: `validate`
 reports it beside its verdict and `attach` warns, so the user knows which claims were tested.
@@ -37,6 +38,8 @@ class ProvenRange:
 def proven_range(meta: dict[str, Any]) -> ProvenRange | None:
     """The range a profile's metadata records, or None when it records none."""
     proven = meta.get("proven")
+    if isinstance(proven, dict) and proven.get("fp32"):
+        return None
     if isinstance(proven, dict) and proven.get("seeds") and proven.get("steps"):
         return ProvenRange(tuple(int(s) for s in proven["seeds"]),
                            tuple(int(n) for n in proven["steps"]),

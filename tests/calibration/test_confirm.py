@@ -176,6 +176,9 @@ def test_profiles_from_before_confirmation_were_proven_on_their_one_seed_and_len
     assert outside_proven(meta, seeds=[0], steps=150, world_size=4) == []
     # hand-written profiles record no range: nothing to compare
     assert outside_proven({"provenance": {"source": "profile init"}}, seeds=[3], steps=9) == []
+    # nor does a calibrated one that is all fp32 because no candidate held (the reference)
+    assert proven_range({**meta, "proven": {"fp32": True}}) is None
+    assert outside_proven({**meta, "proven": {"fp32": True}}, seeds=[3], steps=600) == []
 
 
 def test_the_bound_rule_asks_for_margin_the_worst_rule_does_not() -> None:
