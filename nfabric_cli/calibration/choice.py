@@ -22,13 +22,12 @@ This module only reads: results live in the study's user attributes under `cell_
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from nfabric_cli.calibration.space import Config, suggest
+from nfabric_cli.calibration.space import Config, routing_key, suggest
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.profile.target import degradation, prediction_bound, within_tolerance
 
@@ -65,19 +64,11 @@ def admissible(study: optuna.Study, tolerance: float) -> list[FrozenTrial]:
 
 
 def _same_training(t: FrozenTrial) -> tuple[str, float, float]:
-    """What makes two trials one candidate: the same key, less the phase boundaries when every
-    phase routes alike, and the same search result. Such a boundary only moves where the health
-    monitor resets its trip counts; TPE samples it anyway (glyphs: trials 5 and 10, boundaries
-    0.05 and 0.16, equal results), and both took a candidate's place in confirmation (three
-    runs that another configuration should have had)."""
-    key = t.user_attrs.get("key", str(t.number))
-    try:
-        parsed = json.loads(key)
-    except ValueError:
-        parsed = None
-    if isinstance(parsed, dict) and parsed.get("routes") and \
-            all(r == parsed["routes"][0] for r in parsed["routes"]):
-        key = json.dumps({**parsed, "boundaries": None}, sort_keys=True)
+    """What makes two trials one candidate: the same `routing_key` and the same search result.
+    TPE samples a boundary between phases that route alike anyway (glyphs: trials 5 and 10,
+    boundaries 0.05 and 0.16, equal results), and both took a candidate's place in
+    confirmation (three runs that another configuration should have had)."""
+    key = routing_key(t.user_attrs.get("key", str(t.number)))
     return key, t.user_attrs["traffic_fraction"], t.user_attrs["degradation"]
 
 

@@ -193,3 +193,16 @@ def config_profile(
                 traffic_fraction=ev.get("traffic_fraction"),
                 metric_delta=ev.get("metric_delta"), trials=ev.get("trials")))
     return OperatingProfile(rows, dict(meta or {})).validate()
+
+
+def routing_key(key: str) -> str:
+    """A `Config.key` less its phase boundaries when every phase routes alike (such a boundary
+    only moves where the health monitor resets its trip counts); any other string unchanged."""
+    try:
+        parsed = json.loads(key)
+    except ValueError:
+        return key
+    routes = parsed.get("routes") if isinstance(parsed, dict) else None
+    if not routes or any(r != routes[0] for r in routes):
+        return key
+    return json.dumps({**parsed, "boundaries": None}, sort_keys=True)

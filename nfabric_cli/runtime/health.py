@@ -200,7 +200,7 @@ class HealthMonitor:
         self._detect(stats.step, ALL, verdict, reason)
         events += self._advance(ALL, verdict, reason, stats.step)
         for scope in self._scopes:
-            if nonfinite_reason:  # not a healthy check for anyone; "all" carries the trip
+            if nonfinite_reason:  # not a healthy check for anyone; "all" carries any trip
                 verdict, reason = _UNHEALTHY, ""
             else:
                 verdict, reason = self._judge_scope(scope, stats)

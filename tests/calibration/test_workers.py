@@ -132,8 +132,6 @@ def _check_shared_study(tmp_path: Path, url: str, logs: str) -> optuna.Study:
     return study
 
 
-
-
 def _two_workers(tmp_path: Path, url: str) -> None:
     _spec(tmp_path)
     barrier = tmp_path / "barrier"
