@@ -3,6 +3,8 @@ cached on disk, and rebuilt when the cache is unreadable."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ import torch
 from nfabric_cli.errors import InputError
 from nfabric_cli.workloads import glyphs_data as g
 from nfabric_cli.workloads.registry import get_workload
+
+V1_DIGEST = "b42de8bca138c69a"  # version 1 (VERSION = 1, no extra copies), normalised
 
 
 @pytest.fixture()
@@ -27,12 +31,28 @@ def test_classes_and_split_by_font() -> None:
     data = get_workload("glyphs").data
     train_fonts, test_fonts = len(g.FONTS) - len(g.TEST_FONTS), len(g.TEST_FONTS)
     assert data.x_train.shape == (128 * train_fonts * g.TRAIN_COPIES, 1, g.SIZE, g.SIZE)
-    assert data.x_test.shape == (128 * test_fonts * g.TEST_COPIES, 1, g.SIZE, g.SIZE)
+    test_copies = g.TEST_COPIES + g.EXTRA_TEST_COPIES
+    assert data.x_test.shape == (128 * test_fonts * test_copies, 1, g.SIZE, g.SIZE)
     # every class equally often in both splits
     assert torch.bincount(data.y_train).tolist() == [train_fonts * g.TRAIN_COPIES] * 128
-    assert torch.bincount(data.y_test).tolist() == [test_fonts * g.TEST_COPIES] * 128
+    assert torch.bincount(data.y_test).tolist() == [test_fonts * test_copies] * 128
     assert abs(float(data.x_train.mean())) < 1e-3 and abs(float(data.x_train.std()) - 1) < 1e-3
     assert data.num_classes == 128 and len(data.fingerprint) == 64
+
+
+def test_version_1_images_are_kept() -> None:
+    """The extra test copies come last, from their own generator: the training images and
+    the first 1,024 test images are version 1's, so its figures can be re-scored. Pinned by
+    a digest of version 1's arrays (as built before the extra copies existed)."""
+    data = get_workload("glyphs").data
+    v1_test = 128 * len(g.TEST_FONTS) * g.TEST_COPIES
+    digest = hashlib.sha256()
+    for t in (data.x_train, data.y_train, data.x_test[:v1_test], data.y_test[:v1_test]):
+        digest.update(t.numpy().tobytes())
+    assert digest.hexdigest()[:16] == V1_DIGEST
+    # the extra copies are new images, not repeats of version 1's
+    extra = data.x_test[v1_test:].reshape(-1, g.SIZE * g.SIZE)
+    assert not any(torch.equal(extra[i], data.x_test[i].flatten()) for i in range(128))
 
 
 def test_every_font_draws_every_class() -> None:
