@@ -126,10 +126,14 @@ class StepController:
         else:
             held = []
         if nonfinite:
-            self.skipped_steps.append(step)
-            self.log({"step": step, "scope": "all", "from": "update", "to": "skipped",
-                      "reason": SKIP_REASON})
+            self.record_skip(step)
         return StepDecision(nonfinite, {h.scope: h.factor for h in held})
+
+    def record_skip(self, step: int) -> None:
+        """Step `step`'s update is neutralised on every rank (non-finite)."""
+        self.skipped_steps.append(step)
+        self.log({"step": step, "scope": "all", "from": "update", "to": "skipped",
+                  "reason": SKIP_REASON})
 
     def _guard(self, step: int, update_norms: Mapping[str, float], skipped: bool,
                scopes: frozenset[str]) -> list[Held]:

@@ -125,6 +125,9 @@ class FabricState:
         self._lowbit_keys: dict[str, list[tuple]] = {}
         self._step_keys: list[tuple] = []
         self._direct_step = False
+        # a gated-off step's buckets: (all-reduce future, buffer, DDP's future), completed
+        # together once the step is judged finite (`_neutralise_direct`)
+        self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future]] = []
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
 
     @classmethod
@@ -281,10 +284,12 @@ class FabricState:
         (`_gated_off`): plain DDP's path (`ddp_mean_`, then an all-reduce), on the calling
         thread.
 
-        Nothing can fall back (the monitor only acts on low-bit scopes) and fp32 carries a
-        NaN to every rank by itself, so there is no step decision to wait for: the bucket's
-        all-reduce overlaps backward exactly as in plain DDP. Phases change only between
-        steps, and the worker is idle in such a phase, so collective order stays identical.
+        In an all-fp32 phase nothing can fall back (the monitor only acts on low-bit scopes)
+        and the run is plain DDP's, NaN included. On a gated-off step of a low-bit phase a
+        non-finite step is still neutralised, as on the worker path (`_neutralise_direct`):
+        DDP's futures complete together after the last all-reduce, each all-reduce still
+        overlapping backward. Phases change only between steps, and the worker is idle on
+        these steps, so collective order stays identical.
         """
         step, phase = self.step, self.phase.name
         if self.injections:
@@ -294,11 +299,42 @@ class FabricState:
         self.meter.add(step, phase, "fp32", wb)
         self.meter.add_fp32_reference(step, wb, buffer.dtype)
         work = dist.all_reduce(buffer, group=self.comm.group, async_op=True)
+        guarded = self._direct_step and phase in self._lowbit_phases
         if is_last:
             with self._lock:
                 self._loss = None
             self._advance(step)
-        return work.get_future().then(lambda f: f.value()[0])
+        if not guarded:
+            return work.get_future().then(lambda f: f.value()[0])
+        fut: torch.futures.Future = torch.futures.Future()
+        self._direct_pending.append((work.get_future(), buffer, fut))
+        if is_last:
+            pending, self._direct_pending = self._direct_pending, []
+            torch.futures.collect_all([w for w, _, _ in pending]).then(
+                lambda done: self._neutralise_direct(step, done, pending))
+        return fut
+
+    def _neutralise_direct(self, step: int, done: torch.futures.Future,
+                           pending: list[tuple[Any, torch.Tensor, torch.futures.Future]]) -> None:
+        """A gated-off step of a low-bit phase (plain DDP's path, no statistics round): once
+        its last all-reduce lands, zero the whole step on every rank if any result is not
+        finite, as the worker path does. A sum carries a NaN or inf of any rank to every rank,
+        so the ranks agree without a collective; one host read per step. Nothing else of the
+        monitor runs on these steps (the gate chose plain DDP for them)."""
+        try:
+            for w in done.value():
+                w.value()  # a failed all-reduce raises here
+            bufs = [b for _, b, _ in pending]
+            if not bool(torch.stack([torch.isfinite(b).all() for b in bufs]).all()):
+                for b in bufs:
+                    b.zero_()
+                self.controller.record_skip(step)
+        except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
+            for _, _, f in pending:
+                f.set_exception(exc)
+            return
+        for _, b, f in pending:
+            f.set_result(b)
 
     # -- per bucket (worker thread) ----------------------------------------------------------
     def _effective(self, name: str) -> RouteSpec:

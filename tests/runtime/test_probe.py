@@ -10,8 +10,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
-from nfabric_cli.runtime.attach import attach
+from nfabric_cli.runtime.attach import attach, attach_with
 from nfabric_cli.runtime.gate import CapacityGate
+from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.probe import FP32, LOWBIT, MeasuredAdmission
 from tests.distutil import run_ranks
 from tests.runtime.models import make_model, train_steps
@@ -111,26 +112,33 @@ class _LowBitSlower(MeasuredAdmission):
         return super().decide(phase, lowbit_s + 1.0, fp32_s)
 
 
-def _measured_run(rank: int, world: int) -> dict:
+def _measured_run(rank: int, world: int, nan_at: int | None = None) -> dict:
     steps = 12
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.001)
     bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
                                bucket_cap_mb=None)
-    state = attach(ddp, bindings, total_steps=steps, gate="measure")
+    faults = () if nan_at is None else (Injection("nan", nan_at, 1),)
+    state = attach_with(ddp, bindings, total_steps=steps, gate="measure", injections=faults)
     state.gate.measured = _LowBitSlower(steps=2, recheck_every=100, warmup=1)
-    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, steps)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    weights = []
+    for step in range(steps):
+        train_steps(ddp, opt, state, rank, step, step + 1)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     state.close()
     frame = state.traffic_frame()
     return {"events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events
                        if e.get("from") == "probe"],
+            "skipped": state.skipped_steps, "weights": weights,
             "control_steps": sorted(set(frame[frame.route == "control"].step)),
             "sign_steps": sorted(set(frame[frame.route == "sign/sharded"].step))}
 
 
 def test_every_rank_decides_alike_and_an_fp32_step_is_plain_ddp() -> None:
     a, b = run_ranks(_measured_run, 2)
-    assert a == b
+    wa, wb = a.pop("weights"), b.pop("weights")
+    assert a == b and all(torch.equal(x, y) for x, y in zip(wa, wb, strict=True))
     # one decision, after the warm-up step and one pair: a second apart is decisive
     (event,) = a["events"]
     assert event["step"] == 3 and (event["scope"], event["to"]) == ("step", "fp32")
@@ -138,3 +146,18 @@ def test_every_rank_decides_alike_and_an_fp32_step_is_plain_ddp() -> None:
     # warm-up and the low-bit probes went through the worker (sign bytes, a statistics round);
     # the fp32 probes and every step after the decision went out as plain DDP: neither
     assert a["sign_steps"] == a["control_steps"] == [0, 1]
+
+
+def test_a_nan_on_a_plain_ddp_step_of_a_lowbit_phase_is_neutralised() -> None:
+    """The measured gate sends steps 2.. as plain DDP; rank 1's NaN at step 6 would poison
+    every rank's weights there. It is zeroed on both ranks instead (plain SGD: step 6 leaves
+    the weights as they were), with the same skip on both, and no statistics round added."""
+    a, b = run_ranks(_measured_run, 2, 6)
+    assert a["skipped"] == b["skipped"] == [6]
+    assert a["sign_steps"] == a["control_steps"] == [0, 1]
+    for wa, wb in zip(a["weights"], b["weights"], strict=True):
+        assert torch.isfinite(wa).all() and torch.equal(wa, wb)
+    assert torch.equal(a["weights"][6], a["weights"][5])
+    assert not torch.equal(a["weights"][7], a["weights"][6])  # training goes on after it
+    clean, _ = run_ranks(_measured_run, 2)
+    assert clean["skipped"] == [] and torch.equal(clean["weights"][5], a["weights"][5])
