@@ -27,6 +27,7 @@ LONG = [
     ("validation: step time behind shaped links vs PyTorch hooks (root)", [sys.executable, "-m", "bench.validate_link"]),
     ("capacity: cost-model error on shaped links, fit by replay (root)", [sys.executable, "-m", "bench.capacity_model_error"]),
     ("workloads: fp32 vs all-sign vs head-fp32 at 4 workers", [sys.executable, "-m", "bench.workload_sensitivity"]),
+    ("calibration: run-to-run noise, fp32 against itself in another summation order (glyphs, 5 seeds)", [sys.executable, "-m", "bench.noise_floor", "--tolerance", "0.02"]),
     ("health: monitor never worse than none, faults rescued, false trips (goal 0 / all / <= 1 %)", [sys.executable, "-m", "bench.robustness"]),
 ]
 
