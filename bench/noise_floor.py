@@ -26,10 +26,12 @@ difference and the standard deviation of the difference, against `--tolerance` w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,6 +52,24 @@ def nudge_one_ulp(model: torch.nn.Module) -> None:
         flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf, dtype=p.dtype))
 
 
+@contextlib.contextmanager
+def nudged_builds(workload: Any) -> Iterator[None]:
+    """Within the block, `workload.build_model` returns models nudged by `nudge_one_ulp`
+    (the simulator builds its ranks' models from it)."""
+    build = workload.build_model
+
+    def nudged(seed: int) -> torch.nn.Module:
+        model = build(seed)
+        nudge_one_ulp(model)
+        return model
+
+    workload.build_model = nudged
+    try:
+        yield
+    finally:
+        del workload.build_model  # the class's method again
+
+
 def layouts_differ(model: torch.nn.Module, cap_mb: float) -> bool:
     """Whether DDP's buckets under `cap_mb` differ from its default's (else `order` is a
     no-op for this model)."""
@@ -67,19 +87,8 @@ def run_seed(name: str, seed: int, steps: int, world: int, perturb: str, cap_mb:
     for arm in ("fp32", perturb):
         cap = cap_mb if arm == "order" else None
         b = compile_profile(profile, model, world_size=world, total_steps=steps, bucket_cap_mb=cap)
-        if arm == "ulp":
-            build = workload.build_model
-
-            def nudged(s: int, build: Any = build) -> torch.nn.Module:
-                m = build(s)
-                nudge_one_ulp(m)
-                return m
-
-            workload.build_model = nudged  # type: ignore[method-assign]
-        try:
+        with nudged_builds(workload) if arm == "ulp" else contextlib.nullcontext():
             res = simulate_run(workload, b, world, steps, seed, checkpoints=(steps,), monitor=False)
-        finally:
-            workload.__dict__.pop("build_model", None)
         runs[arm] = res.metric
     sign = 1.0 if workload.higher_is_better else -1.0
     return {"seed": seed, "fp32": runs["fp32"], perturb: runs[perturb],

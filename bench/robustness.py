@@ -18,21 +18,26 @@ Printed per cell: each arm's metric and traffic, profile - static and profile - 
 runs where the monitor made things worse than no monitor (more than 0.5 accuracy points or 0.01
 nats, clean and faulted pairs), faults rescued (static+fault outside the profile's tolerance of
 fp32, profile+fault inside), faults not rescued, and the passive false-trip rate of the fp32
-arms (goal <= 1 % of steps).
+arms (goal <= 1 % of steps). With `--noise`, each cell also trains fp32 from weights one ulp
+apart (`bench/noise_floor.py`): how far that ends from fp32 is the cell's run-to-run noise,
+and a worse pair is also counted as beyond that noise or not (any perturbation, a trip or a
+hold among them, moves a chaotic run that far).
 
     python -m bench.robustness [--workloads vision,transformer,lm] [--seeds 0,1,2]
-                               [--lengths 1,2,4] [--world-sizes 2,4] [--json]
+                               [--lengths 1,2,4] [--world-sizes 2,4] [--noise] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
 
 import torch
 
+from bench.noise_floor import nudged_builds
 from nfabric_cli.binding import compile_profile, on_route
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.profile.store import read_profile, resolve_profile
@@ -42,9 +47,12 @@ from nfabric_cli.workloads.registry import get_workload
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 #: Worse than no monitor: by more than this (accuracy points as fractions; nats for val_loss).
 WORSE = {True: 0.005, False: 0.01}
+#: `--noise`: fp32 trained from weights one ulp apart (`bench/noise_floor.py`); how far it ends
+#: from fp32 is the cell's run-to-run noise, which any perturbation (a trip, a hold) may cost
+NOISE = "fp32+ulp"
 
 
-def run_cell(name: str, seed: int, steps: int, world: int) -> dict:
+def run_cell(name: str, seed: int, steps: int, world: int, noise: bool = False) -> dict:
     workload = get_workload(name)
     profile = read_profile(resolve_profile(PROFILES / name))
     target = profile.meta["target"]
@@ -61,10 +69,13 @@ def run_cell(name: str, seed: int, steps: int, world: int) -> dict:
     cell: dict = {"workload": name, "seed": seed, "steps": steps, "world_size": world,
                   "higher_is_better": bool(target["higher_is_better"]),
                   "tolerance": float(target["tolerance"]), "arms": {}}
+    if noise:  # the cell's run-to-run noise: fp32 from weights one ulp apart
+        arms[NOISE] = (reference, False, ())
     for arm, (b, monitor, inj) in arms.items():
         t0 = time.perf_counter()
-        res = simulate_run(workload, b, world, steps, seed, checkpoints=(steps,),
-                           monitor=monitor, injections=inj)
+        with nudged_builds(workload) if arm == NOISE else contextlib.nullcontext():
+            res = simulate_run(workload, b, world, steps, seed, checkpoints=(steps,),
+                               monitor=monitor, injections=inj)
         trips = [e for e in res.events if e["to"] == "fp32"]
         cell["arms"][arm] = {
             "metric": res.metric, "traffic": res.traffic_fraction, "trips": len(trips),
@@ -84,10 +95,14 @@ def judge(cell: dict) -> dict:
     """The cell's verdicts: monitor worse than none (per pair), faults rescued or not."""
     m = {arm: v["metric"] for arm, v in cell["arms"].items()}
     worse = WORSE[cell["higher_is_better"]]
-    out = {"worse": [], "rescued": [], "not_rescued": []}
+    out = {"worse": [], "worse_beyond_noise": [], "rescued": [], "not_rescued": []}
+    noise = abs(m[NOISE] - m["fp32"]) if NOISE in m else None
     for suffix in ("", "+spike", "+nan"):
-        if better(cell, m["profile" + suffix], m["static" + suffix]) < -worse:
+        gap = better(cell, m["profile" + suffix], m["static" + suffix])
+        if gap < -worse:
             out["worse"].append("profile" + suffix)
+            if noise is not None and -gap > noise:
+                out["worse_beyond_noise"].append("profile" + suffix)
         if suffix:
             static_ok = better(cell, m["static" + suffix], m["fp32"]) >= -cell["tolerance"]
             profile_ok = better(cell, m["profile" + suffix], m["fp32"]) >= -cell["tolerance"]
@@ -106,7 +121,10 @@ def show(cell: dict) -> None:
     print(f"{'':11s} profile-static {better(cell, a['profile']['metric'], a['static']['metric']):+.4f}"
           f"  profile-fp32 {better(cell, a['profile']['metric'], a['fp32']['metric']):+.4f}"
           f"  (+ is better)  passive false trips {ft:.2%}"
+          + (f"  noise {abs(a[NOISE]['metric'] - a['fp32']['metric']):.4f}" if NOISE in a else "")
           + (f"  WORSE: {', '.join(v['worse'])}" if v["worse"] else "")
+          + (f" (beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'})"
+             if v["worse"] and NOISE in a else "")
           + (f"  rescued: {', '.join(v['rescued'])}" if v["rescued"] else "")
           + (f"  NOT rescued: {', '.join(v['not_rescued'])}" if v["not_rescued"] else ""),
           flush=True)
@@ -121,6 +139,8 @@ def summary(cells: list[dict]) -> dict:
         "cells": len(cells),
         "pairs": 3 * len(cells),
         "worse": sum(len(v["worse"]) for v in verdicts),
+        "worse_beyond_noise": (sum(len(v["worse_beyond_noise"]) for v in verdicts)
+                               if all(NOISE in c["arms"] for c in cells) else None),
         "faults": 2 * len(cells),
         "faults_needing_rescue": sum(len(v["rescued"]) + len(v["not_rescued"]) for v in verdicts),
         "rescued": sum(len(v["rescued"]) for v in verdicts),
@@ -135,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--lengths", default="1,2,4", help="multiples of the calibrated length")
     parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--noise", action="store_true",
+                        help="also run fp32 from weights one ulp apart: each cell's noise")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -144,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         for mult in (int(x) for x in args.lengths.split(",")):
             for world in (int(x) for x in args.world_sizes.split(",")):
                 for seed in (int(x) for x in args.seeds.split(",")):
-                    cell = run_cell(name, seed, base * mult, world)
+                    cell = run_cell(name, seed, base * mult, world, args.noise)
                     cells.append(cell)
                     if not args.json:
                         show(cell)
@@ -153,7 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"cells": cells, "summary": total}, indent=2))
     else:
         print(f"\nsummary over {total['cells']} cells: monitor worse than no monitor in "
-              f"{total['worse']} of {total['pairs']} paired runs (goal 0); faults rescued "
+              f"{total['worse']} of {total['pairs']} paired runs (goal 0"
+              + ("" if total["worse_beyond_noise"] is None else
+                 f"; {total['worse_beyond_noise']} beyond their cell's noise") + "); faults rescued "
               f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
               f"({total['faults']} injected); passive false trips {total['false_trip_rate']:.2%}"
               f" of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)")

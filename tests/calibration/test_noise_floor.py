@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from bench.noise_floor import layouts_differ, nudge_one_ulp, summarise
+from bench.noise_floor import layouts_differ, nudge_one_ulp, nudged_builds, summarise
 from nfabric_cli.workloads.registry import get_workload
 
 
@@ -34,3 +34,32 @@ def test_summary_counts_seeds_beyond_tolerance() -> None:
     s = summarise(rows, 0.02)
     assert s["worst_abs"] == pytest.approx(0.057) and s["seeds_beyond_tolerance"] == 2
     assert s["mean_abs"] == pytest.approx(0.02425)
+
+
+def test_nudged_builds_perturb_inside_the_block_only() -> None:
+    w = get_workload("vision")
+    plain = w.build_model(2)
+    with nudged_builds(w):
+        nudged = w.build_model(2)
+    again = w.build_model(2)
+    diffs = [int((a != b).sum()) for a, b in zip(plain.parameters(), nudged.parameters(), strict=True)]
+    assert sum(diffs) == 1 and diffs[0] == 1
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), again.parameters(), strict=True))
+
+
+def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
+    from bench.robustness import NOISE, judge
+
+    def cell(noise_metric: float) -> dict:
+        metrics = {"fp32": 0.9778, "static": 0.9861, "profile": 0.9806,  # profile 0.56 worse
+                   "static+spike": 0.98, "profile+spike": 0.98,
+                   "static+nan": 0.98, "profile+nan": 0.98, NOISE: noise_metric}
+        return {"higher_is_better": True, "tolerance": 0.02,
+                "arms": {a: {"metric": m} for a, m in metrics.items()}}
+
+    within = judge(cell(0.9861))  # fp32 one ulp apart moved 0.83 points: the gap is noise
+    assert within["worse"] == ["profile"] and within["worse_beyond_noise"] == []
+    beyond = judge(cell(0.9806))  # noise 0.28 points: the 0.56-point gap is beyond it
+    assert beyond["worse_beyond_noise"] == ["profile"]
+    no_noise = judge({**cell(0.0), "arms": {k: v for k, v in cell(0.0)["arms"].items() if k != NOISE}})
+    assert no_noise["worse"] == ["profile"] and no_noise["worse_beyond_noise"] == []
