@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
-from nfabric_cli.runtime.attach import attach, attach_with
+from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.probe import FP32, LOWBIT, MeasuredAdmission

@@ -178,7 +178,7 @@ def test_list_workloads_rows() -> None:
         (200, 32, 77290),
         (300, 32, 101962),
         (400, 16, 167360),
-        (600, 32, 1033168),
+        (1200, 32, 1033168),
     ]
     assert all(r["head_selector"] == "head.*" and r["description"] for r in rows)
 
