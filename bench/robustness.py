@@ -95,8 +95,9 @@ def judge(cell: dict) -> dict:
     """The cell's verdicts: monitor worse than none (per pair), faults rescued or not."""
     m = {arm: v["metric"] for arm, v in cell["arms"].items()}
     worse = WORSE[cell["higher_is_better"]]
-    out = {"worse": [], "worse_beyond_noise": [], "rescued": [], "not_rescued": []}
     noise = abs(m[NOISE] - m["fp32"]) if NOISE in m else None
+    out = {"worse": [], "worse_beyond_noise": [], "rescued": [], "not_rescued": [],
+           "noise": noise}
     for suffix in ("", "+spike", "+nan"):
         gap = better(cell, m["profile" + suffix], m["static" + suffix])
         if gap < -worse:
@@ -121,10 +122,10 @@ def show(cell: dict) -> None:
     print(f"{'':11s} profile-static {better(cell, a['profile']['metric'], a['static']['metric']):+.4f}"
           f"  profile-fp32 {better(cell, a['profile']['metric'], a['fp32']['metric']):+.4f}"
           f"  (+ is better)  passive false trips {ft:.2%}"
-          + (f"  noise {abs(a[NOISE]['metric'] - a['fp32']['metric']):.4f}" if NOISE in a else "")
+          + (f"  noise {v['noise']:.4f}" if v["noise"] is not None else "")
           + (f"  WORSE: {', '.join(v['worse'])}" if v["worse"] else "")
           + (f" (beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'})"
-             if v["worse"] and NOISE in a else "")
+             if v["worse"] and v["noise"] is not None else "")
           + (f"  rescued: {', '.join(v['rescued'])}" if v["rescued"] else "")
           + (f"  NOT rescued: {', '.join(v['not_rescued'])}" if v["not_rescued"] else ""),
           flush=True)
