@@ -119,10 +119,17 @@ def load_or_create(
     study = optuna.load_study(study_name=name, storage=storage, sampler=sampler, pruner=pruner)
     if resumed:
         deadline = time.monotonic() + 10  # a worker that just created it is writing its attrs
-        while "search_key" not in study.user_attrs and time.monotonic() < deadline:
+        while _attrs_pending(study.user_attrs, attrs) and time.monotonic() < deadline:
             time.sleep(0.2)
         check_compatible(study, name, n_objectives, attrs)
     return study, resumed
+
+
+def _attrs_pending(found: dict[str, Any], attrs: dict[str, Any]) -> bool:
+    """Whether a resumed study's attrs may still be on their way: not yet all written, and
+    nothing written so far already rules it out (another workload's study needs no wait)."""
+    workload = found.get("workload", attrs["workload"])
+    return "search_key" not in found and workload == attrs["workload"]
 
 
 def check_compatible(study: optuna.Study, name: str, n_objectives: int, attrs: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@ gradient accumulation, a checkpoint and a resumed run, and the single-process mi
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -81,14 +82,18 @@ def test_accelerate_helper_trains_checkpoints_and_resumes(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_a_single_process_is_refused_in_one_line(tmp_path: Path) -> None:
-    acc = run_example("accelerate_train.py", "--out", str(tmp_path), "--steps", "1")
+    # three independent launches, mostly imports: run side by side
+    for name in ("acc", "lt", "hf"):
+        (tmp_path / name).mkdir()
+    with ThreadPoolExecutor(3) as pool:
+        acc, lt, hf = pool.map(lambda args: run_example(*args), [
+            ("accelerate_train.py", "--out", str(tmp_path / "acc"), "--steps", "1"),
+            ("lightning_train.py", "--out", str(tmp_path / "lt"), "--steps", "1", "--devices", "1"),
+            ("hf_trainer_train.py", "--out", str(tmp_path / "hf"), "--steps", "1")])
     line = failure_line(acc, "InputError: nfabric:")
     assert "Accelerate started a single process" in line and "torchrun" in line
-    lt = run_example("lightning_train.py", "--out", str(tmp_path), "--steps", "1",
-                     "--devices", "1")
     line = failure_line(lt, "InputError: nfabric:")
     assert "Lightning started a single process" in line and "start 2 or more" in line
-    hf = run_example("hf_trainer_train.py", "--out", str(tmp_path), "--steps", "1")
     line = failure_line(hf, "InputError: nfabric:")
     assert "the HF Trainer did not wrap the model in DistributedDataParallel" in line
     assert "torchrun --nproc_per_node N" in line

@@ -89,10 +89,17 @@ def _second_half(rank: int, world: int, path: str) -> dict:
             "events": state.events, "residuals": len(state.ef)}
 
 
+@pytest.fixture(scope="module")
+def whole() -> list[dict]:
+    """The uninterrupted run, trained once for both ways of writing the checkpoint."""
+    return run_ranks(_whole, 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("all_ranks", [True, False], ids=["rank0-writes-all", "per-rank"])
-def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path, all_ranks: bool) -> None:
-    whole = run_ranks(_whole, 2)
+def test_resume_is_bit_identical_to_an_uninterrupted_run(
+    tmp_path: Path, all_ranks: bool, whole: list[dict]
+) -> None:
     path = str(tmp_path / "ckpt.pt")
     first = run_ranks(_first_half, 2, path, all_ranks)
     assert all(r["residuals"] > 0 for r in first)  # error feedback was carrying residuals
