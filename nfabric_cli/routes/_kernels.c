@@ -25,6 +25,11 @@
 #endif
 
 #define NF_ROWS 8 /* chunks visited together */
+/* Outputs of at least this many elements go to memory with non-temporal stores (where aligned):
+ * codes are read next by the network and a decoded result (tens of MB) by the optimizer, not
+ * from our cache, and skipping the read-for-ownership saves a third of a decode's memory
+ * traffic and a sixth of a quantise's. */
+enum { NF_STREAM_MIN = 1 << 18 };
 
 /* ---- vector layer: W floats per register ------------------------------------------------- */
 #if defined(__AVX2__)
@@ -42,6 +47,9 @@ typedef __m256 vf;
 #define v_and _mm256_and_ps
 #define v_or _mm256_or_ps
 #define v_mask _mm256_movemask_ps
+#define v_sub _mm256_sub_ps
+#define v_div _mm256_div_ps
+#define v_stream _mm256_stream_ps
 static inline vf v_abs(vf v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
 static inline vf v_nan(vf v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
 static inline vf v_num(vf v) { return _mm256_cmp_ps(v, v, _CMP_ORD_Q); }
@@ -61,6 +69,9 @@ typedef __m128 vf;
 #define v_and _mm_and_ps
 #define v_or _mm_or_ps
 #define v_mask _mm_movemask_ps
+#define v_sub _mm_sub_ps
+#define v_div _mm_div_ps
+#define v_stream _mm_stream_ps
 static inline vf v_abs(vf v) { return _mm_and_ps(v, _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff))); }
 static inline vf v_nan(vf v) { return _mm_cmpunord_ps(v, v); }
 static inline vf v_num(vf v) { return _mm_cmpord_ps(v, v); }
@@ -396,45 +407,6 @@ static inline int8_t code1(float x, float u, int noisy, float inv, float qmax) {
     return (int8_t)(noisy ? floorf(v) : rintf(v));
 }
 
-static void quantize_row(const float *x, const float *u, int64_t len, float inv, float qmax,
-                         int8_t *out) {
-    int64_t i = 0;
-#if defined(__AVX2__)
-    const __m256 vinv = _mm256_set1_ps(inv), vhi = _mm256_set1_ps(qmax), vlo = _mm256_set1_ps(-qmax);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (; i + 32 <= len; i += 32) {
-        __m256i q[4];
-        for (int k = 0; k < 4; ++k) {
-            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vinv);
-            if (u) v = _mm256_add_ps(v, _mm256_loadu_ps(u + i + 8 * k));
-            v = _mm256_min_ps(_mm256_max_ps(_mm256_and_ps(v, v_num(v)), vlo), vhi);
-            q[k] = u ? _mm256_cvttps_epi32(_mm256_floor_ps(v)) : _mm256_cvtps_epi32(v);
-        }
-        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        _mm256_storeu_si256((__m256i *)(out + i), _mm256_permutevar8x32_epi32(w, order));
-    }
-#elif defined(__SSE2__)
-    const __m128 vinv = _mm_set1_ps(inv), vhi = _mm_set1_ps(qmax), vlo = _mm_set1_ps(-qmax);
-    for (; i + 16 <= len; i += 16) {
-        __m128i q[4];
-        for (int k = 0; k < 4; ++k) {
-            __m128 v = _mm_mul_ps(_mm_loadu_ps(x + i + 4 * k), vinv);
-            if (u) v = _mm_add_ps(v, _mm_loadu_ps(u + i + 4 * k));
-            v = _mm_min_ps(_mm_max_ps(_mm_and_ps(v, v_num(v)), vlo), vhi);
-            if (u) { /* floor = truncate, minus 1 where that rounded up */
-                const __m128i t = _mm_cvttps_epi32(v);
-                q[k] = _mm_add_epi32(t, _mm_castps_si128(_mm_cmpgt_ps(_mm_cvtepi32_ps(t), v)));
-            } else {
-                q[k] = _mm_cvtps_epi32(v); /* MXCSR default: round half to even */
-            }
-        }
-        const __m128i w = _mm_packs_epi16(_mm_packs_epi32(q[0], q[1]), _mm_packs_epi32(q[2], q[3]));
-        _mm_storeu_si128((__m128i *)(out + i), w);
-    }
-#endif
-    for (; i < len; ++i) out[i] = code1(x[i], u ? u[i] : 0.0f, u != 0, inv, qmax);
-}
-
 /* Codes go straight to memory (non-temporal stores where aligned): they are read next by the
  * network, not by us, and skipping the read-for-ownership saves a sixth of int8's traffic.
  * Callers end with nf_fence(). */
@@ -454,6 +426,60 @@ static inline void nf_fence(void) {
 #if defined(__SSE2__)
     _mm_sfence();
 #endif
+}
+
+static void quantize_row(const float *x, const float *u, int64_t len, float inv, float qmax,
+                         int8_t *out, int nt) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 vinv = _mm256_set1_ps(inv), vhi = _mm256_set1_ps(qmax), vlo = _mm256_set1_ps(-qmax);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i qhi = _mm256_set1_epi8((char)qmax), qlo = _mm256_set1_epi8((char)-qmax);
+    for (; i + 32 <= len; i += 32) {
+        __m256i q[4], w;
+        if (!u) { /* checked fast path: round(x * inv) alone, which every code in [-qmax, qmax]
+                   * proves right: a NaN or infinity converts to INT_MIN (-128 after the
+                   * saturating packs) and a value past the clamp lands outside too, except
+                   * past +127 for int8, where saturation gives the clamp's own 127 */
+            for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vinv));
+            w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            const __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi8(w, qhi), _mm256_cmpgt_epi8(qlo, w));
+            if (!_mm256_movemask_epi8(bad)) {
+                store_codes32(out + i, _mm256_permutevar8x32_epi32(w, order), nt);
+                continue;
+            }
+        }
+        for (int k = 0; k < 4; ++k) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vinv);
+            if (u) v = _mm256_add_ps(v, _mm256_loadu_ps(u + i + 8 * k));
+            v = _mm256_min_ps(_mm256_max_ps(_mm256_and_ps(v, v_num(v)), vlo), vhi);
+            q[k] = u ? _mm256_cvttps_epi32(_mm256_floor_ps(v)) : _mm256_cvtps_epi32(v);
+        }
+        w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        store_codes32(out + i, _mm256_permutevar8x32_epi32(w, order), nt);
+    }
+#elif defined(__SSE2__)
+    const __m128 vinv = _mm_set1_ps(inv), vhi = _mm_set1_ps(qmax), vlo = _mm_set1_ps(-qmax);
+    for (; i + 16 <= len; i += 16) {
+        __m128i q[4];
+        for (int k = 0; k < 4; ++k) {
+            __m128 v = _mm_mul_ps(_mm_loadu_ps(x + i + 4 * k), vinv);
+            if (u) v = _mm_add_ps(v, _mm_loadu_ps(u + i + 4 * k));
+            v = _mm_min_ps(_mm_max_ps(_mm_and_ps(v, v_num(v)), vlo), vhi);
+            if (u) { /* floor = truncate, minus 1 where that rounded up */
+                const __m128i t = _mm_cvttps_epi32(v);
+                q[k] = _mm_add_epi32(t, _mm_castps_si128(_mm_cmpgt_ps(_mm_cvtepi32_ps(t), v)));
+            } else {
+                q[k] = _mm_cvtps_epi32(v); /* MXCSR default: round half to even */
+            }
+        }
+        const __m128i w = _mm_packs_epi16(_mm_packs_epi32(q[0], q[1]), _mm_packs_epi32(q[2], q[3]));
+        store_codes16(out + i, w, nt);
+    }
+#else
+    (void)nt;
+#endif
+    for (; i < len; ++i) out[i] = code1(x[i], u ? u[i] : 0.0f, u != 0, inv, qmax);
 }
 
 /* quantize_row for a chunk whose absmax m and inv are finite: no NaN can arise, and
@@ -486,13 +512,16 @@ static void quantize_row_finite(const float *x, int64_t len, float inv, float qm
 
 void nf_quantize(const float *x, const float *u, const int64_t *blocks, int64_t nblocks,
                  const float *inv, float qmax, int8_t *out) {
+    const int64_t *last = blocks + 3 * (nblocks - 1);
+    const int nt = nblocks > 0 && last[0] + last[1] * last[2] >= NF_STREAM_MIN;
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
         for (int64_t r = 0; r < nch; ++r) {
             const int64_t a = start + r * len;
-            quantize_row(x + a, u ? u + a : 0, len, *inv++, qmax, out + a);
+            quantize_row(x + a, u ? u + a : 0, len, *inv++, qmax, out + a, nt);
         }
     }
+    if (nt) nf_fence();
 }
 
 /* int4 codes c of elements [e, e + m) as nibbles c + 8, in element order: an even element sets
@@ -548,7 +577,7 @@ void nf_int_encode(const float *x, const int64_t *blocks, int64_t nblocks, float
                     if (finite)
                         quantize_row_finite(x + a + i, n, inv, qmax, dst, !nibbles);
                     else
-                        quantize_row(x + a + i, 0, n, inv, qmax, dst);
+                        quantize_row(x + a + i, 0, n, inv, qmax, dst, !nibbles);
                     if (nibbles) put_nibbles(piece, a + i, n, (uint8_t *)out);
                 }
             }
@@ -1052,6 +1081,31 @@ void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const
     }
 }
 
+/* out[i] = pre_scale(v[i], mode, d) * s for i in [0, n), the same float ops element by element
+ * in vector lanes (IEEE division and product, no contraction); with `nt`, aligned stores are
+ * non-temporal (the caller ends with nf_fence()). */
+static void scale_out(const float *v, int64_t n, int mode, float d, float s, float *out, int nt) {
+    int64_t i = 0;
+#if defined(__SSE2__)
+    while (i < n && ((uintptr_t)(out + i) & (sizeof(vf) - 1))) {
+        out[i] = pre_scale(v[i], mode, d) * s;
+        ++i;
+    }
+    const vf vd = v_set1(d), vs = v_set1(s), two = v_set1(2.0f);
+    for (; i + NF_W <= n; i += NF_W) {
+        vf x = v_load(v + i);
+        if (mode == 1) x = v_div(x, vd);
+        else if (mode == 2) x = v_div(v_sub(v_mul(two, x), vd), vd);
+        x = v_mul(x, vs);
+        if (nt) v_stream(out + i, x);
+        else v_store(out + i, x);
+    }
+#else
+    (void)nt;
+#endif
+    for (; i < n; ++i) out[i] = pre_scale(v[i], mode, d) * s;
+}
+
 /* Combine and decode in one pass, for a reduce whose every rank combines every element (the
  * codes were all-gathered): per element, c = the sum over the W shards of its raw `kind` code,
  * its combined value v = values[c] (when `values`, one per possible sum: the sign vote) or
@@ -1066,6 +1120,7 @@ void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, 
     int32_t acc[NF_SUM_TILE * 8];
     float v[NF_SUM_TILE * 8];
     const int per = elems_per_byte(kind);
+    const int nt = numel >= NF_STREAM_MIN;
     int64_t m = 0, b = 0, r = 0; /* the chunk cursor: block b, its chunk r */
     for (int64_t j0 = 0; j0 < nbytes; j0 += NF_SUM_TILE) {
         const int64_t nb = nbytes - j0 < NF_SUM_TILE ? nbytes - j0 : NF_SUM_TILE;
@@ -1093,12 +1148,10 @@ void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, 
             }
             const int64_t end = blocks[3 * b] + (r + 1) * blocks[3 * b + 2];
             const int64_t stop = end < e0 + ne ? end : e0 + ne;
-            const float s = *scales;
-            if (mode == 0) for (int64_t i = e; i < stop; ++i) out[i] = pre_scale(v[i - e0], 0, d) * s;
-            else if (mode == 1) for (int64_t i = e; i < stop; ++i) out[i] = pre_scale(v[i - e0], 1, d) * s;
-            else for (int64_t i = e; i < stop; ++i) out[i] = pre_scale(v[i - e0], 2, d) * s;
+            scale_out(v + (e - e0), stop - e, mode, d, *scales, out + e, nt);
             e = stop;
         }
     }
+    if (nt) nf_fence();
     if (margin) *margin = m;
 }

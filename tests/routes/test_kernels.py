@@ -152,6 +152,41 @@ def test_int_codes_at_every_rounding_edge(isa: str, monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("isa", ISAS)
+def test_codes_under_an_agreed_scale_and_large_decodes_match_torch(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Codes against another rank's (agreed) scale, here half this rank's absmax, so codes clamp
+    # on both sides, beside NaN and infinities: the native quantise takes a checked fast path
+    # that must fall back on exactly these. Past 2^18 elements codes and decoded floats go out
+    # with non-temporal stores, here into a buffer 3 bytes off alignment.
+    n = (1 << 18) + 4099
+    segs = (5, n - 5)
+    x = _grads(n, 1, seed=3, special=True)[0]
+    x[200_000:200_040] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30] * 8)
+    for name in ("int8", "int4"):
+        route = make_route(RouteSpec(name, chunk=2048))
+        layout = chunk_layout(segs, 2048)
+        agreed = route.local_scales(x.nan_to_num(posinf=1.0, neginf=1.0), layout) * 0.5
+
+        def codes(route=route, layout=layout, agreed=agreed) -> torch.Tensor:
+            out = torch.zeros(n + 3, dtype=torch.int8)[3:]
+            return route._codes(x, layout, agreed, None, out)
+
+        ref, nat = _both(isa, codes, monkeypatch)
+        assert_same(ref, nat, name)
+        assert set(ref[x.isnan()].tolist()) == {0} and ref.abs().max() == route.qmax
+    shards = [torch.randint(-127, 128, (n,), dtype=torch.int8).view(torch.uint8) for _ in range(2)]
+    route, layout = make_route("int8"), chunk_layout((n,), 2048)
+    scales = torch.rand(layout.nchunks)
+
+    def decoded() -> torch.Tensor:
+        out = torch.full((n + 1,), float("nan"))[1:]
+        return route.combine_decode(shards, 2, scales, layout, out, None)
+
+    assert_same(*_both(isa, decoded, monkeypatch), "combine_decode")
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_ternary_tiles_and_threads_match_torch(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # A block larger than one tile of kept |x| (kernels.TILE_ELEMS), on 1 and on 2 threads.
     n = kernels.TILE_ELEMS + 3 * 4096 + 77
