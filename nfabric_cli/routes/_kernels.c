@@ -1023,64 +1023,6 @@ static inline int64_t code_value(uint64_t code, int64_t mul, int64_t lo) {
     return (int64_t)((uint64_t)mul * code + (uint64_t)lo);
 }
 
-/* 8/16-bit codes whose values fit int32 (the caller checks): int32 lanes vectorize, and int32
- * and int64 convert the same integer to the same float. */
-#define NF_SCALE_NARROW(name, type)                                                               \
-    static void name(const type *c, int32_t mul, int32_t lo, int64_t a, int64_t stop, int mode,   \
-                     float d, float s, float *out) {                                              \
-        if (mode == 0)                                                                            \
-            for (int64_t i = a; i < stop; ++i) out[i] = pre_scale((float)((int32_t)c[i] * mul + lo), 0, d) * s; \
-        else if (mode == 1)                                                                       \
-            for (int64_t i = a; i < stop; ++i) out[i] = pre_scale((float)((int32_t)c[i] * mul + lo), 1, d) * s; \
-        else                                                                                      \
-            for (int64_t i = a; i < stop; ++i) out[i] = pre_scale((float)((int32_t)c[i] * mul + lo), 2, d) * s; \
-    }
-NF_SCALE_NARROW(scale_u8, uint8_t)
-NF_SCALE_NARROW(scale_u16, uint16_t)
-
-/* Decode the packed combined result straight from its codes: element i's code (little-endian at
- * `bits` in {1, 2, 4, 8, 16, 32}; 16/32-bit codes are native words, `codes` aligned to them)
- * has value v = mul * code + lo, and out = pre_scale(v) * s, the same float ops as unpacking
- * to int64 and calling nf_decode_values. Codes of up to 4 bits select from a per-chunk table of
- * pre_scale(v) * s; wider codes are computed (8 lanes of int32 -> float outrun a table gather). */
-void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const int64_t *blocks,
-                     int64_t nblocks, const float *scales, int mode, float d, float *out) {
-    const uint8_t *c8 = (const uint8_t *)codes;
-    const uint16_t *c16 = (const uint16_t *)codes;
-    const uint32_t *c32 = (const uint32_t *)codes;
-    float lut[16], t[16];
-    if (bits <= 4)
-        for (int k = 0; k < (1 << bits); ++k) lut[k] = pre_scale((float)code_value((uint64_t)k, mul, lo), mode, d);
-    /* values as int32 when |mul * code| <= 2^30 and |lo| < 2^30: no overflow */
-    const int narrow = (bits == 8 || bits == 16) && mul >= -(1 << 14) && mul <= (1 << 14) &&
-                       lo > -(1 << 30) && lo < (1 << 30);
-    for (int64_t b = 0; b < nblocks; ++b) {
-        const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
-        for (int64_t r = 0; r < nch; ++r) {
-            const float s = *scales++;
-            const int64_t a = start + r * len, stop = a + len;
-            if (bits <= 4)
-                for (int k = 0; k < (1 << bits); ++k) t[k] = lut[k] * s;
-            if (bits == 1) {
-                select_bits1(c8, a, stop, t, out);
-            } else if (bits == 2) {
-                select_bits2(c8, a, stop, t, out);
-            } else if (bits == 4) {
-                select_bits4(c8, a, stop, t, out);
-            } else if (narrow && bits == 8) {
-                scale_u8(c8, (int32_t)mul, (int32_t)lo, a, stop, mode, d, s, out);
-            } else if (narrow) {
-                scale_u16(c16, (int32_t)mul, (int32_t)lo, a, stop, mode, d, s, out);
-            } else {
-                for (int64_t i = a; i < stop; ++i) {
-                    const uint64_t code = bits == 8 ? c8[i] : bits == 16 ? c16[i] : c32[i];
-                    out[i] = pre_scale((float)code_value(code, mul, lo), mode, d) * s;
-                }
-            }
-        }
-    }
-}
-
 /* out[i] = pre_scale(v[i], mode, d) * s for i in [0, n), the same float ops element by element
  * in vector lanes (IEEE division and product, no contraction); with `nt`, aligned stores are
  * non-temporal (the caller ends with nf_fence()). */
@@ -1104,6 +1046,67 @@ static void scale_out(const float *v, int64_t n, int mode, float d, float s, flo
     (void)nt;
 #endif
     for (; i < n; ++i) out[i] = pre_scale(v[i], mode, d) * s;
+}
+
+/* 8/16-bit codes whose values fit int32 (the caller checks): int32 lanes vectorize, and int32
+ * and int64 convert the same integer to the same float; scaled a tile at a time by scale_out. */
+#define NF_SCALE_NARROW(name, type)                                                               \
+    static void name(const type *c, int32_t mul, int32_t lo, int64_t a, int64_t stop, int mode,   \
+                     float d, float s, float *out, int nt) {                                      \
+        float v[1024];                                                                            \
+        for (int64_t t = a; t < stop; t += 1024) {                                                \
+            const int64_t m = stop - t < 1024 ? stop - t : 1024;                                  \
+            for (int64_t i = 0; i < m; ++i) v[i] = (float)((int32_t)c[t + i] * mul + lo);         \
+            scale_out(v, m, mode, d, s, out + t, nt);                                             \
+        }                                                                                         \
+    }
+NF_SCALE_NARROW(scale_u8, uint8_t)
+NF_SCALE_NARROW(scale_u16, uint16_t)
+
+/* Decode the packed combined result straight from its codes: element i's code (little-endian at
+ * `bits` in {1, 2, 4, 8, 16, 32}; 16/32-bit codes are native words, `codes` aligned to them)
+ * has value v = mul * code + lo, and out = pre_scale(v) * s, the same float ops as unpacking
+ * to int64 and calling nf_decode_values. Codes of up to 4 bits select from a per-chunk table of
+ * pre_scale(v) * s; wider codes are computed (8 lanes of int32 -> float outrun a table gather). */
+void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const int64_t *blocks,
+                     int64_t nblocks, const float *scales, int mode, float d, float *out) {
+    const uint8_t *c8 = (const uint8_t *)codes;
+    const uint16_t *c16 = (const uint16_t *)codes;
+    const uint32_t *c32 = (const uint32_t *)codes;
+    float lut[16], t[16];
+    if (bits <= 4)
+        for (int k = 0; k < (1 << bits); ++k) lut[k] = pre_scale((float)code_value((uint64_t)k, mul, lo), mode, d);
+    /* values as int32 when |mul * code| <= 2^30 and |lo| < 2^30: no overflow */
+    const int narrow = (bits == 8 || bits == 16) && mul >= -(1 << 14) && mul <= (1 << 14) &&
+                       lo > -(1 << 30) && lo < (1 << 30);
+    const int64_t *last = blocks + 3 * (nblocks - 1);
+    const int nt = narrow && nblocks > 0 && last[0] + last[1] * last[2] >= NF_STREAM_MIN;
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
+        for (int64_t r = 0; r < nch; ++r) {
+            const float s = *scales++;
+            const int64_t a = start + r * len, stop = a + len;
+            if (bits <= 4)
+                for (int k = 0; k < (1 << bits); ++k) t[k] = lut[k] * s;
+            if (bits == 1) {
+                select_bits1(c8, a, stop, t, out);
+            } else if (bits == 2) {
+                select_bits2(c8, a, stop, t, out);
+            } else if (bits == 4) {
+                select_bits4(c8, a, stop, t, out);
+            } else if (narrow && bits == 8) {
+                scale_u8(c8, (int32_t)mul, (int32_t)lo, a, stop, mode, d, s, out, nt);
+            } else if (narrow) {
+                scale_u16(c16, (int32_t)mul, (int32_t)lo, a, stop, mode, d, s, out, nt);
+            } else {
+                for (int64_t i = a; i < stop; ++i) {
+                    const uint64_t code = bits == 8 ? c8[i] : bits == 16 ? c16[i] : c32[i];
+                    out[i] = pre_scale((float)code_value(code, mul, lo), mode, d) * s;
+                }
+            }
+        }
+    }
+    if (nt) nf_fence();
 }
 
 /* Combine and decode in one pass, for a reduce whose every rank combines every element (the

@@ -184,6 +184,14 @@ def test_codes_under_an_agreed_scale_and_large_decodes_match_torch(
         return route.combine_decode(shards, 2, scales, layout, out, None)
 
     assert_same(*_both(isa, decoded, monkeypatch), "combine_decode")
+    # a sharded reduce's packed result (W = 4: 16-bit codes), decoded as every rank does
+    packed = route.combine_packed([*shards, *shards], 4, n, None)
+
+    def unpacked() -> torch.Tensor:
+        out = torch.full((n + 1,), float("nan"))[1:]
+        return route._decode_result(packed, n, 4, scales, layout, out=out)
+
+    assert_same(*_both(isa, unpacked, monkeypatch), "decode_codes")
 
 
 @pytest.mark.parametrize("isa", ISAS)
