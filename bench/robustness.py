@@ -1,7 +1,7 @@
 """Robustness of the health monitor: does it ever make a run worse, and does it rescue faults?
 
 For each workload's committed reference profile (`profiles/<workload>/`, newest version), over
-seeds x run lengths (the workload's calibrated length, 2x, 4x) x world sizes, side by side on
+seeds x run lengths (the length the profile was calibrated at, 2x, 4x) x world sizes, side by side on
 the same batches:
 
 - `fp32`: every parameter on fp32 (the reference), with the health monitor's detectors running
@@ -40,6 +40,7 @@ import torch
 from bench.noise_floor import nudged_builds
 from nfabric_cli.binding import compile_profile, on_route
 from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.profile.proven import proven_range
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.registry import get_workload
@@ -50,6 +51,13 @@ WORSE = {True: 0.005, False: 0.01}
 #: `--noise`: fp32 trained from weights one ulp apart (`bench/noise_floor.py`); how far it ends
 #: from fp32 is the cell's run-to-run noise, which any perturbation (a trip, a hold) may cost
 NOISE = "fp32+ulp"
+
+
+def calibrated_steps(name: str) -> int:
+    """The length the workload's reference profile was calibrated at (the shortest it was
+    proven on), or the workload's default where the profile records none."""
+    rng = proven_range(read_profile(resolve_profile(PROFILES / name)).meta)
+    return min(rng.steps) if rng is not None else get_workload(name).default_steps
 
 
 def run_cell(name: str, seed: int, steps: int, world: int, noise: bool = False) -> dict:
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     cells = []
     for name in args.workloads.split(","):
-        base = get_workload(name).default_steps
+        base = calibrated_steps(name)
         for mult in (int(x) for x in args.lengths.split(",")):
             for world in (int(x) for x in args.world_sizes.split(",")):
                 for seed in (int(x) for x in args.seeds.split(",")):
