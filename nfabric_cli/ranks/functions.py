@@ -29,11 +29,10 @@ PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel"]
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple,
-           env: dict[str, str], cwd: str) -> None:
-    os.environ.clear()
+           env: dict[str, str]) -> None:
+    os.environ.clear()  # (multiprocessing itself gives each rank the caller's cwd and sys.path)
     os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
-    os.chdir(cwd)
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(tmp, "store"), world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
@@ -52,7 +51,7 @@ def run_function_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> l
     if method == "forkserver":
         mp.get_context(method).set_forkserver_preload(PRELOAD)  # once the server runs: no-op
     with tempfile.TemporaryDirectory(prefix="nfabric-ranks-") as tmp:
-        mp.start_processes(_entry, args=(fn, world_size, tmp, args, dict(os.environ), os.getcwd()),
+        mp.start_processes(_entry, args=(fn, world_size, tmp, args, dict(os.environ)),
                            nprocs=world_size, start_method=method)
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
                 for r in range(world_size)]

@@ -31,6 +31,13 @@
  * traffic and a sixth of a quantise's. */
 enum { NF_STREAM_MIN = 1 << 18 };
 
+/* Whether a layout's output (blocks: start, nchunks, length triples) is that large. */
+static int stream_out(const int64_t *blocks, int64_t nblocks) {
+    if (nblocks <= 0) return 0;
+    const int64_t *last = blocks + 3 * (nblocks - 1);
+    return last[0] + last[1] * last[2] >= NF_STREAM_MIN;
+}
+
 /* ---- vector layer: W floats per register ------------------------------------------------- */
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -512,8 +519,7 @@ static void quantize_row_finite(const float *x, int64_t len, float inv, float qm
 
 void nf_quantize(const float *x, const float *u, const int64_t *blocks, int64_t nblocks,
                  const float *inv, float qmax, int8_t *out) {
-    const int64_t *last = blocks + 3 * (nblocks - 1);
-    const int nt = nblocks > 0 && last[0] + last[1] * last[2] >= NF_STREAM_MIN;
+    const int nt = stream_out(blocks, nblocks);
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
         for (int64_t r = 0; r < nch; ++r) {
@@ -1079,8 +1085,7 @@ void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const
     /* values as int32 when |mul * code| <= 2^30 and |lo| < 2^30: no overflow */
     const int narrow = (bits == 8 || bits == 16) && mul >= -(1 << 14) && mul <= (1 << 14) &&
                        lo > -(1 << 30) && lo < (1 << 30);
-    const int64_t *last = blocks + 3 * (nblocks - 1);
-    const int nt = narrow && nblocks > 0 && last[0] + last[1] * last[2] >= NF_STREAM_MIN;
+    const int nt = narrow && stream_out(blocks, nblocks);
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
         for (int64_t r = 0; r < nch; ++r) {

@@ -158,7 +158,8 @@ def test_codes_under_an_agreed_scale_and_large_decodes_match_torch(
     # Codes against another rank's (agreed) scale, here half this rank's absmax, so codes clamp
     # on both sides, beside NaN and infinities: the native quantise takes a checked fast path
     # that must fall back on exactly these. Past 2^18 elements codes and decoded floats go out
-    # with non-temporal stores, here into a buffer 3 bytes off alignment.
+    # with non-temporal stores where aligned: codes at an offset that aligns the second
+    # segment's chunks (27 + 5 bytes), decoded floats one element off (an unaligned head).
     n = (1 << 18) + 4099
     segs = (5, n - 5)
     x = _grads(n, 1, seed=3, special=True)[0]
@@ -169,7 +170,7 @@ def test_codes_under_an_agreed_scale_and_large_decodes_match_torch(
         agreed = route.local_scales(x.nan_to_num(posinf=1.0, neginf=1.0), layout) * 0.5
 
         def codes(route=route, layout=layout, agreed=agreed) -> torch.Tensor:
-            out = torch.zeros(n + 3, dtype=torch.int8)[3:]
+            out = torch.zeros(n + 27, dtype=torch.int8)[27:]
             return route._codes(x, layout, agreed, None, out)
 
         ref, nat = _both(isa, codes, monkeypatch)
