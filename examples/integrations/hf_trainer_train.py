@@ -71,6 +71,9 @@ def main() -> None:
            "events": fabric.events, "logged": [k for k in trainer.state.log_history[-2]
                                                if k.startswith("nfabric/")]}
     (a.out / f"rank{rank}.json").write_text(json.dumps(doc))
+    nfabric.fabric.close()  # join the hook's worker, then take the group down before exit:
+    if torch.distributed.is_initialized():  # the Trainer leaves it up, and gloo's threads torn
+        torch.distributed.destroy_process_group()  # down by the interpreter can abort a rank
 
 
 if __name__ == "__main__":
