@@ -429,6 +429,17 @@ static inline void store_codes16(int8_t *p, __m128i v, int nt) {
 }
 #endif
 
+#if defined(__AVX2__)
+/* 32 codes round(x[i] * inv), packed with saturation, in element order: the whole encode where
+ * nothing can need the NaN mask or the clamp (quantize_row_finite, quantize_row's checked path). */
+static inline __m256i round_codes32(const float *x, __m256 vinv) {
+    __m256i q[4];
+    for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), vinv));
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
 static inline void nf_fence(void) {
 #if defined(__SSE2__)
     _mm_sfence();
@@ -443,26 +454,25 @@ static void quantize_row(const float *x, const float *u, int64_t len, float inv,
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i qhi = _mm256_set1_epi8((char)qmax), qlo = _mm256_set1_epi8((char)-qmax);
     for (; i + 32 <= len; i += 32) {
-        __m256i q[4], w;
         if (!u) { /* checked fast path: round(x * inv) alone, which every code in [-qmax, qmax]
                    * proves right: a NaN or infinity converts to INT_MIN (-128 after the
                    * saturating packs) and a value past the clamp lands outside too, except
                    * past +127 for int8, where saturation gives the clamp's own 127 */
-            for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vinv));
-            w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            const __m256i w = round_codes32(x + i, vinv);
             const __m256i bad = _mm256_or_si256(_mm256_cmpgt_epi8(w, qhi), _mm256_cmpgt_epi8(qlo, w));
             if (!_mm256_movemask_epi8(bad)) {
-                store_codes32(out + i, _mm256_permutevar8x32_epi32(w, order), nt);
+                store_codes32(out + i, w, nt);
                 continue;
             }
         }
+        __m256i q[4];
         for (int k = 0; k < 4; ++k) {
             __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vinv);
             if (u) v = _mm256_add_ps(v, _mm256_loadu_ps(u + i + 8 * k));
             v = _mm256_min_ps(_mm256_max_ps(_mm256_and_ps(v, v_num(v)), vlo), vhi);
             q[k] = u ? _mm256_cvttps_epi32(_mm256_floor_ps(v)) : _mm256_cvtps_epi32(v);
         }
-        w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         store_codes32(out + i, _mm256_permutevar8x32_epi32(w, order), nt);
     }
 #elif defined(__SSE2__)
@@ -498,13 +508,7 @@ static void quantize_row_finite(const float *x, int64_t len, float inv, float qm
     (void)nt;
 #if defined(__AVX2__)
     const __m256 vinv = _mm256_set1_ps(inv);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (; i + 32 <= len; i += 32) {
-        __m256i q[4];
-        for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vinv));
-        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        store_codes32(out + i, _mm256_permutevar8x32_epi32(w, order), nt);
-    }
+    for (; i + 32 <= len; i += 32) store_codes32(out + i, round_codes32(x + i, vinv), nt);
 #elif defined(__SSE2__)
     const __m128 vinv = _mm_set1_ps(inv);
     for (; i + 16 <= len; i += 16) {
