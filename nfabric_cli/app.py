@@ -58,7 +58,19 @@ _register_all()
 
 
 def main() -> None:
-    app()
+    """The console entry point. Run as a torchrun rank, the process ends without the
+    interpreter's teardown, which can abort a gloo rank after its work (`ranks/exit.py`)."""
+    from nfabric_cli.ranks.exit import exit_rank, launched_as_rank
+
+    if not launched_as_rank():
+        app()
+        return
+    try:
+        app()
+        code: int | str | None = 0
+    except SystemExit as done:
+        code = done.code  # type: ignore[assignment]
+    exit_rank(code)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from accelerate import Accelerator  # noqa: E402
 
 from examples.integrations.task import Net, dataset, loss_of, make_profile  # noqa: E402
 from nfabric_cli.integrations.accelerate import attach_accelerate, optimizer_steps  # noqa: E402
+from nfabric_cli.ranks.exit import exit_rank  # noqa: E402
 
 
 def main() -> None:
@@ -67,3 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # skip the interpreter's teardown: it can abort a gloo rank (ranks/exit.py)

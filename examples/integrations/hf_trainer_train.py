@@ -22,6 +22,7 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 from examples.integrations.task import Net, dataset, loss_of, make_profile  # noqa: E402
 from nfabric_cli.integrations.hf_trainer import attach_trainer  # noqa: E402
+from nfabric_cli.ranks.exit import exit_rank  # noqa: E402
 
 
 class Model(nn.Module):
@@ -71,10 +72,9 @@ def main() -> None:
            "events": fabric.events, "logged": [k for k in trainer.state.log_history[-2]
                                                if k.startswith("nfabric/")]}
     (a.out / f"rank{rank}.json").write_text(json.dumps(doc))
-    nfabric.fabric.close()  # join the hook's worker, then take the group down before exit:
-    if torch.distributed.is_initialized():  # the Trainer leaves it up, and gloo's threads torn
-        torch.distributed.destroy_process_group()  # down by the interpreter can abort a rank
+    nfabric.fabric.close()  # join the hook's worker
 
 
 if __name__ == "__main__":
     main()
+    exit_rank(0)  # skip the interpreter's teardown: it can abort a gloo rank (ranks/exit.py)

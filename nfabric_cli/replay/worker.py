@@ -98,4 +98,6 @@ def _input(plan: Any, index: int, rank: int):  # noqa: ANN202 - (tensor, "payloa
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from nfabric_cli.ranks.exit import exit_rank
+
+    exit_rank(main(sys.argv[1:]))

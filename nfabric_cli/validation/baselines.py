@@ -10,11 +10,22 @@ of `routes/plan.py` that every other arm uses.
 
 A baseline is registered as `metered_hook` around the PyTorch hook; the wrapper prices the
 bucket, then hands it on unchanged.
+
+On gloo, PowerSGD's buckets go one at a time (`serial`). Its hook chains `Future.then`
+callbacks that issue the next all-reduce and `.wait()` on it; gloo runs those callbacks on its
+process group's worker threads (two). With two buckets' chains in flight both threads block
+in `wait()` and the awaited all-reduces never run: the arm hung at step `start_powerSGD_iter`
+with vision in 3 buckets (`--bucket-cap-mb 0.1`), reproduced with a bare 4-bucket DDP model.
+More threads do not fix it: each rank then issues the chains' collectives in the order its
+threads happen to finish, and gloo aborts on the mismatch (measured: "Received data size
+doesn't match expected size"). One chain at a time keeps the order identical on every rank;
+on NCCL, where the callbacks do not block a pool, the hook overlaps buckets as published.
 """
 
 # No `from __future__ import annotations`: DDP inspects the hook's annotations when it is
 # registered and expects the real `dist.GradBucket` and `torch.futures.Future` objects.
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,12 +57,16 @@ class HookByteMeter:
 
 
 class MeteredHookState:
-    """A PyTorch hook, its own state, and the function that prices one bucket."""
+    """A PyTorch hook, its own state, the function that prices one bucket, and whether
+    buckets go one at a time (`serial`: each starts when the previous one's future is done)."""
 
-    __slots__ = ("inner", "hook", "price", "meter")
+    __slots__ = ("inner", "hook", "price", "meter", "serial", "last")
 
-    def __init__(self, inner: object, hook: Callable, price: Price, meter: HookByteMeter) -> None:
+    def __init__(self, inner: object, hook: Callable, price: Price, meter: HookByteMeter,
+                 serial: bool = False) -> None:
         self.inner, self.hook, self.price, self.meter = inner, hook, price, meter
+        self.serial = serial
+        self.last: torch.futures.Future | None = None
 
 
 def metered_hook(
@@ -60,10 +75,36 @@ def metered_hook(
     """Meter the bucket's collectives (priced before the hook advances its own state)."""
     for kind, nbytes in state.price(state.inner, bucket):
         state.meter.add(kind, nbytes)
-    fut = state.hook(state.inner, bucket)
+    fut = _after_last(state, bucket) if state.serial else state.hook(state.inner, bucket)
     if bucket.is_last():
         state.meter.step += 1
     return fut
+
+
+def _after_last(state: MeteredHookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Run the hook on `bucket` once the previous bucket's future is done (at once if it is)."""
+    last, state.last = state.last, None
+    if last is None or last.done():
+        state.last = state.hook(state.inner, bucket)
+        return state.last
+    out: torch.futures.Future = torch.futures.Future()
+
+    def start(_: Any) -> None:
+        try:
+            state.hook(state.inner, bucket).add_done_callback(lambda f: _relay(f, out))
+        except Exception as exc:  # noqa: BLE001 - handed to DDP through the future
+            out.set_exception(exc)
+
+    state.last = out
+    last.add_done_callback(start)
+    return out
+
+
+def _relay(done: torch.futures.Future, out: torch.futures.Future) -> None:
+    try:
+        out.set_result(done.value())
+    except Exception as exc:  # noqa: BLE001 - the hook's own failure, handed on
+        out.set_exception(exc)
 
 
 def price_fp16(_: object, bucket: dist.GradBucket) -> list:
@@ -106,4 +147,5 @@ def powersgd_state(
         warm_start=True,
         random_seed=seed,
     )
-    return MeteredHookState(inner, psgd.powerSGD_hook, price_powersgd, meter)
+    gloo = dist.get_backend(group) == dist.Backend.GLOO
+    return MeteredHookState(inner, psgd.powerSGD_hook, price_powersgd, meter, serial=gloo)

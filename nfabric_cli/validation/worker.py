@@ -224,4 +224,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from nfabric_cli.ranks.exit import exit_rank
+
+    exit_rank(main())
