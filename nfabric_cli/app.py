@@ -60,17 +60,16 @@ _register_all()
 def main() -> None:
     """The console entry point. Run as a torchrun rank, the process ends without the
     interpreter's teardown, which can abort a gloo rank after its work (`ranks/exit.py`)."""
-    from nfabric_cli.ranks.exit import exit_rank, launched_as_rank
+    from nfabric_cli.ranks.exit import env_rank, exit_rank
 
-    if not launched_as_rank():
+    if env_rank() is None:
         app()
         return
     try:
         app()
-        code: int | str | None = 0
     except SystemExit as done:
-        code = done.code  # type: ignore[assignment]
-    exit_rank(code)
+        exit_rank(done.code)  # type: ignore[arg-type]
+    exit_rank(0)
 
 
 if __name__ == "__main__":

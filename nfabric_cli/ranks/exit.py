@@ -1,4 +1,5 @@
-"""Leave a rank process without the interpreter's teardown, as multiprocessing's children do.
+"""A rank process's own end: whether a launcher started it as a rank, and how it leaves
+(without the interpreter's teardown, as multiprocessing's children do).
 
 A gloo worker thread may still be releasing the last collective's tensors when a rank's main
 thread returns: that needs the GIL, which a finalising interpreter never gives back, so the
@@ -23,9 +24,12 @@ import sys
 from typing import NoReturn
 
 
-def launched_as_rank() -> bool:
-    """True when torchrun (or any env:// launcher) started this process as one rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def env_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (or any env:// launcher) started this process as one
+    rank (``RANK``, ``WORLD_SIZE``), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
 
 
 def exit_rank(code: int | str | None) -> NoReturn:

@@ -430,13 +430,19 @@ static inline void store_codes16(int8_t *p, __m128i v, int nt) {
 #endif
 
 #if defined(__AVX2__)
-/* 32 codes round(x[i] * inv), packed with saturation, in element order: the whole encode where
- * nothing can need the NaN mask or the clamp (quantize_row_finite, quantize_row's checked path). */
+/* 4 x 8 int32 codes as 32 int8, packed with saturation, in element order (the packs work per
+ * 128-bit lane, the permute puts the lanes back). */
+static inline __m256i pack_codes32(const __m256i q[4]) {
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* 32 codes round(x[i] * inv): the whole encode where nothing can need the NaN mask or the
+ * clamp (quantize_row_finite, quantize_row's checked path). */
 static inline __m256i round_codes32(const float *x, __m256 vinv) {
     __m256i q[4];
     for (int k = 0; k < 4; ++k) q[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), vinv));
-    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return pack_codes32(q);
 }
 #endif
 
@@ -451,7 +457,6 @@ static void quantize_row(const float *x, const float *u, int64_t len, float inv,
     int64_t i = 0;
 #if defined(__AVX2__)
     const __m256 vinv = _mm256_set1_ps(inv), vhi = _mm256_set1_ps(qmax), vlo = _mm256_set1_ps(-qmax);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i qhi = _mm256_set1_epi8((char)qmax), qlo = _mm256_set1_epi8((char)-qmax);
     for (; i + 32 <= len; i += 32) {
         if (!u) { /* checked fast path: round(x * inv) alone, which every code in [-qmax, qmax]
@@ -472,8 +477,7 @@ static void quantize_row(const float *x, const float *u, int64_t len, float inv,
             v = _mm256_min_ps(_mm256_max_ps(_mm256_and_ps(v, v_num(v)), vlo), vhi);
             q[k] = u ? _mm256_cvttps_epi32(_mm256_floor_ps(v)) : _mm256_cvtps_epi32(v);
         }
-        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        store_codes32(out + i, _mm256_permutevar8x32_epi32(w, order), nt);
+        store_codes32(out + i, pack_codes32(q), nt);
     }
 #elif defined(__SSE2__)
     const __m128 vinv = _mm_set1_ps(inv), vhi = _mm_set1_ps(qmax), vlo = _mm_set1_ps(-qmax);

@@ -83,7 +83,7 @@ def metered_hook(
 
 def _after_last(state: MeteredHookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """Run the hook on `bucket` once the previous bucket's future is done (at once if it is)."""
-    last, state.last = state.last, None
+    last = state.last
     if last is None or last.done():
         state.last = state.hook(state.inner, bucket)
         return state.last

@@ -26,6 +26,7 @@ from typing import Any
 
 from nfabric_cli.atomic import atomic_write_text
 from nfabric_cli.errors import CheckFailed, InputError
+from nfabric_cli.ranks.exit import env_rank
 from nfabric_cli.validation.config import ValidateConfig, resolve_tolerance
 from nfabric_cli.validation.launch import ProgressCallback, spawn_ranks, start_torchrun, supervise
 from nfabric_cli.validation.report import step_frame, summarize, write_report
@@ -70,9 +71,7 @@ class ValidationResult:
 
 def torchrun_worker() -> tuple[int, int] | None:
     """(rank, world size) when this process was started by torchrun, else None."""
-    if "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
+    return env_rank() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
 def default_report_dir(workload: str) -> Path:

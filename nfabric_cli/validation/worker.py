@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nfabric_cli.ranks.exit import env_rank, exit_rank
 from nfabric_cli.validation.config import ValidateConfig
 from nfabric_cli.validation.progress import DONE, FAILED, KILLED, ProgressWriter
 
@@ -44,13 +45,6 @@ class ArmRecord:
     events: list[dict[str, Any]] = field(default_factory=list)
     metric: float | None = None  # rank 0 only
     link: dict[str, int] | None = None  # loopback bytes during the loop (rank 0, shaped link)
-
-
-def env_rank() -> tuple[int, int] | None:
-    """(rank, world size) when started by torchrun (or any env:// launcher), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
 
 
 def run_rank(
@@ -224,6 +218,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from nfabric_cli.ranks.exit import exit_rank
-
     exit_rank(main())
