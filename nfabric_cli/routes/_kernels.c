@@ -1171,3 +1171,56 @@ void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, 
     if (nt) nf_fence();
     if (margin) *margin = m;
 }
+
+/* Combine and decode codes each rank quantised on its own scales (int8 / int4 whose codes every
+ * rank gathered): out = (sum over ranks r, in rank order, of ((float)(q_r + offset) * rq) *
+ * s_r) / w, q_r rank r's raw `kind` code of the element (int4 nibbles hold code + 8: offset
+ * -8), s_r its scale of the element's chunk (`scales`: w rows of `nchunks`), every step
+ * rounded to float32 as torch computes it; for a power-of-two w the division is the product
+ * with 1 / w (the same bits). Tile by tile; elements past `numel` (padding) are not written. */
+void nf_combine_decode_local(const uint8_t *const *shards, int64_t w, int64_t nbytes, int kind,
+                             int64_t offset, float rq, const int64_t *blocks, int64_t nblocks,
+                             int64_t nchunks, const float *scales, int64_t numel, float *out) {
+    int32_t acc[NF_SUM_TILE * 8];
+    float v[NF_SUM_TILE * 8];
+    const int per = elems_per_byte(kind);
+    const int nt = numel >= NF_STREAM_MIN, pow2 = w > 0 && (w & (w - 1)) == 0;
+    const int32_t off = (int32_t)offset;
+    int64_t b0 = 0, r0 = 0, c0 = 0; /* the chunk cursor at the tile's start: block, its chunk, chunk overall */
+    for (int64_t j0 = 0; j0 < nbytes; j0 += NF_SUM_TILE) {
+        const int64_t nb = nbytes - j0 < NF_SUM_TILE ? nbytes - j0 : NF_SUM_TILE;
+        const int64_t e0 = j0 * per;
+        if (e0 >= numel) break;
+        const int64_t ne = numel - e0 < nb * per ? numel - e0 : nb * per;
+        int64_t b = b0, r = r0, c = c0;
+        for (int64_t k = 0; k < w; ++k) {
+            /* int8 codes convert to float straight from the shard; others via their raw codes */
+            const int8_t *q8 = kind == NF_SUM_INT8 ? (const int8_t *)shards[k] + j0 : NULL;
+            if (!q8) sum_tile(shards + k, 1, j0, nb, kind, acc);
+            const float *row = scales + k * nchunks;
+            b = b0, r = r0, c = c0;
+            for (int64_t e = e0; e < e0 + ne;) { /* chunk by chunk */
+                while (b < nblocks && e >= blocks[3 * b] + (r + 1) * blocks[3 * b + 2]) {
+                    ++c;
+                    if (++r == blocks[3 * b + 1]) { ++b; r = 0; }
+                }
+                const int64_t end = blocks[3 * b] + (r + 1) * blocks[3 * b + 2];
+                const int64_t stop = (end < e0 + ne ? end : e0 + ne) - e0;
+                const float s = row[c];
+                int64_t i = e - e0;
+                if (q8 && k == 0)
+                    for (; i < stop; ++i) v[i] = ((float)q8[i] * rq) * s;
+                else if (q8)
+                    for (; i < stop; ++i) v[i] = v[i] + ((float)q8[i] * rq) * s;
+                else if (k == 0)
+                    for (; i < stop; ++i) v[i] = ((float)(acc[i] + off) * rq) * s;
+                else
+                    for (; i < stop; ++i) v[i] = v[i] + ((float)(acc[i] + off) * rq) * s;
+                e = e0 + stop;
+            }
+        }
+        b0 = b, r0 = r, c0 = c;
+        scale_out(v, ne, pow2 ? 0 : 1, (float)w, pow2 ? 1.0f / (float)w : 1.0f, out + e0, nt);
+    }
+    if (nt) nf_fence();
+}

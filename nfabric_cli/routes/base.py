@@ -7,8 +7,10 @@ the single-process simulator (`simulate`); for code-based routes the two agree b
 
 Low-bit reduction, for every code route:
 1. each rank computes per-chunk scales (`chunks.py`) and agrees them with the other ranks
-   (exact MAX for int8/int4, in an all-reduce of its own since their codes need the agreed
-   scale; or a mean summed in rank order for sign/ternary, whose codes use the local scales);
+   (`agreement`: exact MAX for int8/int4, in an all-reduce of its own since their codes need
+   the agreed scale; a mean summed in rank order for sign/ternary, whose codes use the local
+   scales; or not at all for int8/int4 at W = 2, where each rank's codes are decoded on its
+   own scales, sent with them);
 2. each rank packs integer codes into bytes;
 3. the codes are combined exactly as integers, either `sharded` (all-to-all of packed shards,
    each rank combines its shard, all-gather of packed results; sign/ternary's local scales
@@ -192,6 +194,13 @@ class CodeRoute(Route):
     fused_decode = True  # `combine_decode` in one native pass (else combine, then decode)
 
     # -- subclass hooks ---------------------------------------------------------------------
+    def agreement(self, world_size: int) -> str:
+        """How the ranks agree chunk scales at `world_size`: "max" (an all-reduce before the
+        codes), "mean" (local scales ride with the codes, their rank-ordered mean decodes the
+        combined codes) or "local" (they ride with the codes, each rank's codes decode on its
+        own: `IntRoute`)."""
+        return self.scale_agreement
+
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
         raise NotImplementedError
 
@@ -269,9 +278,9 @@ class CodeRoute(Route):
         layout = chunk_layout(check_segments(numel, segments), self.spec.effective_chunk)
         scales = 4 * layout.nchunks
         padded, result = self._sizes(numel, world_size)
-        # max-agreed scales need a round of their own (the codes use them); mean-agreed local
-        # scales ride with the codes (`exchange.py`), or are all-gathered (central)
-        mean = self.scale_agreement == "mean"
+        # max-agreed scales need a round of their own (the codes use them); local scales ride
+        # with the codes (`exchange.py`), or are all-gathered (central)
+        mean = self.agreement(world_size) != "max"
         agree = [] if mean else [CommOp("allreduce", scales)]
         if self.gathers_codes(world_size):
             code_bytes = padded_payload_nbytes(self.payload_nbytes(numel), 1)
@@ -285,12 +294,16 @@ class CodeRoute(Route):
         return [*agree, CommOp("gather", padded), CommOp("broadcast", result)]
 
     # -- local codec ---------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
+    def encode(
+        self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,
+        out: torch.Tensor | None = None,
+    ) -> Payload:
+        """Codes on the local scales; written into `out` (uint8) where the route can."""
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)
         scales = self.local_scales(x, layout)
-        return Payload(self.encode_codes(x, layout, scales, noise), scales, x.numel(), segs)
+        return Payload(self.encode_codes(x, layout, scales, noise, out), scales, x.numel(), segs)
 
     def decode(self, payload: Payload) -> torch.Tensor:
         layout = chunk_layout(payload.segments, self.spec.effective_chunk)
@@ -431,7 +444,7 @@ class CodeRoute(Route):
             return x
         layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
         _, result_nbytes = self._sizes(n, w)
-        if self.scale_agreement == "mean":  # codes from the local scales, in one visit
+        if self.agreement(w) == "mean":  # codes from the local scales, in one visit
             payload = self.encode(x, segments, generator)
             local, codes = payload.scales, payload.codes
             agreed = sum_in_rank_order(comm.all_gather(local).view(w, -1).unbind(0)) / w
@@ -460,9 +473,15 @@ class CodeRoute(Route):
         if n == 0:
             return torch.zeros(0, device=xs[0].device)
         gens = list(generators) if generators is not None else [None] * w
-        layout = chunk_layout(check_segments(n, segments), self.spec.effective_chunk)
+        segs = check_segments(n, segments)
+        layout = chunk_layout(segs, self.spec.effective_chunk)
+        if self.agreement(w) == "local":  # every rank's codes on its own scales, as gathered
+            payloads = [self.encode(x, segs, g) for x, g in zip(xs, gens, strict=True)]
+            scales = torch.stack([p.scales for p in payloads])
+            return self.combine_decode([p.codes for p in payloads], w, scales, layout,
+                                       torch.empty(n, device=xs[0].device), stats)
         local = [self.local_scales(x, layout) for x in xs]
-        if self.scale_agreement == "max":
+        if self.agreement(w) == "max":
             agreed = local[0].clone()
             for s in local[1:]:
                 torch.maximum(agreed, s, out=agreed)

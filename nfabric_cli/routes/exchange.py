@@ -4,9 +4,10 @@ A bucket often holds several low-bit reduces: two regions on sign, sign beside i
 region's parameters split by another's (each consecutive run of them is reduced where it
 lies). Reduced one after another, each paid its own collectives; here they share them:
 
-1. every piece encodes its codes (int8 / int4 first agree their chunk scales: one MAX
-   all-reduce for all such pieces of the bucket together, since their codes need the agreed
-   scale; sign / ternary use their local scales, which ride with the codes);
+1. every piece encodes its codes (int8 / int4 that shard first agree their chunk scales: one
+   MAX all-reduce for all such pieces of the bucket together, since their codes need the
+   agreed scale; sign / ternary, and int8 / int4 that gather codes, use their local scales,
+   which ride with the codes: `CodeRoute.agreement`);
 2. **one all-to-all** for the pieces that shard: to rank d, the d-th shard of each one's
    codes, followed by its local scales where the route sends them (`_put` lays them out);
    each rank combines its shard of each (the routes' `combine_packed`);
@@ -73,7 +74,7 @@ class _Sizes:
 def _sizes(p: Piece, w: int) -> _Sizes:
     n, route = p.x.numel(), p.route
     layout = chunk_layout(check_segments(n, p.segments), route.spec.effective_chunk)
-    scales = 4 * layout.nchunks if route.scale_agreement == "mean" else 0
+    scales = 4 * layout.nchunks if route.agreement(w) != "max" else 0
     if route.gathers_codes(w):
         return _Sizes(layout, True, padded_payload_nbytes(route.payload_nbytes(n), 1), scales, 0)
     padded, result = route._sizes(n, w)
@@ -152,7 +153,7 @@ class Exchange:
             valid = max(0, min(shard_elems, p.x.numel() - rank * shard_elems))
             self._mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, p.stats)
             if s.scale_bytes:
-                self._scales[i] = _agreed(recv, off + s.codes, s, w)
+                self._scales[i] = sum_in_rank_order(_scale_rows(recv, off + s.codes, s).unbind(0)) / w
             off, roff = off + s.block, roff + s.result
         self._wire = self._all_gather()
 
@@ -175,8 +176,10 @@ class Exchange:
             shards = [results[r, off : off + s.codes] for r in range(w)]
             # every rank combines every element, so every rank holds the whole agreement
             stats = None if p.stats is None else p.stats.setdefault(WHOLE, {})
-            agreed = _agreed(results, off + s.codes, s, w) if s.scale_bytes else sc
-            out = p.route.combine_decode(shards, w, agreed, s.layout, p.x, stats)
+            if s.scale_bytes:  # every rank's local scales, a row each
+                sc = _scale_rows(results, off + s.codes, s)
+                sc = sc if p.route.agreement(w) == "local" else sum_in_rank_order(sc.unbind(0)) / w
+            out = p.route.combine_decode(shards, w, sc, s.layout, p.x, stats)
             if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory
                 p.x.copy_(out)
             off += s.block
@@ -223,11 +226,10 @@ def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, s: _Sizes
         dst[:, s.codes : s.block] = scales.contiguous().view(torch.uint8)
 
 
-def _agreed(rows: torch.Tensor, at: int, s: _Sizes, w: int) -> torch.Tensor:
-    """The mean of the W ranks' local scales found at byte `at` of each row, summed in rank
-    order (as every rank and the simulator sum them)."""
-    local = rows[:, at : at + s.scale_bytes].contiguous().view(torch.float32)
-    return sum_in_rank_order(local.unbind(0)) / w
+def _scale_rows(rows: torch.Tensor, at: int, s: _Sizes) -> torch.Tensor:
+    """The W ranks' local scales found at byte `at` of each row, (W, nchunks) float32; their
+    mean is summed in rank order (as every rank and the simulator sum them)."""
+    return rows[:, at : at + s.scale_bytes].contiguous().view(torch.float32)
 
 
 def _decode(p: Piece, s: _Sizes, packed: torch.Tensor, scales: torch.Tensor, w: int) -> None:
@@ -241,15 +243,15 @@ def _encode(
     dests: Sequence[torch.Tensor | None],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each piece's packed codes, and its scales: the agreed MAX for max-agreed routes (one
-    all-reduce for all of them), the local ones for mean-agreed routes (agreed after the
-    all-to-all that carries them). A max-agreed piece with a `dests` buffer (its place on
-    the wire) is encoded there where its route can."""
+    all-reduce for all of them), else the local ones (they travel with the codes). A piece
+    with a `dests` buffer (its place on the wire) is encoded there where its route can."""
     codes: list[torch.Tensor | None] = [None] * len(pieces)
     scales: list[torch.Tensor | None] = [None] * len(pieces)
-    maxed = [i for i, p in enumerate(pieces) if p.route.scale_agreement == "max"]
+    w = comm.world_size
+    maxed = [i for i, p in enumerate(pieces) if p.route.agreement(w) == "max"]
     for i, p in enumerate(pieces):
         if i not in maxed:  # codes from the local scales, in one visit where the codec can
-            payload = p.route.encode(p.x, p.segments, p.noise)
+            payload = p.route.encode(p.x, p.segments, p.noise, dests[i])
             codes[i], scales[i] = payload.codes, payload.scales
     if maxed:
         local = [pieces[i].route.local_scales(pieces[i].x, sizes[i].layout) for i in maxed]

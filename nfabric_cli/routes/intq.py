@@ -1,9 +1,21 @@
-"""`int8` / `int4`: per-chunk scaled integer codes, summed exactly as integers (CGX-style).
+"""`int8` / `int4`: per-chunk scaled integer codes.
 
-Every rank quantises with the same scale (the all-reduced MAX of per-chunk absmax), so
-codes from different ranks are commensurable and their integer sum is exact. int4 codes are in
-[-7, 7] and packed two per byte. Rounding is to nearest (ties to even) or stochastic
-(floor(x/s + u), u ~ U[0, 1), unbiased).
+Two ways to agree the scales, by how the codes travel (`IntRoute.agreement`):
+
+- **max** (sharded at W >= 3, central): every rank quantises with the same scale (the
+  all-reduced MAX of per-chunk absmax), so codes from different ranks are commensurable and
+  their integer sum is exact (CGX-style); that sum is what travels back.
+- **local** (W = 2, where every rank gathers every rank's codes): every rank quantises on its own
+  chunk scales, absmax and codes in one visit per chunk, and sends the scales with the codes;
+  every rank decodes each rank's codes on that rank's scales and averages them in rank order.
+  No MAX round and no second pass over the gradient (a 9.4M-element reduce: 3.4 ms of encode
+  against 3.0 + 2.4 ms and a round), each rank's quantisation step is its own (never coarser),
+  and the result is exactly the mean of the ranks' own roundtrips, which is what error
+  feedback subtracts.
+
+A code q decodes as (q * inv_qmax) * s (`kernels.inv_qmax`). int4 codes are in [-7, 7] and
+packed two per byte. Rounding is to nearest (ties to even) or stochastic (floor(x/s + u),
+u ~ U[0, 1), unbiased).
 """
 
 from __future__ import annotations
@@ -15,6 +27,7 @@ import torch
 from nfabric_cli.routes import kernels
 from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_input
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
+from nfabric_cli.routes.comm import sum_in_rank_order
 from nfabric_cli.routes.packing import pack_uint, unpack_uint
 
 
@@ -23,6 +36,11 @@ class IntRoute(CodeRoute):
     scale_agreement = "max"
     # The combined sum travels in at most 32 bits: W * qmax must fit comfortably.
     max_world_size = 1 << 16
+
+    def agreement(self, world_size: int) -> str:
+        """'local' where every rank gathers every rank's codes (W = 2, sharded), else 'max'
+        (module docstring)."""
+        return "local" if self.gathers_codes(world_size) else "max"
 
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
         k = kernels.native(x)
@@ -70,17 +88,42 @@ class IntRoute(CodeRoute):
         direct = out[: x.numel()].view(torch.int8) if out is not None and self.elems_per_byte == 1 else None
         return self._pack_codes(self._codes(x, layout, scales, gen, direct))
 
-    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
+    def encode(
+        self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,
+        out: torch.Tensor | None = None,
+    ) -> Payload:
         """Nearest rounding: absmax and codes in one visit per chunk (same bytes as
-        `CodeRoute.encode`). Stochastic rounding draws its noise first, so it takes that path."""
+        `CodeRoute.encode`), into `out` when given. Stochastic rounding draws its noise
+        first, so it takes that path."""
         k = kernels.native(x)
         if k is None or self.spec.rounding == "stochastic":
-            return super().encode(x, segments, noise)
+            return super().encode(x, segments, noise, out)
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)
-        absmax, codes = k.int_encode(x, layout, self.qmax, nibbles=self.elems_per_byte == 2)
+        absmax, codes = k.int_encode(x, layout, self.qmax, nibbles=self.elems_per_byte == 2,
+                                     out=out)
         return Payload(codes, absmax, x.numel(), segs)
+
+    def combine_decode(
+        self, shards: Sequence[torch.Tensor], world_size: int, scales: torch.Tensor,
+        layout: ChunkLayout, out: torch.Tensor, stats: dict[str, float] | None,
+    ) -> torch.Tensor:
+        """With local scales (`scales`: one row per rank) the mean of each rank's codes
+        decoded on its own scales, in rank order; else the exact integer sum (`CodeRoute`)."""
+        if self.agreement(world_size) != "local":
+            return super().combine_decode(shards, world_size, scales, layout, out, stats)
+        inv, n = kernels.inv_qmax(self.qmax), layout.numel
+        k = kernels.native(shards[0])
+        if k is not None:
+            kind, offset = ("int8", 0) if self.elems_per_byte == 1 else ("nibble", -8)
+            k.combine_decode_local(shards, kind, offset, inv, layout, scales, out)
+            return out
+        parts = []
+        for codes, s in zip(shards, scales, strict=True):
+            v = self._unpack_codes(codes)[:n].float().mul_(inv)
+            parts.append(layout.scale_into(v, s, v))
+        return out.copy_(sum_in_rank_order(parts).div_(world_size))
 
     def combine(self, shards: Sequence[torch.Tensor], world_size: int) -> tuple[torch.Tensor, None]:
         k = kernels.native(shards[0])
@@ -119,7 +162,8 @@ class IntRoute(CodeRoute):
         if k is not None:
             bits = 8 // self.elems_per_byte
             return k.int_decode(payload.codes, bits, self.qmax, layout, payload.scales)
-        codes = self._unpack_codes(payload.codes)[: payload.numel].float().div_(self.qmax)
+        codes = self._unpack_codes(payload.codes)[: payload.numel].float()
+        codes.mul_(kernels.inv_qmax(self.qmax))
         return layout.scale_into(codes, payload.scales, codes)
 
 

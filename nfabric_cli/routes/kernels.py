@@ -59,6 +59,7 @@ _SIGNATURES: dict[str, list] = {
     "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_combine_decode": [_P, _I, _I, ctypes.c_int, _I, _P, _P, _I, _P, ctypes.c_int, _F, _I,
                           _P, _P],
+    "nf_combine_decode_local": [_P, _I, _I, ctypes.c_int, _I, _F, _P, _I, _I, _P, _I, _P],
 }
 #: Code kinds `sum_codes` adds up, with elements per byte.
 SUM_KINDS: dict[str, tuple[int, int]] = {"int8": (0, 1), "nibble": (1, 2), "trit": (2, 5), "bit": (3, 8)}
@@ -75,14 +76,20 @@ def _blocks(layout: ChunkLayout) -> torch.Tensor:
                         dtype=torch.int64)
 
 
+def inv_qmax(qmax: int) -> float:
+    """1 / qmax as a float32 (an exact Python float): an int code q decodes as (q * this) * s,
+    products the torch path and the kernels round alike (q * this = +-1 exactly at +-qmax)."""
+    return float(torch.tensor(1.0 / qmax, dtype=torch.float32))
+
+
 @functools.lru_cache(maxsize=4)
 def _int_lut(qmax: int, bits: int) -> torch.Tensor:
-    """Decoded value per packed code, computed by torch itself: codes.float() / qmax."""
+    """Decoded value per packed code, computed by torch itself: codes.float() * inv_qmax."""
     if bits == 8:
         codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.int8)
     else:
         codes = torch.arange(16, dtype=torch.uint8).to(torch.int8) - 8
-    return codes.float().div_(qmax)
+    return codes.float().mul_(inv_qmax(qmax))
 
 
 def _src(x: torch.Tensor, layout: ChunkLayout | None = None) -> torch.Tensor:
@@ -175,12 +182,18 @@ class Kernels:
         return out
 
     def int_encode(
-        self, x: torch.Tensor, layout: ChunkLayout, qmax: int, nibbles: bool = False
+        self, x: torch.Tensor, layout: ChunkLayout, qmax: int, nibbles: bool = False,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-chunk absmax, uint8 payload of nearest-rounded codes) in one visit per chunk:
-        int8 codes one per byte, or with `nibbles` int4 codes (+8) two per byte."""
+        int8 codes one per byte, or with `nibbles` int4 codes (+8) two per byte; the payload
+        into the first bytes of `out` (uint8) when given."""
         absmax, n = torch.empty(layout.nchunks), x.numel()
-        out = self.empty((n + 1) // 2 if nibbles else n, torch.uint8)
+        nbytes = (n + 1) // 2 if nibbles else n
+        if out is None:
+            out = self.empty(nbytes, torch.uint8)
+        else:
+            out = _need(out, nbytes, "int codes")[:nbytes]
         self.lib.nf_int_encode(_src(x, layout).data_ptr(), _blocks(layout).data_ptr(),
                                len(layout.blocks), float(qmax), absmax.data_ptr(),
                                out.data_ptr(), int(nibbles))
@@ -379,6 +392,26 @@ class Kernels:
                                    scales.data_ptr(), mode, d, layout.numel, out.data_ptr(),
                                    ctypes.byref(total) if margin else None)
         return total.value if margin else None
+
+
+    def combine_decode_local(
+        self, shards: Sequence[torch.Tensor], kind: str, offset: int, inv: float,
+        layout: ChunkLayout, scales: torch.Tensor, out: torch.Tensor,
+    ) -> None:
+        """Decode into `out` (float32, `layout.numel`) the mean over the W shards, in rank
+        order, of each one's codes (raw `kind` code + `offset`) decoded on its own per-chunk
+        scales (`scales`: W rows): (sum_r ((q_r * inv) * s_r)) / W, as torch computes it."""
+        code, per = SUM_KINDS[kind]
+        ptrs, nbytes = self._shard_ptrs(shards)
+        if nbytes * per < layout.numel:
+            raise ValueError(f"{nbytes * per} codes for a layout of {layout.numel}")
+        scales = _need(scales.float(), 4 * len(shards) * layout.nchunks, "scales")
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
+            raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
+        self.lib.nf_combine_decode_local(ptrs, len(shards), nbytes, code, offset, inv,
+                                         _blocks(layout).data_ptr(), len(layout.blocks),
+                                         layout.nchunks, scales.data_ptr(), layout.numel,
+                                         out.data_ptr())
 
 
 def _check_torch_agrees(k: Kernels) -> str | None:

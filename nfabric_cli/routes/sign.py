@@ -42,8 +42,12 @@ class SignRoute(CodeRoute):
         k = kernels.native(x)
         return k.sign_bits(x) if k is not None else pack_bool(x > 0)
 
-    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
-        """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`)."""
+    def encode(
+        self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,
+        out: torch.Tensor | None = None,
+    ) -> Payload:
+        """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`); the
+        bits are new memory (`out` is not used)."""
         k = kernels.native(x)
         if k is None:
             return super().encode(x, segments, noise)

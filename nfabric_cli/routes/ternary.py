@@ -63,8 +63,12 @@ class TernaryRoute(CodeRoute):
             return k.ternary_gate(x, layout, self.spec.tau, packed=True)[2]
         return pack_trits((self._votes(x, layout) + 1).view(torch.uint8))
 
-    def encode(self, x: torch.Tensor, segments: Segments = None, noise: Noise = None) -> Payload:
-        """Gate once for scales and codes (same bytes as `CodeRoute.encode`)."""
+    def encode(
+        self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,
+        out: torch.Tensor | None = None,
+    ) -> Payload:
+        """Gate once for scales and codes (same bytes as `CodeRoute.encode`); the codes are
+        new memory (`out` is not used)."""
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)

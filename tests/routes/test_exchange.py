@@ -70,8 +70,9 @@ def test_which_routes_gather_codes_instead_of_sharding():
 
 
 #: per world size, the collectives of PIECES and SIGN_ONLY: at W = 2 every piece gathers
-#: codes, so no all-to-all; int8 / int4 add the MAX all-reduce of their scales
-CALLS = {2: (["allreduce", "all_gather"], ["all_gather"]),
+#: codes with its local scales, so one all-gather and nothing else; from W = 3 int8 / int4
+#: add the MAX all-reduce of their scales
+CALLS = {2: (["all_gather"], ["all_gather"]),
          3: (["allreduce", "all_to_all", "all_gather"], ["all_to_all", "all_gather"]),
          4: (["allreduce", "all_to_all", "all_gather"], ["all_to_all", "all_gather"])}
 

@@ -177,20 +177,23 @@ def test_codes_under_an_agreed_scale_and_large_decodes_match_torch(
         assert_same(ref, nat, name)
         assert set(ref[x.isnan()].tolist()) == {0} and ref.abs().max() == route.qmax
     shards = [torch.randint(-127, 128, (n,), dtype=torch.int8).view(torch.uint8) for _ in range(2)]
-    route, layout = make_route("int8"), chunk_layout((n,), 2048)
-    scales = torch.rand(layout.nchunks)
+    layout = chunk_layout(segs, 2048)
+    scales = torch.rand(2, layout.nchunks)  # W = 2 gathers codes: each rank's own scales
+    for name, nbytes in (("int8", n), ("int4", (n + 1) // 2)):
+        route = make_route(name)
 
-    def decoded() -> torch.Tensor:
-        out = torch.full((n + 1,), float("nan"))[1:]
-        return route.combine_decode(shards, 2, scales, layout, out, None)
+        def decoded(route=route, nbytes=nbytes) -> torch.Tensor:
+            out = torch.full((n + 1,), float("nan"))[1:]
+            return route.combine_decode([s[:nbytes] for s in shards], 2, scales, layout, out, None)
 
-    assert_same(*_both(isa, decoded, monkeypatch), "combine_decode")
+        assert_same(*_both(isa, decoded, monkeypatch), f"{name} combine_decode, local scales")
     # a sharded reduce's packed result (W = 4: 16-bit codes), decoded as every rank does
+    route, layout = make_route("int8"), chunk_layout((n,), 2048)
     packed = route.combine_packed([*shards, *shards], 4, n, None)
 
     def unpacked() -> torch.Tensor:
         out = torch.full((n + 1,), float("nan"))[1:]
-        return route._decode_result(packed, n, 4, scales, layout, out=out)
+        return route._decode_result(packed, n, 4, scales[0], layout, out=out)
 
     assert_same(*_both(isa, unpacked, monkeypatch), "decode_codes")
 
@@ -272,6 +275,8 @@ def test_combine_decode_is_combine_then_decode(isa: str, spec: RouteSpec,
         payloads = [route.encode(g, segments) for g in grads]
         codes = [route._pad(p.codes, route._sizes(n, 1)[0]) for p in payloads]
         scales = sum(p.scales for p in payloads) / world
+        if route.agreement(world) == "local":  # int8 / int4 at W = 2: each rank's own scales
+            scales = torch.stack([p.scales for p in payloads])
 
         def decoded(codes: list = codes, world: int = world, scales: torch.Tensor = scales) -> tuple:
             stats: dict[str, float] = {}

@@ -9,6 +9,7 @@ import torch
 
 from nfabric_cli.errors import InputError
 from nfabric_cli.routes import ROUTE_NAMES, RouteSpec, make_route
+from nfabric_cli.routes.chunks import chunk_layout
 from nfabric_cli.routes.packing import (
     pack_bool,
     pack_trits,
@@ -70,6 +71,28 @@ def test_int_error_bound_on_ramps(name: str, qmax: int, world_size: int) -> None
         [absmax[i : i + chunk].max().expand(min(chunk, n - i)) for i in range(0, n, chunk)]
     ) / qmax / 2
     assert ((out - true).abs() <= bound * (1 + 1e-5) + 1e-7).all()
+
+
+@pytest.mark.parametrize("name,qmax", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_int_at_two_ranks_is_the_mean_of_each_ranks_own_roundtrip(
+    name: str, qmax: int, rounding: str
+) -> None:
+    # W = 2 gathers codes with each rank's own chunk scales: the result is exactly the mean
+    # of what each rank's roundtrip gives (what error feedback subtracts), and a rank whose
+    # gradient is 1000x smaller keeps its own quantisation step (a MAX-agreed scale would
+    # give it the larger rank's).
+    spec = RouteSpec(name, chunk=256, rounding=rounding)
+    route, segs = make_route(spec), (3, 4000, 997)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(5000, generator=gen), torch.randn(5000, generator=gen) * 1e-3]
+    noise = [torch.rand(5000, generator=gen) if rounding == "stochastic" else None for _ in xs]
+    out = route.simulate(xs, segs, generators=noise)
+    own = [route.roundtrip(x, segs, n) for x, n in zip(xs, noise, strict=True)]
+    assert torch.equal(out, (own[0] + own[1]) / 2)
+    step = [route.local_scales(x, chunk_layout(segs, 256)) / qmax for x in xs]  # its own step
+    err = (own[1] - xs[1]).abs().max()
+    assert err <= step[1].max() * (1.0 if rounding == "stochastic" else 0.5) * (1 + 1e-5)
 
 
 def test_int8_stochastic_rounding_is_unbiased() -> None:
