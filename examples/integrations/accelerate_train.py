@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
+import nfabric_cli  # noqa: E402
 from examples.integrations.task import Net, dataset, loss_of, make_profile  # noqa: E402
 from nfabric_cli.integrations.accelerate import attach_accelerate, optimizer_steps  # noqa: E402
-from nfabric_cli.ranks.exit import exit_rank  # noqa: E402
 
 
 def main() -> None:
@@ -68,4 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_rank(0)  # skip the interpreter's teardown: it can abort a gloo rank (ranks/exit.py)
+    nfabric_cli.exit_rank(0)  # skip the interpreter's teardown: it can abort a gloo rank

@@ -20,9 +20,9 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
+import nfabric_cli  # noqa: E402
 from examples.integrations.task import Net, dataset, loss_of, make_profile  # noqa: E402
 from nfabric_cli.integrations.hf_trainer import attach_trainer  # noqa: E402
-from nfabric_cli.ranks.exit import exit_rank  # noqa: E402
 
 
 class Model(nn.Module):
@@ -77,4 +77,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_rank(0)  # skip the interpreter's teardown: it can abort a gloo rank (ranks/exit.py)
+    nfabric_cli.exit_rank(0)  # skip the interpreter's teardown: it can abort a gloo rank
