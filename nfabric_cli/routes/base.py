@@ -280,16 +280,16 @@ class CodeRoute(Route):
         padded, result = self._sizes(numel, world_size)
         # max-agreed scales need a round of their own (the codes use them); local scales ride
         # with the codes (`exchange.py`), or are all-gathered (central)
-        mean = self.agreement(world_size) != "max"
-        agree = [] if mean else [CommOp("allreduce", scales)]
+        local = self.agreement(world_size) != "max"
+        agree = [] if local else [CommOp("allreduce", scales)]
         if self.gathers_codes(world_size):
             code_bytes = padded_payload_nbytes(self.payload_nbytes(numel), 1)
-            return [*agree, CommOp("all_gather", code_bytes + (scales if mean else 0))]
+            return [*agree, CommOp("all_gather", code_bytes + (scales if local else 0))]
         if self.spec.reducer == "sharded":
-            if mean:
+            if local:
                 padded += world_size * scales
             return [*agree, CommOp("all_to_all", padded), CommOp("all_gather", result // world_size)]
-        if mean:
+        if local:
             agree = [CommOp("all_gather", scales)]
         return [*agree, CommOp("gather", padded), CommOp("broadcast", result)]
 

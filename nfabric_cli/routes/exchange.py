@@ -153,7 +153,7 @@ class Exchange:
             valid = max(0, min(shard_elems, p.x.numel() - rank * shard_elems))
             self._mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, p.stats)
             if s.scale_bytes:
-                self._scales[i] = sum_in_rank_order(_scale_rows(recv, off + s.codes, s).unbind(0)) / w
+                self._scales[i] = _agreed(p.route, recv, off + s.codes, s, w)
             off, roff = off + s.block, roff + s.result
         self._wire = self._all_gather()
 
@@ -176,10 +176,8 @@ class Exchange:
             shards = [results[r, off : off + s.codes] for r in range(w)]
             # every rank combines every element, so every rank holds the whole agreement
             stats = None if p.stats is None else p.stats.setdefault(WHOLE, {})
-            if s.scale_bytes:  # every rank's local scales, a row each
-                sc = _scale_rows(results, off + s.codes, s)
-                sc = sc if p.route.agreement(w) == "local" else sum_in_rank_order(sc.unbind(0)) / w
-            out = p.route.combine_decode(shards, w, sc, s.layout, p.x, stats)
+            agreed = _agreed(p.route, results, off + s.codes, s, w) if s.scale_bytes else sc
+            out = p.route.combine_decode(shards, w, agreed, s.layout, p.x, stats)
             if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory
                 p.x.copy_(out)
             off += s.block
@@ -226,10 +224,12 @@ def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, s: _Sizes
         dst[:, s.codes : s.block] = scales.contiguous().view(torch.uint8)
 
 
-def _scale_rows(rows: torch.Tensor, at: int, s: _Sizes) -> torch.Tensor:
-    """The W ranks' local scales found at byte `at` of each row, (W, nchunks) float32; their
-    mean is summed in rank order (as every rank and the simulator sum them)."""
-    return rows[:, at : at + s.scale_bytes].contiguous().view(torch.float32)
+def _agreed(route: CodeRoute, rows: torch.Tensor, at: int, s: _Sizes, w: int) -> torch.Tensor:
+    """The scales a piece decodes on, from the W ranks' local scales found at byte `at` of
+    each row: all of them, a row per rank ("local"), or their mean summed in rank order (as
+    every rank and the simulator sum them)."""
+    local = rows[:, at : at + s.scale_bytes].contiguous().view(torch.float32)
+    return local if route.agreement(w) == "local" else sum_in_rank_order(local.unbind(0)) / w
 
 
 def _decode(p: Piece, s: _Sizes, packed: torch.Tensor, scales: torch.Tensor, w: int) -> None:
