@@ -15,7 +15,9 @@ Low-bit reduction, for every code route:
 3. the codes are combined exactly as integers, either `sharded` (all-to-all of packed shards,
    each rank combines its shard, all-gather of packed results; sign/ternary's local scales
    ride in the same all-to-all, so they cost two collectives, int8/int4 three) or `central`
-   (gather to rank 0, combine, broadcast back);
+   (gather to rank 0, combine, broadcast back); where every rank gathers every rank's codes
+   (`gathers_codes`) each combines them all, and int8/int4 there decode each rank's codes on
+   its own scales and average them instead (`IntRoute.combine_decode`);
 4. every rank decodes the combined integers with the agreed scales; the native kernels decode
    straight from the packed result (`_decode_result`) into the rank's own input memory,
    without an int64 copy of it. The sharded combine packs its result in the same pass

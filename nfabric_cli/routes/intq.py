@@ -33,7 +33,6 @@ from nfabric_cli.routes.packing import pack_uint, unpack_uint
 
 class IntRoute(CodeRoute):
     qmax = 127
-    scale_agreement = "max"
     # The combined sum travels in at most 32 bits: W * qmax must fit comfortably.
     max_world_size = 1 << 16
 
