@@ -170,3 +170,21 @@ def test_a_nan_on_a_plain_ddp_step_of_a_lowbit_phase_is_neutralised() -> None:
     assert torch.equal(a["weights"][6], a["weights"][5])
     assert not torch.equal(a["weights"][7], a["weights"][6])  # training goes on after it
     assert all(not torch.equal(a["weights"][i + 1], a["weights"][i]) for i in range(5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_finds_any_nan_or_infinity_anywhere(dtype: torch.dtype) -> None:
+    # the gated-off step's check (`all_finite`: min and max per buffer): every position of a
+    # vector-sized and an odd-sized buffer, beside finite ones
+    from nfabric_cli.runtime.state import all_finite
+
+    clean = [torch.randn(1000).to(dtype), torch.empty(0, dtype=dtype), torch.randn(37).to(dtype)]
+    assert all_finite(clean) and all_finite([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in (0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 36):
+            t = [c.clone() for c in clean]
+            t[2][i] = bad
+            assert not all_finite(t), (bad, i)
+        t = [c.clone() for c in clean]
+        t[0][999] = bad
+        assert not all_finite(t), bad
