@@ -20,6 +20,7 @@ u ~ U[0, 1), unbiased).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +37,7 @@ class IntRoute(CodeRoute):
     # The combined sum travels in at most 32 bits: W * qmax must fit comfortably.
     max_world_size = 1 << 16
 
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - routes are cached, stateless singletons
     def agreement(self, world_size: int) -> str:
         """'local' where every rank gathers every rank's codes (W = 2, sharded), else 'max'
         (module docstring)."""
@@ -112,16 +114,14 @@ class IntRoute(CodeRoute):
         decoded on its own scales, in rank order; else the exact integer sum (`CodeRoute`)."""
         if self.agreement(world_size) != "local":
             return super().combine_decode(shards, world_size, scales, layout, out, stats)
-        inv, n = kernels.inv_qmax(self.qmax), layout.numel
+        n = layout.numel
         k = kernels.native(shards[0])
         if k is not None:
             kind, offset = ("int8", 0) if self.elems_per_byte == 1 else ("nibble", -8)
-            k.combine_decode_local(shards, kind, offset, inv, layout, scales, out)
+            k.combine_decode_local(shards, kind, offset, kernels.inv_qmax(self.qmax), layout,
+                                   scales, out)
             return out
-        parts = []
-        for codes, s in zip(shards, scales, strict=True):
-            v = self._unpack_codes(codes)[:n].float().mul_(inv)
-            parts.append(layout.scale_into(v, s, v))
+        parts = [self._decode_torch(c, s, n, layout) for c, s in zip(shards, scales, strict=True)]
         return out.copy_(sum_in_rank_order(parts).div_(world_size))
 
     def combine(self, shards: Sequence[torch.Tensor], world_size: int) -> tuple[torch.Tensor, None]:
@@ -161,9 +161,15 @@ class IntRoute(CodeRoute):
         if k is not None:
             bits = 8 // self.elems_per_byte
             return k.int_decode(payload.codes, bits, self.qmax, layout, payload.scales)
-        codes = self._unpack_codes(payload.codes)[: payload.numel].float()
-        codes.mul_(kernels.inv_qmax(self.qmax))
-        return layout.scale_into(codes, payload.scales, codes)
+        return self._decode_torch(payload.codes, payload.scales, payload.numel, layout)
+
+    def _decode_torch(
+        self, packed: torch.Tensor, scales: torch.Tensor, n: int, layout: ChunkLayout
+    ) -> torch.Tensor:
+        """One rank's codes on its own scales, (q * inv_qmax) * s, in new memory: the torch
+        path of the local roundtrip and of each rank's share of a local-scale combine."""
+        v = self._unpack_codes(packed)[:n].float().mul_(kernels.inv_qmax(self.qmax))
+        return layout.scale_into(v, scales, v)
 
 
 class Int8Route(IntRoute):
