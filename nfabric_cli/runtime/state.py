@@ -112,6 +112,14 @@ class FabricState:
         # phases with a low-bit route somewhere: the only ones the measured gate probes
         self._lowbit_phases = {p.name for p in bindings.phases
                                if any(b.routes[p.name].lowbit for b in bindings.params.values())}
+        # The measured gate's probe cycle per phase: phases that route every parameter alike
+        # share the first one's (timing the same two paths again at a phase boundary costs a
+        # step on the slower path and learns nothing: vision.v5's warmup and main phase).
+        first: dict[tuple[RouteSpec, ...], str] = {}
+        self._probe_cycle = {
+            p.name: first.setdefault(tuple(b.routes[p.name] for b in bindings.params.values()),
+                                     p.name)
+            for p in bindings.phases}
         self._loss: torch.Tensor | float | None = None
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
@@ -275,6 +283,7 @@ class FabricState:
             return FP32_PATH
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
             return LOWBIT_PATH
+        phase = self._probe_cycle[phase]
         due = probe.due(phase)
         if due is not None:
             medians = torch.tensor(due, dtype=torch.float64, device=self.device)

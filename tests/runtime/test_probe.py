@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.phases import Phase
 from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.inject import Injection
@@ -119,12 +120,13 @@ class _LowBitSlower(MeasuredAdmission):
         return super().decide(phase, lowbit_s + 1.0, fp32_s)
 
 
-def _measured_run(rank: int, world: int, nan_at: int | None = None) -> dict:
+def _measured_run(rank: int, world: int, nan_at: int | None = None,
+                  phases: list[Phase] | None = None) -> dict:
     steps = 12
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.001)
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               bucket_cap_mb=None)
+    bindings = compile_profile(static_profile(model, "sign", phases=phases), model,
+                               world_size=world, bucket_cap_mb=None)
     faults = () if nan_at is None else (Injection("nan", nan_at, 1),)
     state = attach_with(ddp, bindings, total_steps=steps, gate="measure", injections=faults)
     state.gate.measured = _LowBitSlower(steps=2, recheck_every=100, warmup=1)
@@ -160,6 +162,18 @@ def test_every_rank_decides_alike_and_an_fp32_step_is_plain_ddp() -> None:
     assert event["reason"].startswith("measured step: low-bit ") and " vs fp32 " in event["reason"]
     # warm-up and the low-bit probes went through the worker (sign bytes, a statistics round);
     # the fp32 probes and every step after the decision went out as plain DDP: neither
+    assert a["sign_steps"] == a["control_steps"] == [0, 1]
+
+
+def test_phases_routed_alike_share_one_probe_cycle() -> None:
+    """A warm-up phase and a main phase with the same routes (vision.v5's) are probed once:
+    the cycle begun in the warm-up (steps 0-2) decides at step 3, in the main phase, which
+    keeps the decision instead of spending another step on the slower path."""
+    phases = [Phase("warmup", 0.0, 0.2), Phase("main", 0.2, 1.0)]
+    a, b = run_ranks(_measured_run, 2, None, phases)
+    assert a["events"] == b["events"]
+    (event,) = a["events"]
+    assert event["step"] == 3 and event["to"] == "fp32"
     assert a["sign_steps"] == a["control_steps"] == [0, 1]
 
 
