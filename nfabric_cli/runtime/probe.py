@@ -4,8 +4,8 @@ The capacity gate prices buckets on a fitted substrate (`substrate/cost.py`); wi
 admits every bucket as the profile wrote it, however slow low-bit is on the link at hand.
 With ``gate="measure"`` (`attach`, `validate --gate measure`) and no substrate, each phase with
 a low-bit route runs a *probe cycle* (phases that route every parameter alike share one:
-vision.v5's warm-up and main phase are timed once, not twice at a slow-path step each): `warmup` steps as written (untimed: first steps pay for
-allocation and DDP's bucket rebuild), then up to `steps` pairs of steps, one on the profile's
+vision.v5's warm-up and main phase are timed once, not at a slow-path step each): `warmup`
+steps as written (untimed: first steps pay for allocation and DDP's bucket rebuild), then up to `steps` pairs of steps, one on the profile's
 routes and one on plain DDP's fp32 path, each step's period (first bucket to next step's first
 bucket) timed. After each pair, at the next step's first bucket, the ranks all-reduce their
 medians so far (one small blocking all-reduce, while nothing else is in flight) and every

@@ -283,19 +283,19 @@ class FabricState:
             return FP32_PATH
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
             return LOWBIT_PATH
-        phase = self._probe_cycle[phase]
-        due = probe.due(phase)
+        cycle = self._probe_cycle[phase]
+        due = probe.due(cycle)
         if due is not None:
             medians = torch.tensor(due, dtype=torch.float64, device=self.device)
             dist.all_reduce(medians, group=self.comm.group)
             low, full = (medians / self.world_size).tolist()
-            decided = probe.decide(phase, low, full)
+            decided = probe.decide(cycle, low, full)
             if decided is not None:
                 self._log({"step": self.step, "scope": "step", "from": "probe",
                            "to": decided[0], "reason": decided[1]})
-        path, timed = probe.path(phase)
+        path, timed = probe.path(cycle)
         if timed:
-            self._timing = (phase, path)
+            self._timing = (cycle, path)
         return path
 
     def _fp32_direct(self, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
