@@ -2,14 +2,15 @@
 
 The capacity gate prices buckets on a fitted substrate (`substrate/cost.py`); without one it
 admits every bucket as the profile wrote it, however slow low-bit is on the link at hand.
-With ``gate="measure"`` (`attach`, `validate --gate measure`) and no substrate, each phase with
-a low-bit route runs a *probe cycle* (phases that route every parameter alike share one:
-vision.v5's warm-up and main phase are timed once, not at a slow-path step each): `warmup`
-steps as written (untimed: first steps pay for allocation and DDP's bucket rebuild), then up to `steps` pairs of steps, one on the profile's
-routes and one on plain DDP's fp32 path, each step's period (first bucket to next step's first
-bucket) timed. After each pair, at the next step's first bucket, the ranks all-reduce their
-medians so far (one small blocking all-reduce, while nothing else is in flight) and every
-rank takes the same decision: keep the faster path once one is `decisive` times the other
+With ``gate="measure"`` (`attach`, `validate --gate measure`) and no substrate, each phase
+with a low-bit route runs a *probe cycle* (phases that route every parameter alike share
+one: vision.v5's warm-up and main phase are timed once, not at a slow-path step each):
+`warmup` steps as written (untimed: first steps pay for allocation and DDP's bucket
+rebuild), then up to `steps` pairs of steps, one on the profile's routes and one on plain
+DDP's fp32 path, each step's period (first bucket to next step's first bucket) timed. After
+each pair, at the next step's first bucket, the ranks all-reduce their medians so far (one
+small blocking all-reduce, while nothing else is in flight) and every rank takes the same
+decision: keep the faster path once one is `decisive` times the other
 (a slow link: one pair, not four, of slow fp32 steps) or after the last pair, else probe on.
 `decisive` is 2: at 1.5 a single step of a 4-8 ms step's ordinary jitter (one fp32 step at
 8.9 ms beside a low-bit one at 5.5) chose low-bit for 500 steps on a model where it was
@@ -49,7 +50,8 @@ class _Cycle:
 
 
 class MeasuredAdmission:
-    """Probe cycles per phase (see the module docstring). Drive it at each step's first bucket:
+    """Probe cycles, keyed by the name the hook passes as `phase`: the first of the phases
+    routed alike (see the module docstring). Drive it at each step's first bucket:
     `record` the previous step's period, `due` / `decide` a finished cycle on agreed medians,
     then `path` for this step."""
 

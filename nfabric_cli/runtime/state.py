@@ -103,23 +103,22 @@ class FabricState:
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
                                          monitor=monitor, gate=gate)
         self._scopes = self.controller.scopes
+        # every parameter's route, per phase (bindings order): what the sets below read
+        routing = {p.name: tuple(b.routes[p.name] for b in bindings.params.values())
+                   for p in bindings.phases}
         # Phases with every parameter on plain fp32 take plain DDP's direct path.
         self._fp32_phases = {
-            p.name for p in bindings.phases
-            if direct_fp32 and trace is None
-            and all(b.routes[p.name].name == "fp32" for b in bindings.params.values())
-        }
+            name for name, specs in routing.items()
+            if direct_fp32 and trace is None and all(s.name == "fp32" for s in specs)}
         # phases with a low-bit route somewhere: the only ones the measured gate probes
-        self._lowbit_phases = {p.name for p in bindings.phases
-                               if any(b.routes[p.name].lowbit for b in bindings.params.values())}
+        self._lowbit_phases = {name for name, specs in routing.items()
+                               if any(s.lowbit for s in specs)}
         # The measured gate's probe cycle per phase: phases that route every parameter alike
         # share the first one's (timing the same two paths again at a phase boundary costs a
         # step on the slower path and learns nothing: vision.v5's warmup and main phase).
         first: dict[tuple[RouteSpec, ...], str] = {}
-        self._probe_cycle = {
-            p.name: first.setdefault(tuple(b.routes[p.name] for b in bindings.params.values()),
-                                     p.name)
-            for p in bindings.phases}
+        self._probe_cycle = {name: first.setdefault(specs, name)
+                             for name, specs in routing.items()}
         self._loss: torch.Tensor | float | None = None
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
