@@ -17,6 +17,10 @@ lies). Reduced one after another, each paid its own collectives; here they share
    all-to-all then drops out); every rank combines those pieces itself;
 4. each piece decodes its full result straight into its own memory (`Piece.x`).
 
+A `Rider` (the hook's step statistics, `runtime/agree.py`) may travel at the end of each
+rank's all-gather row: a few bytes every rank adds and gets every rank's back, for the price
+of no round of its own.
+
 Every piece's result is bit for bit what its route's own `reduce` and `simulate` give (shards,
 padding and scales per piece exactly as there, and every rank combines the same bytes in the
 same order), so the simulator is unchanged and the byte accounting is the pieces' own plans
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,6 +46,18 @@ from nfabric_cli.routes.comm import Comm, Pending, sum_in_rank_order
 #: combined whole on every rank (it gathers codes): complete on each rank, the same on all,
 #: so they are not summed over ranks. A sharded piece adds its shard's sums to `stats` itself.
 WHOLE = "whole"
+
+
+class Rider(Protocol):
+    """A small payload carried by an exchange's all-gather: `nbytes` known when the exchange
+    starts, `payload()` asked for when the all-gather is issued, `land(rows)` given every
+    rank's payload (W rows of `nbytes` bytes) once it has arrived."""
+
+    nbytes: int
+
+    def payload(self) -> torch.Tensor: ...
+
+    def land(self, rows: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -97,11 +114,15 @@ class Exchange:
     its collectives in a fixed order, and a caller that calls the stages of its exchanges in
     a fixed order keeps every rank's collective order identical (`runtime/bucket.py`). The
     wire buffers are `comm`'s scratch under `slot` (the hook keeps one per bucket of a step),
-    reused from step to step: a slot's exchange must finish before the slot is used again."""
+    reused from step to step: a slot's exchange must finish before the slot is used again.
+    A `rider` travels only where there is an all-gather (pieces to reduce, W > 1); elsewhere
+    `self.rider` is None and the caller sends it another way."""
 
-    def __init__(self, pieces: Sequence[Piece], comm: Comm, slot: object = None) -> None:
+    def __init__(self, pieces: Sequence[Piece], comm: Comm, slot: object = None,
+                 rider: Rider | None = None) -> None:
         self.pieces = [p for p in pieces if p.x.numel()]
         self.comm, self.slot = comm, slot
+        self.rider = rider if self.pieces and comm.world_size > 1 else None
         w = comm.world_size
         for p in self.pieces:
             p.route.check_world(w)
@@ -113,6 +134,7 @@ class Exchange:
         self._mine: torch.Tensor | None = None  # this rank's part of the all-gather ...
         self._results: torch.Tensor | None = None  # ... and every rank's
         self._wire: Pending | None = None  # the collective in flight
+        self._rider_at = 0  # byte offset of the rider in each all-gather row
 
     def start(self) -> None:
         """Encode every piece (int scales agreed first, in one blocking MAX all-reduce) and
@@ -128,6 +150,8 @@ class Exchange:
         # this rank's all-gather contribution: the sharded pieces' combined shards, then the
         # gathering pieces' codes and scales (encoded in place where the route can)
         total = sum(s.result or s.block for s in self.sizes)
+        self._rider_at = total  # the rider, if any, ends each row
+        total += self.rider.nbytes if self.rider is not None else 0
         self._mine, self._results = comm.gather_buffers((self.slot, "gather"), total,
                                                         torch.uint8, dev)
         dests, off = [], sum(self.sizes[i].result for i in self.sharded)
@@ -163,6 +187,8 @@ class Exchange:
             return
         w = self.comm.world_size
         results, self._wire = self._wire.wait().view(w, -1), None
+        if self.rider is not None:
+            self.rider.land(results[:, self._rider_at :])
         off = 0
         for i in self.sharded:
             p, s = self.pieces[i], self.sizes[i]
@@ -205,6 +231,8 @@ class Exchange:
             if s.gathered:
                 _put(mine[off : off + s.block].view(1, s.block), c, sc, s, p.route.pad_byte)
                 off += s.block
+        if self.rider is not None:
+            mine[self._rider_at :] = self.rider.payload()
         return self.comm.all_gather_async(mine, out=self._results)
 
 

@@ -11,12 +11,15 @@ is all-reduced, and read to the host together with the update norms, in `host_re
 step's one synchronisation (a test counts it). Every rank unpacks the same sums, so every
 decision taken from them is the same on every rank.
 
-The hook issues the all-reduce (`StatsRound`) as soon as its inputs exist, after the last
-bucket's middle stage, so it travels while that bucket's all-gather does instead of after it
-(on vision at W = 2 a small all-reduce costs about 1.5 ms of a 13-16 ms step). Two things it
-cannot carry then: the agreement of pieces combined whole on every rank (complete on each
-rank already, added to the result) and the last bucket's reduce time (it rides in the next
-step's round).
+The vector rides on the last bucket's all-gather where that bucket has one (`Exchange`'s
+rider: every rank appends its vector to its row, and every rank sums the W rows in rank
+order), so the step pays no round of its own: on vision at W = 2 a separate small all-reduce
+cost about 1.5 ms of a 13-16 ms step even when issued alongside that all-gather (measured
+with it skipped, arms interleaved). Where the last bucket has no exchange (every parameter on
+fp32, a gate-refused bucket, a traced run) the round is its own all-reduce, issued after that
+bucket's middle stage. Either way two things wait for the result instead: the agreement of
+pieces combined whole on every rank (complete on each rank already, added to it) and the
+last bucket's reduce time (it rides in the next step's round).
 
 Sums are taken in a fixed order (bucket order, then parameter order within a bucket), in
 float64, so a scope's squared norm is the same number a sequential Python sum gives.
@@ -25,12 +28,12 @@ float64, so a scope's squared norm is the same number a sequential Python sum gi
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from nfabric_cli.routes.comm import Comm
+from nfabric_cli.routes.comm import Comm, sum_in_rank_order
 
 _KINDS = ("norm2", "agree_sum", "agree_n")
 Named = tuple[list[str], torch.Tensor]  # per bucket: a label per parameter, a value per parameter
@@ -58,18 +61,44 @@ def host_read(t: torch.Tensor) -> list[float]:
 
 
 class StatsRound:
-    """The step's statistics all-reduce, issued as soon as its inputs exist (`start`: the
-    loss, the gradient norms taken before encoding, the agreement sums that need summing
-    over ranks) so it travels while the step's last bucket is on the wire, and read back
-    once with the update norms (`result`)."""
+    """The step's statistics, agreed once: packed when the round goes out (`payload`, for the
+    last bucket's all-gather, or `issue`, its own all-reduce), so that agreement sums added
+    up to then are in it, and read back once with the update norms (`result`). `acc` returns
+    the agreement sums that need summing over ranks, as of the moment it is called."""
 
     def __init__(self, comm: Comm, scopes: list[str], norms: Sequence[Named],
-                 loss: torch.Tensor | float | None, acc: dict[str, torch.Tensor | float],
+                 loss: torch.Tensor | float | None, acc: Callable[[], dict[str, torch.Tensor | float]],
                  bucket_seconds: list[float], device: torch.device) -> None:
         self.comm, self.scopes, self.device = comm, scopes, device
         self.n_seconds = len(bucket_seconds)
-        self.vec = _pack(scopes, norms, loss, acc, bucket_seconds, device)
-        self._pending = comm.allreduce_async(self.vec) if comm.world_size > 1 else None
+        self._inputs = (norms, loss, acc, bucket_seconds)
+        self.nbytes = 8 * (3 + 3 * len(scopes) + self.n_seconds)  # the vector's size
+        self.vec: torch.Tensor | None = None
+        self._pending = None
+
+    @property
+    def sent(self) -> bool:
+        """Whether the round went out (as a rider or on its own)."""
+        return self.vec is not None
+
+    def _build(self) -> torch.Tensor:
+        norms, loss, acc, seconds = self._inputs
+        self.vec = _pack(self.scopes, norms, loss, acc(), seconds, self.device)
+        return self.vec
+
+    def payload(self) -> torch.Tensor:
+        """This rank's vector as bytes, for an all-gather that carries it (`Exchange`)."""
+        return self._build().view(torch.uint8)
+
+    def land(self, rows: torch.Tensor) -> None:
+        """Every rank's payload (W rows of `nbytes`), gathered: their sum, in rank order."""
+        self.vec = sum_in_rank_order(rows.contiguous().view(torch.float64).unbind(0))
+
+    def issue(self) -> None:
+        """No all-gather to ride: the round's own all-reduce."""
+        vec = self._build()
+        if self.comm.world_size > 1:
+            self._pending = self.comm.allreduce_async(vec)
 
     def result(self, updates: Sequence[Named],
                whole: dict[str, float] | None = None) -> Agreed:
@@ -77,6 +106,7 @@ class StatsRound:
         update's norms: identical on every rank) in the step's one host read. `whole`:
         "agree_sum:<scope>" / "agree_n:<scope>" sums every rank holds complete already
         (pieces combined whole on every rank), added to the reduced ones."""
+        assert self.vec is not None, "the round was never sent"
         if self._pending is not None:
             self._pending.wait()
         f64 = {"dtype": torch.float64, "device": self.device}

@@ -9,8 +9,9 @@
 so bucket k encodes while bucket k-1's results are on the wire, and decodes while bucket
 k+1's codes are. The stages of all jobs run in this fixed order on every rank, so every rank
 issues the same collectives in the same order (gloo and NCCL match collectives by order).
-After the last bucket's middle stage the step's statistics all-reduce is issued (it travels
-with that bucket's all-gather), then the last bucket finishes and the statistics are read.
+The step's last bucket starts once the one before it has landed, and carries the step's statistics
+(`runtime/agree.py`) at the end of its all-gather; a last bucket without one (all fp32) is
+followed by their own all-reduce. Then the last bucket finishes and the statistics are read.
 
 Within a bucket (`start`): all sharded low-bit reduces share one exchange
 (`routes/exchange.py`: at most one all-to-all and one all-gather); float groups (fp32,
@@ -33,10 +34,11 @@ from nfabric_cli.routes.base import CodeRoute, rounding_noise
 from nfabric_cli.routes.exchange import Exchange, Piece
 from nfabric_cli.routes.fp32 import FloatRoute
 from nfabric_cli.routes.groups import BucketGroup, whole_bucket
-from nfabric_cli.routes.plan import WireBytes
+from nfabric_cli.routes.plan import WireBytes, op_wire_bytes
 from nfabric_cli.routes.spec import RouteSpec
 
 if TYPE_CHECKING:
+    from nfabric_cli.runtime.agree import StatsRound
     from nfabric_cli.runtime.state import FabricState
 
 
@@ -64,8 +66,9 @@ class BucketJob:
 
     def __init__(self, state: FabricState, buffer: torch.Tensor, names: list[str],
                  slices: list[torch.Tensor], offsets: list[int], groups: list[BucketGroup],
-                 step: int, phase: str, index: int) -> None:
+                 step: int, phase: str, index: int, rider: StatsRound | None = None) -> None:
         self.state, self.buffer, self.names = state, buffer, names
+        self.rider = rider  # the step's statistics, carried by this bucket's all-gather if any
         self.slices, self.offsets, self.groups = slices, offsets, groups
         self.step, self.phase, self.index = step, phase, index
         self.lowbit = any(g.spec.lowbit for g in groups)
@@ -104,7 +107,8 @@ class BucketJob:
                 else:  # the central reducer, or a traced run: one blocking reduce
                     self._blocking(route, part, spec, stats, gen, gi)
         if pieces:
-            self._exchange = Exchange(pieces, st.comm, slot=self.index)  # buffers per bucket
+            self._exchange = Exchange(pieces, st.comm, slot=self.index,  # buffers per bucket
+                                      rider=self.rider)
             self._exchange.start()
 
     @_timed
@@ -112,8 +116,14 @@ class BucketJob:
         """Combine this rank's shards and issue the exchange's all-gather."""
         if self._exchange is not None:
             self._exchange.middle()
-            pieces = self._exchange.pieces
-            self._meter_pieces(pieces, self.state.comm.take())
+            st, measured = self.state, self.state.comm.take()
+            if self._exchange.rider is not None:  # its bytes are the statistics round's
+                control = op_wire_bytes("all_gather", self._exchange.rider.nbytes,
+                                        st.world_size, st.rank)
+                st.meter.add(self.step, self.phase, "control", control)
+                measured = WireBytes(measured.sent - control.sent,
+                                     measured.received - control.received)
+            self._meter_pieces(self._exchange.pieces, measured)
 
     @_timed
     def finish(self) -> None:

@@ -382,17 +382,23 @@ class FabricState:
             verdict = self.gate.verdict(key, spec_numels(groups))
             if not verdict.admit:
                 groups = bucket_groups(regions, [FP32] * len(specs), numels)
+        previous, self._inflight = self._inflight, None
+        if is_last and previous is not None:  # landed first, so its time is in the statistics
+            self._land(previous)
+            previous = None
+        stats, timed = self._stats_round() if is_last else (None, [])
         job = BucketJob(self, buffer, names, slices, offsets, groups, step, phase,
-                        index=len(self._pending))
+                        index=len(self._pending), rider=stats)
         self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
         job.start()
-        previous, self._inflight = self._inflight, job
+        self._inflight = job
         if previous is not None:
             self._land(previous)
         job.middle()
-        if is_last:
+        if stats is not None:
             self._inflight = None
-            stats, timed = self._start_round()  # on the wire with the last bucket's all-gather
+            if not stats.sent:  # no all-gather carried it: its own all-reduce
+                stats.issue()
             self._land(job)
             self._finish_step(step, stats, timed)
 
@@ -414,18 +420,20 @@ class FabricState:
         return self._step_stats.setdefault(region, {})
 
     # -- per step ------------------------------------------------------------------------------
-    def _start_round(self) -> tuple[StatsRound, list[tuple[tuple, float]]]:
-        """Issue the step's statistics all-reduce once everything it sums exists: the loss,
-        the gradient norms (taken before encoding), the agreement sums of sharded reduces
-        (combined in each bucket's middle stage). The sums of pieces combined whole on every
-        rank are complete already (`exchange.WHOLE`) and wait for the result; so do the update
-        norms. The collective order stays the same on every rank: every rank issues it at the
-        same point of the same bucket. Returns the round and the (bucket, seconds) it carries."""
+    def _stats_round(self) -> tuple[StatsRound, list[tuple[tuple, float]]]:
+        """The step's statistics round, made before its last bucket starts (it rides on that
+        bucket's all-gather, `runtime/agree.py`): the loss, every bucket's gradient norms
+        (taken before encoding), the reduce times of every bucket but the last (which rides
+        in the next step's round), and the agreement sums of sharded reduces as they stand
+        when it is sent. Every rank sends it at the same point of the same bucket, so the collective
+        order stays the same on every rank. Returns the round and the (bucket, seconds) it
+        carries."""
         with self._lock:
             loss, self._loss = self._loss, None
         timed, self._bucket_times = self._bucket_times, []
         stats = StatsRound(self.comm, self._scopes, self._grad_norms, loss,
-                           _agreement(self._step_stats), [t for _, t in timed], self.device)
+                           lambda: _agreement(self._step_stats), [t for _, t in timed],
+                           self.device)
         return stats, timed
 
     def _finish_step(self, step: int, stats: StatsRound, timed: list[tuple[tuple, float]]) -> None:

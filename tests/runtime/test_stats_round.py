@@ -1,6 +1,7 @@
-"""The step's statistics all-reduce travels with the last bucket (issue 16, part 2): it is
-issued once everything it sums exists, after the last bucket's middle stage and before that
-bucket is waited for, and what every rank combined whole is added to it, not summed twice."""
+"""The step's statistics travel with the last bucket (issue 16, part 2): the round is made
+once every other bucket has landed and before the last one starts, rides on that bucket's
+all-gather (its own all-reduce only where the bucket has none), and what every rank combined
+whole is added to it, not summed twice."""
 
 from __future__ import annotations
 
@@ -93,3 +94,66 @@ def test_the_round_is_issued_before_the_last_bucket_is_waited_for() -> None:
         assert norm2 > 0 and agree_sum == agree_n == 0.0
     for agreement in a["agreement"]:
         assert agreement and all(0.0 <= v <= 1.0 for v in agreement.values())
+
+
+def _rides(rank: int, world: int, last_fp32: bool) -> dict:
+    """Three steps of a many-bucket model on sign (optionally the first layer, which DDP puts
+    in the step's last bucket, on fp32): the statistics' all-reduces, and what each rank
+    packed and agreed."""
+    from nfabric_cli.routes.comm import Comm
+
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    rules = [("body.0.*", "fp32")] if last_fp32 else []
+    bindings = compile_profile(static_profile(model, "sign", rules), model, world_size=world,
+                               bucket_cap_mb=None)
+    state = attach(ddp, bindings, total_steps=3, gate=False)
+    reduces: list[str] = []
+    own: list[list[float]] = []
+    agreed: list[list[float]] = []
+    allreduce, payload, result = Comm.allreduce_async, agree.StatsRound.payload, agree.StatsRound.result
+
+    def counted(self, t, op=None):  # noqa: ANN001, ANN202
+        reduces.append(str(t.dtype))
+        return allreduce(self, t) if op is None else allreduce(self, t, op)
+
+    def packed(self):  # noqa: ANN001, ANN202
+        out = payload(self)
+        own.append(self.vec.tolist())
+        return out
+
+    def read(self, updates, whole=None):  # noqa: ANN001, ANN202
+        out = result(self, updates, whole)  # (an all-reduce has landed in `vec` only now)
+        agreed.append(self.vec.tolist())
+        return out
+
+    Comm.allreduce_async, agree.StatsRound.payload, agree.StatsRound.result = counted, packed, read
+    try:
+        train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, 3)
+    finally:
+        Comm.allreduce_async, agree.StatsRound.payload, agree.StatsRound.result = allreduce, payload, result
+    state.close()
+    return {"reduces": reduces, "own": own, "agreed": agreed}
+
+
+def test_the_statistics_ride_on_the_last_all_gather() -> None:
+    """No round of their own: every rank appends its vector to its row of the last bucket's
+    all-gather and sums the rows in rank order, so both ranks hold the same sums, bit for bit
+    the sum of what each packed."""
+    a, b = run_ranks(_rides, 2, False)
+    assert a["reduces"] == b["reduces"] == []  # sign at W = 2: all-gathers only
+    assert len(a["own"]) == len(b["own"]) == len(a["agreed"]) == 3
+    assert a["agreed"] == b["agreed"]
+    for mine, theirs, total in zip(a["own"], b["own"], a["agreed"], strict=True):
+        assert mine != theirs  # each rank's own loss and norms ...
+        assert total == [x + y for x, y in zip(mine, theirs, strict=True)]  # ... summed
+
+
+def test_a_last_bucket_without_an_all_gather_sends_its_own_round() -> None:
+    a, b = run_ranks(_rides, 2, True)
+    assert a["reduces"] == b["reduces"]
+    # DDP's first step buckets in registration order (a sign bucket last): the round rode;
+    # from step 1 its rebuilt buckets end with body.0, on fp32: one all-reduce of its own a step
+    assert len(a["own"]) == len(b["own"]) == 1
+    assert a["reduces"].count("torch.float64") == 2
+    assert a["agreed"] == b["agreed"] and len(a["agreed"]) == 3

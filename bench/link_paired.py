@@ -1,0 +1,181 @@
+"""Step time behind a shaped link, the arms interleaved: ratios a shared host cannot skew.
+
+`bench.validate_link` runs `nfabric validate`, whose arms train one after another, each for a
+few seconds. On this shared 2-core host an arm's median step moves by 10-20 % from one such
+window to the next (static at 200 Mbit/s: 14.0, 17.6, 19.0 ms in three runs of 60 steps; at
+300 steps 13.9, 17.7, 13.9), which is more than the differences issue 16's goals are about.
+Here the same arms (`validation/arms.py`: plain DDP, static sign, the profile with its monitor
+and gate, PyTorch's PowerSGD and fp16 hooks) train side by side in the same rank processes,
+each on its own model: round by round, every arm runs a block of steps in turn (the order
+rotated each round), its ranks free-running within the block as in `validate`. Load that
+drifts hits every arm of a round alike, so each round gives one ratio and the rounds give its
+spread.
+
+A step's time is the slowest rank's, as in `validate`; an arm's round is the median of its
+block; each arm's first step (allocation, DDP's bucket rebuild) is left out. The profile arm
+pays for its own probe steps (`--gate measure`, no substrate) where they fall. Printed per
+rate: each arm's median step over all its steps, and per ratio the median over rounds with
+[min, max]; the goals are issue 16's: profile <= 1.05 x min(fp32, static) at every rate, and at
+20 Mbit/s profile <= 0.8 x PowerSGD and <= 0.08 x fp32.
+
+Needs root for the shaped rates (ip netns, tc); rate 0 is plain loopback, no namespace.
+
+    OMP_NUM_THREADS=1 python -m bench.link_paired [--rates 20,50,100,200,500,1000,0]
+        [--rounds 10] [--block 20] [--arms fp32,static,profile,powersgd,fp16]
+        [--workload vision] [--profile PATH] [--world-size 2] [--gate measure]
+
+Without --profile the workload's hand-written one is used, as in `bench.validate_link`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.validate_link import head_fp32_profile
+
+ARMS = ("fp32", "static", "profile", "powersgd", "fp16")
+
+
+def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
+    """One rank: every arm on its own DDP model, trained block by block, arms in turn."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nfabric_cli.ranks.loop import workload_steps
+    from nfabric_cli.validation.arms import ArmContext, make_arm
+    from nfabric_cli.workloads.registry import get_workload
+
+    wl = get_workload(cfg["workload"])
+    steps = cfg["rounds"] * cfg["block"]
+    ctx = ArmContext(world_size=world, rank=rank, steps=steps, seed=cfg["seed"],
+                     source=cfg["profile"], bucket_cap_mb=None,
+                     measure_gate=cfg["gate"] == "measure")
+    arms = {}
+    for name in cfg["arms"]:
+        ddp = DistributedDataParallel(wl.build_model(cfg["seed"]))
+        arm = make_arm(name, ddp, ctx)
+        arms[name] = (ddp, arm, *wl.make_optimizer(ddp.parameters(), steps))
+    times: dict[str, list[float]] = {name: [] for name in cfg["arms"]}
+    names = list(cfg["arms"])
+    for r in range(cfg["rounds"]):
+        block = range(r * cfg["block"], (r + 1) * cfg["block"])
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            ddp, arm, opt, sched = arms[name]
+            dist.barrier()
+            for _, _, seconds in workload_steps(ddp, arm, wl, opt, sched, block, rank, world,
+                                                cfg["seed"]):
+                times[name].append(seconds)
+    for _, arm, _, _ in arms.values():
+        arm.close()
+    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {n: slowest[i].tolist() for i, n in enumerate(names)}
+
+
+def _inner(cfg_path: str) -> None:
+    """Inside the namespace: run the ranks, print their step times as one JSON line."""
+    from bench.link_paired import _rank as rank_fn  # importable by name in the ranks
+    from nfabric_cli.ranks.functions import run_function_ranks
+
+    cfg = json.loads(Path(cfg_path).read_text())
+    times = run_function_ranks(rank_fn, cfg["world_size"], cfg)[0]
+    print("TIMES " + json.dumps(times), flush=True)
+
+
+def measure(cfg: dict, mbit: float, root: Path) -> dict[str, list[float]]:
+    """Every arm's per-step times (slowest rank) at `mbit` (0: unshaped loopback)."""
+    from nfabric_cli.ranks.netns import ShapedLink
+    from nfabric_cli.ranks.sessions import rank_env
+
+    path = root / f"cfg-{mbit:g}.json"
+    path.write_text(json.dumps(cfg))
+    cmd = [sys.executable, "-m", "bench.link_paired", "--inner", str(path)]
+    env = rank_env(loopback=True)
+    if mbit:
+        with ShapedLink(mbit) as link:
+            out = subprocess.run(link.wrap(cmd), env=env, capture_output=True, text=True)
+    else:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("TIMES ")]
+    if out.returncode or not lines:
+        sys.exit(f"ranks failed at {mbit:g} Mbit/s:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1][len("TIMES "):])
+
+
+def per_round(times: list[float], rounds: int, block: int) -> list[float]:
+    """The median step of each round's block (the arm's first step left out)."""
+    return [statistics.median(times[max(r * block, 1):(r + 1) * block]) for r in range(rounds)]
+
+
+def report(mbit: float, times: dict[str, list[float]], rounds: int, block: int) -> dict:
+    """Print one rate's medians and per-round ratios; return its summary row."""
+    rows = {n: per_round(t, rounds, block) for n, t in times.items()}
+    overall = {n: statistics.median(t[1:]) for n, t in times.items()}
+    ratios: dict[str, list[float]] = {}
+    if "fp32" in rows:
+        for n in rows:
+            if n != "fp32":
+                ratios[f"{n}/fp32"] = [a / b for a, b in zip(rows[n], rows["fp32"], strict=True)]
+    if {"profile", "static", "fp32"} <= rows.keys():
+        ratios["profile/min(fp32,static)"] = [
+            p / min(f, s) for p, f, s in zip(rows["profile"], rows["fp32"], rows["static"], strict=True)]
+    if {"profile", "powersgd"} <= rows.keys():
+        ratios["profile/powersgd"] = [
+            p / q for p, q in zip(rows["profile"], rows["powersgd"], strict=True)]
+    title = f"{mbit:g} Mbit/s" if mbit else "loopback, unshaped"
+    print(f"\n== {title}: {rounds} rounds of {block} steps per arm, arms interleaved")
+    print("median step, ms: " + ", ".join(f"{n} {1e3 * v:.1f}" for n, v in overall.items()))
+    row: dict[str, object] = {"mbit": mbit}
+    for key, vals in ratios.items():
+        med = statistics.median(vals)
+        row[key] = round(med, 3)
+        row[f"{key} range"] = [round(min(vals), 3), round(max(vals), 3)]
+        print(f"  {key:<26} median {med:.3f}  [{min(vals):.3f}, {max(vals):.3f}] over rounds")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inner", help=argparse.SUPPRESS)
+    parser.add_argument("--rates", default="20,50,100,200,500,1000,0",
+                        help="Mbit/s, comma separated; 0: loopback unshaped")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block", type=int, default=20, help="steps per arm per round")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--workload", default="vision")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path, default=None)
+    parser.add_argument("--gate", default="measure", choices=("model", "measure"))
+    args = parser.parse_args()
+    if args.inner:
+        _inner(args.inner)
+        return
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or args.rounds < 2 or args.block < 2:
+        sys.exit(f"bad arguments: arms from {', '.join(ARMS)}; --rounds and --block >= 2")
+    with tempfile.TemporaryDirectory(prefix="nfabric-bench-paired-") as tmp:
+        root = Path(tmp)
+        profile = args.profile or head_fp32_profile(args.workload, root / "head-fp32.parquet")
+        cfg = {"workload": args.workload, "world_size": args.world_size, "seed": args.seed,
+               "profile": str(Path(profile).resolve()), "gate": args.gate, "arms": arms,
+               "rounds": args.rounds, "block": args.block}
+        summary = []
+        for text in args.rates.split(","):
+            mbit = float(text)
+            summary.append(report(mbit, measure(cfg, mbit, root), args.rounds, args.block))
+    print("\nsummary (median over rounds, [min, max]):")
+    for row in summary:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
