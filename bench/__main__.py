@@ -25,6 +25,7 @@ LONG = [
     ("calibration: 1 vs 2 workers on one study, SQLite vs PostgreSQL", [sys.executable, "-m", "bench.calibrate_workers"]),
     ("validation: static vs profile vs fp32 on lm and vision, 4 ranks", [sys.executable, "-m", "bench.validate_figures"]),
     ("validation: step time behind shaped links vs PyTorch hooks (root)", [sys.executable, "-m", "bench.validate_link"]),
+    ("validation: the same sweep, arms interleaved in the same ranks (root; goal profile <= 1.05x min(fp32, static), <= 0.8x PowerSGD at 20 Mbit/s)", [sys.executable, "-m", "bench.link_paired"]),
     ("capacity: cost-model error on shaped links, fit by replay (root)", [sys.executable, "-m", "bench.capacity_model_error"]),
     ("workloads: fp32 vs all-sign vs head-fp32 at 4 workers", [sys.executable, "-m", "bench.workload_sensitivity"]),
     ("calibration: run-to-run noise, fp32 against itself in another summation order (glyphs, 5 seeds)", [sys.executable, "-m", "bench.noise_floor", "--tolerance", "0.02"]),

@@ -18,7 +18,8 @@ PowerSGD and <= 0.08 x fp32; all-sign loopback tx / fp32's <= 0.04.
         [--runs N]
 
 One run's ratios move by about +-15 % on this 2-core machine (a 16 ms step); `--runs 3` gives
-each ratio's median and range, which is what a goal should be judged on.
+each ratio's median and range. `bench.link_paired` times the same arms interleaved in the same
+ranks, which a shared host's drifting load cannot skew; this one counts the bytes.
 
 Without --profile a hand-written one is used: the workload's head on fp32, the rest on sign.
 """

@@ -2,7 +2,7 @@
 
 Both models train the same MLP on the same batches over gloo on loopback; rounds alternate
 plain and fabric so drift in machine load hits both alike. The ratio of median step times is
-the hook's cost (worker-thread hand-off, statistics all-reduce, bookkeeping).
+the hook's cost (worker-thread hand-off, statistics round, bookkeeping).
 """
 
 from __future__ import annotations

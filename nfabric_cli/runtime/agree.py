@@ -1,4 +1,4 @@
-"""One small all-reduce and one host read per step: the hook's local statistics become numbers
+"""One statistics round and one host read per step: the hook's local statistics become numbers
 every rank shares.
 
 The step's statistics stay tensors on the buckets' device until the step ends: each bucket's
@@ -7,8 +7,8 @@ margins, the observed loss. `StatsRound` packs them into one float64 vector, on 
 whether anything was not finite, the ranks' losses (count and sum: a rank that did not
 `observe` a loss does not count), per scope the squared gradient norm and the agreement sums,
 and each low-bit bucket's reduce time (summed, so the gate judges the ranks' mean). That vector
-is all-reduced, and read to the host together with the update norms, in `host_read`: the
-step's one synchronisation (a test counts it). Every rank unpacks the same sums, so every
+is summed over the ranks, and read to the host together with the update norms, in
+`host_read`: the step's one synchronisation (a test counts it). Every rank unpacks the same sums, so every
 decision taken from them is the same on every rank.
 
 The vector rides on the last bucket's all-gather where that bucket has one (`Exchange`'s

@@ -5,7 +5,8 @@ pick each parameter's effective route (profile route unless the health monitor f
 for its region or the capacity gate refuses the bucket), reduce the bucket
 (`runtime/bucket.py`: encoding it while the previous bucket's results are on the wire),
 meter the bytes, take the reduced update's norms. Per step (after the
-last bucket): one small all-reduce of the health statistics, the step controller's decision
+last bucket): the health statistics agreed (riding on the last bucket's all-gather,
+`runtime/agree.py`), the step controller's decision
 (`runtime/controller.py`, shared with the calibration simulator; identical on every rank,
 since it only sees agreed numbers): neutralise a non-finite step, scale down a held scope's
 update, then complete the step's futures and advance the phase.
