@@ -38,6 +38,9 @@ class WireBytes:
     def __add__(self, other: WireBytes) -> WireBytes:
         return WireBytes(self.sent + other.sent, self.received + other.received)
 
+    def __sub__(self, other: WireBytes) -> WireBytes:
+        return WireBytes(self.sent - other.sent, self.received - other.received)
+
 
 @dataclass(frozen=True)
 class CommOp:

@@ -8,8 +8,8 @@ whether anything was not finite, the ranks' losses (count and sum: a rank that d
 `observe` a loss does not count), per scope the squared gradient norm and the agreement sums,
 and each low-bit bucket's reduce time (summed, so the gate judges the ranks' mean). That vector
 is summed over the ranks, and read to the host together with the update norms, in
-`host_read`: the step's one synchronisation (a test counts it). Every rank unpacks the same sums, so every
-decision taken from them is the same on every rank.
+`host_read`: the step's one synchronisation (a test counts it). Every rank unpacks the same
+sums, so every decision taken from them is the same on every rank.
 
 The vector rides on the last bucket's all-gather where that bucket has one (`Exchange`'s
 rider: every rank appends its vector to its row, and every rank sums the W rows in rank
@@ -67,8 +67,9 @@ class StatsRound:
     the agreement sums that need summing over ranks, as of the moment it is called."""
 
     def __init__(self, comm: Comm, scopes: list[str], norms: Sequence[Named],
-                 loss: torch.Tensor | float | None, acc: Callable[[], dict[str, torch.Tensor | float]],
-                 bucket_seconds: list[float], device: torch.device) -> None:
+                 loss: torch.Tensor | float | None,
+                 acc: Callable[[], dict[str, torch.Tensor | float]], bucket_seconds: list[float],
+                 device: torch.device) -> None:
         self.comm, self.scopes, self.device = comm, scopes, device
         self.n_seconds = len(bucket_seconds)
         self._inputs = (norms, loss, acc, bucket_seconds)

@@ -121,8 +121,7 @@ class BucketJob:
                 control = op_wire_bytes("all_gather", self._exchange.rider.nbytes,
                                         st.world_size, st.rank)
                 st.meter.add(self.step, self.phase, "control", control)
-                measured = WireBytes(measured.sent - control.sent,
-                                     measured.received - control.received)
+                measured = measured - control
             self._meter_pieces(self._exchange.pieces, measured)
 
     @_timed
