@@ -72,11 +72,13 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
             for _, _, seconds in workload_steps(ddp, arm, wl, opt, sched, block, rank, world,
                                                 cfg["seed"]):
                 times[name].append(seconds)
+    probe = [e for e in getattr(arms["profile"][1], "events", []) if e.get("from") == "probe"
+             ] if "profile" in arms else []
     for _, arm, _, _ in arms.values():
         arm.close()
     slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {n: slowest[i].tolist() for i, n in enumerate(names)}
+    return {"times": {n: slowest[i].tolist() for i, n in enumerate(names)}, "probe": probe}
 
 
 def _inner(cfg_path: str) -> None:
@@ -89,8 +91,9 @@ def _inner(cfg_path: str) -> None:
     print("TIMES " + json.dumps(times), flush=True)
 
 
-def measure(cfg: dict, mbit: float, root: Path) -> dict[str, list[float]]:
-    """Every arm's per-step times (slowest rank) at `mbit` (0: unshaped loopback)."""
+def measure(cfg: dict, mbit: float, root: Path) -> dict:
+    """Every arm's per-step times (slowest rank) at `mbit` (0: unshaped loopback), and the
+    profile arm's measured-gate decisions."""
     from nfabric_cli.ranks.netns import ShapedLink
     from nfabric_cli.ranks.sessions import rank_env
 
@@ -114,8 +117,9 @@ def per_round(times: list[float], rounds: int, block: int) -> list[float]:
     return [statistics.median(times[max(r * block, 1):(r + 1) * block]) for r in range(rounds)]
 
 
-def report(mbit: float, times: dict[str, list[float]], rounds: int, block: int) -> dict:
-    """Print one rate's medians and per-round ratios; return its summary row."""
+def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
+    """Print one rate's medians, per-round ratios and gate decisions; return its summary row."""
+    times = measured["times"]
     rows = {n: per_round(t, rounds, block) for n, t in times.items()}
     overall = {n: statistics.median(t[1:]) for n, t in times.items()}
     ratios: dict[str, list[float]] = {}
@@ -138,6 +142,8 @@ def report(mbit: float, times: dict[str, list[float]], rounds: int, block: int) 
         row[key] = round(med, 3)
         row[f"{key} range"] = [round(min(vals), 3), round(max(vals), 3)]
         print(f"  {key:<26} median {med:.3f}  [{min(vals):.3f}, {max(vals):.3f}] over rounds")
+    for event in measured["probe"]:
+        print(f"  gate: step {event['step']} -> {event['to']}: {event['reason']}")
     return row
 
 
@@ -154,6 +160,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--gate", default="measure", choices=("model", "measure"))
+    parser.add_argument("--json", type=Path, default=None,
+                        help="Also write every arm's per-step times and the gate's decisions here.")
     args = parser.parse_args()
     if args.inner:
         _inner(args.inner)
@@ -168,10 +176,13 @@ def main() -> None:
         cfg = {"workload": args.workload, "world_size": args.world_size, "seed": args.seed,
                "profile": str(Path(profile).resolve()), "gate": args.gate, "arms": arms,
                "rounds": args.rounds, "block": args.block}
-        summary = []
+        summary, raw = [], {}
         for text in args.rates.split(","):
             mbit = float(text)
-            summary.append(report(mbit, measure(cfg, mbit, root), args.rounds, args.block))
+            raw[text] = measure(cfg, mbit, root)
+            summary.append(report(mbit, raw[text], args.rounds, args.block))
+    if args.json:
+        args.json.write_text(json.dumps({"config": cfg, "rates": raw, "summary": summary}))
     print("\nsummary (median over rounds, [min, max]):")
     for row in summary:
         print(json.dumps(row))

@@ -5,18 +5,28 @@ admits every bucket as the profile wrote it, however slow low-bit is on the link
 With ``gate="measure"`` (`attach`, `validate --gate measure`) and no substrate, each phase
 with a low-bit route runs a *probe cycle* (phases that route every parameter alike share
 one: vision.v5's warm-up and main phase are timed once, not at a slow-path step each):
-`warmup` steps as written (untimed: first steps pay for allocation and DDP's bucket
-rebuild), then up to `steps` pairs of steps, one on the profile's routes and one on plain
-DDP's fp32 path, each step's period (first bucket to next step's first bucket) timed. After
-each pair, at the next step's first bucket, the ranks all-reduce their medians so far (one
-small blocking all-reduce, while nothing else is in flight) and every rank takes the same
-decision: keep the faster path once one is `decisive` times the other
-(a slow link: one pair, not four, of slow fp32 steps) or after the last pair, else probe on.
-`decisive` is 2: at 1.5 a single step of a 4-8 ms step's ordinary jitter (one fp32 step at
-8.9 ms beside a low-bit one at 5.5) chose low-bit for 500 steps on a model where it was
-1.3x slower; slow links are 2.5x (100 Mbit/s) to 11x (20 Mbit/s) apart.
+`warmup` steps as written, then up to `steps` pairs of steps, one on the profile's routes and
+one on plain DDP's fp32 path, each step's period (first bucket to next step's first bucket)
+timed. After each pair, at the next step's first bucket, the ranks all-reduce each path's
+fastest period so far (one small blocking all-reduce, while nothing else is in flight) and
+every rank takes the same decision: keep the faster path once one is `decisive` times the
+other (a slow link: one pair, not four, of slow fp32 steps) or after the last pair, else
+probe on. `decisive` is 2: at 1.5 a single step of a 4-8 ms step's ordinary jitter (one fp32
+step at 8.9 ms beside a low-bit one at 5.5) chose low-bit for 500 steps on a model where it
+was 1.3x slower; slow links are 2.5x (100 Mbit/s) to 11x (20 Mbit/s) apart.
 The phase keeps its path until `recheck_every` more steps have passed, and probes again.
-Every decision is an event with both medians.
+Every decision is an event with both times.
+
+Why the fastest period, and why the warm-up steps count: a period also holds whatever the
+training loop did between two steps, and a loop that pauses there (an evaluation, a
+checkpoint, a slow batch) makes that one sample long. Judged on medians, one pair 2x apart
+decided by its two samples alone, so a pause in the timed low-bit step would have kept fp32
+for 500 steps on a slow link where low-bit is up to 11x faster. A pause only ever adds time,
+so each path's fastest sample ignores it, and the warm-up steps, which run the profile's
+routes anyway, add low-bit samples for free (the first ones, slowed by allocation and DDP's
+bucket rebuild, are ignored the same way). A pause in the one fp32 sample of a slow-link
+pair cannot mislead: fp32 only looks slower there. On a fast link it can make low-bit look
+2x faster than fp32, which keeps low-bit, about 1.1-1.3x slower there, until the re-check.
 
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, the worker thread's hand-offs and the gradient
@@ -32,7 +42,6 @@ path per cycle (and the `warmup` steps, which run low-bit).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +61,7 @@ class _Cycle:
 class MeasuredAdmission:
     """Probe cycles, keyed by the name the hook passes as `phase`: the first of the phases
     routed alike (see the module docstring). Drive it at each step's first bucket:
-    `record` the previous step's period, `due` / `decide` a finished cycle on agreed medians,
+    `record` the previous step's period, `due` / `decide` a finished cycle on agreed times,
     then `path` for this step."""
 
     def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2,
@@ -83,7 +92,7 @@ class MeasuredAdmission:
             c.start, pos = c.seen - 1, 0
             c.times = {LOWBIT: [], FP32: []}
         if pos < self.warmup:
-            return LOWBIT, False
+            return LOWBIT, True  # more low-bit samples (module docstring)
         return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
 
     def record(self, phase: str, path: str, seconds: float) -> None:
@@ -91,8 +100,9 @@ class MeasuredAdmission:
         self._cycles[phase].times[path].append(seconds)
 
     def due(self, phase: str) -> tuple[float, float] | None:
-        """(low-bit, fp32) local medians so far when `phase`'s cycle has just probed a pair
-        and is undecided, else None. The same on every rank (it depends on step counts only)."""
+        """(low-bit, fp32) local fastest periods so far when `phase`'s cycle has just probed a
+        pair and is undecided, else None. The same on every rank (it depends on step counts
+        only)."""
         c = self._cycles.get(phase)
         if c is None or c.decision is not None:
             return None
@@ -102,10 +112,10 @@ class MeasuredAdmission:
         low, full = c.times[LOWBIT], c.times[FP32]
         if not low or not full:
             return None
-        return statistics.median(low), statistics.median(full)
+        return min(low), min(full)
 
     def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
-        """Judge agreed medians after a pair: (path kept, why) for the event once one path is
+        """Judge agreed times after a pair: (path kept, why) for the event once one path is
         `decisive` times the other or the last pair is in, else None (probe on)."""
         c = self._cycles[phase]
         last = c.seen - c.start >= self._probe_end
@@ -113,9 +123,9 @@ class MeasuredAdmission:
         if not last and slow < self.decisive * fast:
             return None
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
-        n = min(len(c.times[LOWBIT]), len(c.times[FP32]))
         c.reason = (f"measured step: low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} "
-                    f"ms (median of {n} steps each, mean over ranks)")
+                    f"ms (fastest of {len(c.times[LOWBIT])} low-bit and {len(c.times[FP32])} "
+                    "fp32 steps, mean over ranks)")
         return c.decision, c.reason
 
     def state_dict(self) -> dict[str, Any]:

@@ -272,7 +272,7 @@ class FabricState:
 
     def _measured_path(self) -> str:
         """The measured gate's path for this step (`probe.py`), at its first bucket: record
-        the last step's period if it was timed, judge a probed pair on the ranks' mean medians
+        the last step's period if it was timed, judge a probed pair on the ranks' mean fastest periods
         (one small blocking all-reduce: the worker is idle between steps and every rank
         reaches it at the same step), then ask for this step's path."""
         probe, phase, now = self.gate.measured, self.phase.name, self._step_started
@@ -286,9 +286,9 @@ class FabricState:
         cycle = self._probe_cycle[phase]
         due = probe.due(cycle)
         if due is not None:
-            medians = torch.tensor(due, dtype=torch.float64, device=self.device)
-            dist.all_reduce(medians, group=self.comm.group)
-            low, full = (medians / self.world_size).tolist()
+            times = torch.tensor(due, dtype=torch.float64, device=self.device)
+            dist.all_reduce(times, group=self.comm.group)
+            low, full = (times / self.world_size).tolist()
             decided = probe.decide(cycle, low, full)
             if decided is not None:
                 self._log({"step": self.step, "scope": "step", "from": "probe",
