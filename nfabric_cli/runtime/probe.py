@@ -17,16 +17,20 @@ was 1.3x slower; slow links are 2.5x (100 Mbit/s) to 11x (20 Mbit/s) apart.
 The phase keeps its path until `recheck_every` more steps have passed, and probes again.
 Every decision is an event with both times.
 
-Why the fastest period, and why the warm-up steps count: a period also holds whatever the
-training loop did between two steps, and a loop that pauses there (an evaluation, a
-checkpoint, a slow batch) makes that one sample long. Judged on medians, one pair 2x apart
-decided by its two samples alone, so a pause in the timed low-bit step would have kept fp32
-for 500 steps on a slow link where low-bit is up to 11x faster. A pause only ever adds time,
-so each path's fastest sample ignores it, and the warm-up steps, which run the profile's
-routes anyway, add low-bit samples for free (the first ones, slowed by allocation and DDP's
-bucket rebuild, are ignored the same way). A pause in the one fp32 sample of a slow-link
-pair cannot mislead: fp32 only looks slower there. On a fast link it can make low-bit look
-2x faster than fp32, which keeps low-bit, about 1.1-1.3x slower there, until the re-check.
+Which times: before the last pair, each path's *fastest* sample, the warm-up steps' low-bit
+periods included; after it, the *medians* of the pairs' samples. A period also holds whatever
+the training loop did between two steps, and a loop that pauses there (an evaluation, a
+checkpoint, a slow batch) makes that one sample long. On medians alone, one pair 2x apart
+decided by its two samples, so a pause in the timed low-bit step would have kept fp32 for 500
+steps on a slow link where low-bit is up to 11x faster. A pause only ever adds time, so the
+fastest sample ignores it, and the warm-up steps, which run the profile's routes anyway, add
+low-bit samples for free (the first ones, slowed by allocation and DDP's bucket rebuild, are
+ignored the same way). A close call is judged on medians of equal counts: the fastest of six
+low-bit samples against the fastest of four fp32 ones favours low-bit by the count alone, and
+kept it at 1000 Mbit/s where it was 1.13x slower (`bench.link_paired`, 13.06 vs 13.82 ms).
+A pause in the one fp32 sample of a slow-link pair cannot mislead (fp32 only looks slower
+there); on a fast link it can make low-bit look 2x faster and keep it, 1.1-1.3x slower there,
+until the re-check.
 
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, the worker thread's hand-offs and the gradient
@@ -42,10 +46,12 @@ path per cycle (and the `warmup` steps, which run low-bit).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 LOWBIT, FP32 = "low-bit", "fp32"
+WARMUP = "warm-up"  # the low-bit periods of a cycle's warm-up steps
 
 
 @dataclass
@@ -53,7 +59,7 @@ class _Cycle:
     start: int = 0  # the phase step its current cycle began at
     seen: int = 0  # steps of the phase so far
     decided_at: int = 0  # the phase step its decision was taken at
-    times: dict[str, list[float]] = field(default_factory=lambda: {LOWBIT: [], FP32: []})
+    times: dict[str, list[float]] = field(default_factory=lambda: {LOWBIT: [], FP32: [], WARMUP: []})
     decision: str | None = None  # the path kept (None: not decided yet)
     reason: str = ""
 
@@ -83,26 +89,30 @@ class MeasuredAdmission:
         c = self._cycles.setdefault(phase, _Cycle())
         if c.decision is not None and c.seen - c.decided_at >= self.recheck_every:
             c.start = c.seen  # probe again
-            c.times, c.decision, c.reason = {LOWBIT: [], FP32: []}, None, ""
+            c.times, c.decision, c.reason = {LOWBIT: [], FP32: [], WARMUP: []}, None, ""
         pos = c.seen - c.start
         c.seen += 1
         if c.decision is not None:
             return c.decision, False
         if pos >= self._probe_end:  # undecided: a resumed cycle lost its times; probe again
             c.start, pos = c.seen - 1, 0
-            c.times = {LOWBIT: [], FP32: []}
+            c.times = {LOWBIT: [], FP32: [], WARMUP: []}
         if pos < self.warmup:
             return LOWBIT, True  # more low-bit samples (module docstring)
         return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
 
     def record(self, phase: str, path: str, seconds: float) -> None:
-        """A timed step's period (measured on this rank)."""
-        self._cycles[phase].times[path].append(seconds)
+        """A timed step's period (measured on this rank), called before the next step's
+        `path`: so the recorded step is the cycle's last, and a warm-up one is told apart."""
+        c = self._cycles[phase]
+        key = WARMUP if c.seen - 1 - c.start < self.warmup else path
+        c.times.setdefault(key, []).append(seconds)
 
     def due(self, phase: str) -> tuple[float, float] | None:
-        """(low-bit, fp32) local fastest periods so far when `phase`'s cycle has just probed a
-        pair and is undecided, else None. The same on every rank (it depends on step counts
-        only)."""
+        """(low-bit, fp32) local times when `phase`'s cycle has just probed a pair and is
+        undecided, else None: after the last pair the medians of the pairs' samples, before it
+        each path's fastest sample, the warm-up's included (module docstring). The same on
+        every rank (it depends on step counts only)."""
         c = self._cycles.get(phase)
         if c is None or c.decision is not None:
             return None
@@ -112,7 +122,9 @@ class MeasuredAdmission:
         low, full = c.times[LOWBIT], c.times[FP32]
         if not low or not full:
             return None
-        return min(low), min(full)
+        if pos >= self._probe_end:
+            return statistics.median(low), statistics.median(full)
+        return min(low + c.times.get(WARMUP, [])), min(full)
 
     def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
         """Judge agreed times after a pair: (path kept, why) for the event once one path is
@@ -123,9 +135,11 @@ class MeasuredAdmission:
         if not last and slow < self.decisive * fast:
             return None
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
+        low, full = len(c.times[LOWBIT]), len(c.times[FP32])
+        how = (f"median of {min(low, full)} steps each" if last else
+               f"fastest of {low + len(c.times.get(WARMUP, []))} low-bit and {full} fp32 steps")
         c.reason = (f"measured step: low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} "
-                    f"ms (fastest of {len(c.times[LOWBIT])} low-bit and {len(c.times[FP32])} "
-                    "fp32 steps, mean over ranks)")
+                    f"ms ({how}, mean over ranks)")
         return c.decision, c.reason
 
     def state_dict(self) -> dict[str, Any]:
