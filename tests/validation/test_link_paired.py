@@ -1,0 +1,36 @@
+"""bench.link_paired: arms interleaved in the same ranks, ratios per round."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.link_paired import _rank, per_round, report
+from nfabric_cli.ranks.functions import run_function_ranks
+
+
+def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) -> None:
+    assert per_round([9.0, 1.0, 3.0, 2.0, 5.0, 4.0], 2, 3) == [2.0, 4.0]  # step 0 left out
+    times = {
+        "fp32": [9.0] + [0.020] * 5,
+        "static": [9.0, 0.010, 0.010, 0.016, 0.016, 0.016],
+        "profile": [9.0, 0.011, 0.011, 0.016, 0.016, 0.016],
+        "powersgd": [9.0] + [0.020] * 5,
+    }
+    probe = [{"step": 4, "to": "low-bit", "reason": "measured"}]
+    row = report(20.0, {"times": times, "probe": probe}, 2, 3)
+    assert row["static/fp32"] == 0.65 and row["static/fp32 range"] == [0.5, 0.8]
+    # profile / min(fp32, static), round by round: 0.011 / 0.010, then 0.016 / 0.016
+    assert row["profile/min(fp32,static)"] == 1.05
+    assert row["profile/min(fp32,static) range"] == [1.0, 1.1]
+    assert row["profile/powersgd"] == 0.675
+    assert "gate: step 4 -> low-bit: measured" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_every_arm_trains_its_blocks_in_the_same_ranks() -> None:
+    cfg = {"workload": "vision", "seed": 0, "profile": "profiles/vision/vision.v5.parquet",
+           "gate": "measure", "arms": ["fp32", "static", "profile"], "rounds": 2, "block": 3}
+    out = run_function_ranks(_rank, 2, cfg)
+    assert out[0] == out[1]  # the slowest rank's time per step, agreed
+    assert {k: len(v) for k, v in out[0]["times"].items()} == {"fp32": 6, "static": 6, "profile": 6}
+    assert all(t > 0 for v in out[0]["times"].values() for t in v)
