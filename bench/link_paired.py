@@ -95,18 +95,15 @@ def _inner(cfg_path: str) -> None:
 def measure(cfg: dict, mbit: float, root: Path) -> dict:
     """Every arm's per-step times (slowest rank) at `mbit` (0: unshaped loopback), and the
     profile arm's measured-gate decisions."""
-    from nfabric_cli.ranks.netns import ShapedLink
+    from nfabric_cli.ranks.netns import link_wrap
     from nfabric_cli.ranks.sessions import rank_env
 
     path = root / f"cfg-{mbit:g}.json"
     path.write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "bench.link_paired", "--inner", str(path)]
-    env = rank_env(loopback=True)
-    if mbit:
-        with ShapedLink(mbit) as link:
-            out = subprocess.run(link.wrap(cmd), env=env, capture_output=True, text=True)
-    else:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    with link_wrap(mbit) as wrap:
+        out = subprocess.run(wrap(cmd), env=rank_env(loopback=True), capture_output=True,
+                             text=True)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("TIMES ")]
     if out.returncode or not lines:
         sys.exit(f"ranks failed at {mbit:g} Mbit/s:\n{out.stderr[-3000:]}")
@@ -123,17 +120,17 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
     times = measured["times"]
     rows = {n: per_round(t, rounds, block) for n, t in times.items()}
     overall = {n: statistics.median(t[1:]) for n, t in times.items()}
+    def over(num: str, den: list[float]) -> list[float]:
+        return [a / b for a, b in zip(rows[num], den, strict=True)]
+
     ratios: dict[str, list[float]] = {}
     if "fp32" in rows:
-        for n in rows:
-            if n != "fp32":
-                ratios[f"{n}/fp32"] = [a / b for a, b in zip(rows[n], rows["fp32"], strict=True)]
+        ratios.update({f"{n}/fp32": over(n, rows["fp32"]) for n in rows if n != "fp32"})
     if {"profile", "static", "fp32"} <= rows.keys():
-        ratios["profile/min(fp32,static)"] = [
-            p / min(f, s) for p, f, s in zip(rows["profile"], rows["fp32"], rows["static"], strict=True)]
+        best = [min(f, s) for f, s in zip(rows["fp32"], rows["static"], strict=True)]
+        ratios["profile/min(fp32,static)"] = over("profile", best)
     if {"profile", "powersgd"} <= rows.keys():
-        ratios["profile/powersgd"] = [
-            p / q for p, q in zip(rows["profile"], rows["powersgd"], strict=True)]
+        ratios["profile/powersgd"] = over("profile", rows["powersgd"])
     title = f"{mbit:g} Mbit/s" if mbit else "loopback, unshaped"
     print(f"\n== {title}: {rounds} rounds of {block} steps per arm, arms interleaved")
     print("median step, ms: " + ", ".join(f"{n} {1e3 * v:.1f}" for n, v in overall.items()))

@@ -2,8 +2,9 @@
 
 `ShapedLink(mbit)` creates namespace ``nfabric-<pid>``, sets ``lo`` up with MTU 9000 and a
 `tc tbf` root qdisc at the given rate, and `wrap(cmd)` runs a command inside it
-(``ip netns exec``). Every rank's traffic then crosses the one shaped loopback: with W ranks
-the link is shared, as on a node behind one NIC. The namespace is deleted on exit, also on
+(``ip netns exec``); `link_wrap(mbit)` gives that wrapper, or the identity without a rate.
+Every rank's traffic then crosses the one shaped loopback: with W ranks the link is shared,
+as on a node behind one NIC. The namespace is deleted on exit, also on
 Ctrl-C or an error. Inside the namespace, `read_lo_counters()` reads the loopback's byte
 counters, so a run can compare the bytes it claims with the bytes that crossed the link
 (loopback counts each packet once in tx and once in rx; headers included).
@@ -14,9 +15,11 @@ a drop would be retransmitted and counted twice on the wire.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nfabric_cli.errors import InputError
@@ -92,6 +95,17 @@ class ShapedLink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def link_wrap(mbit: float | None) -> Iterator[Callable[[list[str]], list[str]]]:
+    """A function that puts a command inside a `ShapedLink` at `mbit` for the duration of the
+    block, or leaves it as it is when `mbit` is None or 0 (plain loopback)."""
+    if not mbit:
+        yield lambda cmd: cmd
+        return
+    with ShapedLink(mbit) as link:
+        yield link.wrap
 
 
 def read_lo_counters() -> dict[str, int]:

@@ -9,17 +9,16 @@ that exits non-zero, or a run past its deadline, kills every rank this run start
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from nfabric_cli.atomic import atomic_write_text
+from nfabric_cli.ranks.netns import link_wrap
 from nfabric_cli.ranks.sessions import kill, rank_env, start
 from nfabric_cli.ranks.wait import wait_all
 from nfabric_cli.replay.plan import ReplayPlan, estimated_seconds
@@ -31,7 +30,8 @@ STARTUP_S = 120.0  # importing torch on every rank of a loaded machine
 def run_ranks(plan: ReplayPlan) -> list[dict[str, Any]]:
     """Run `plan` on `plan.world_size` processes; every rank's result, in rank order."""
     plan = dataclasses.replace(plan, timeout_s=STARTUP_S + 20 * estimated_seconds(plan))
-    with tempfile.TemporaryDirectory(prefix="nfabric-replay-") as tmp, _link(plan) as wrap:
+    with tempfile.TemporaryDirectory(prefix="nfabric-replay-") as tmp, \
+            link_wrap(plan.link_mbit) as wrap:
         run = Path(tmp)
         plan_path = run / "plan.json"
         atomic_write_text(plan_path, json.dumps(plan.to_dict()))
@@ -47,14 +47,3 @@ def run_ranks(plan: ReplayPlan) -> list[dict[str, Any]]:
             raise
         wait_all(procs, deadline, "replay rank")  # kills every rank on any failure
         return [json.loads((run / f"rank{r}.json").read_text()) for r in range(plan.world_size)]
-
-
-@contextlib.contextmanager
-def _link(plan: ReplayPlan) -> Iterator[Callable[[list[str]], list[str]]]:
-    if plan.link_mbit is None:
-        yield lambda cmd: cmd
-        return
-    from nfabric_cli.ranks.netns import ShapedLink
-
-    with ShapedLink(plan.link_mbit) as link:
-        yield link.wrap

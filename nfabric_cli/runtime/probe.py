@@ -54,12 +54,16 @@ LOWBIT, FP32 = "low-bit", "fp32"
 WARMUP = "warm-up"  # the low-bit periods of a cycle's warm-up steps
 
 
+def _no_times() -> dict[str, list[float]]:
+    return {LOWBIT: [], FP32: [], WARMUP: []}
+
+
 @dataclass
 class _Cycle:
     start: int = 0  # the phase step its current cycle began at
     seen: int = 0  # steps of the phase so far
     decided_at: int = 0  # the phase step its decision was taken at
-    times: dict[str, list[float]] = field(default_factory=lambda: {LOWBIT: [], FP32: [], WARMUP: []})
+    times: dict[str, list[float]] = field(default_factory=_no_times)
     decision: str | None = None  # the path kept (None: not decided yet)
     reason: str = ""
 
@@ -89,14 +93,14 @@ class MeasuredAdmission:
         c = self._cycles.setdefault(phase, _Cycle())
         if c.decision is not None and c.seen - c.decided_at >= self.recheck_every:
             c.start = c.seen  # probe again
-            c.times, c.decision, c.reason = {LOWBIT: [], FP32: [], WARMUP: []}, None, ""
+            c.times, c.decision, c.reason = _no_times(), None, ""
         pos = c.seen - c.start
         c.seen += 1
         if c.decision is not None:
             return c.decision, False
         if pos >= self._probe_end:  # undecided: a resumed cycle lost its times; probe again
             c.start, pos = c.seen - 1, 0
-            c.times = {LOWBIT: [], FP32: [], WARMUP: []}
+            c.times = _no_times()
         if pos < self.warmup:
             return LOWBIT, True  # more low-bit samples (module docstring)
         return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
@@ -106,7 +110,7 @@ class MeasuredAdmission:
         `path`: so the recorded step is the cycle's last, and a warm-up one is told apart."""
         c = self._cycles[phase]
         key = WARMUP if c.seen - 1 - c.start < self.warmup else path
-        c.times.setdefault(key, []).append(seconds)
+        c.times[key].append(seconds)
 
     def due(self, phase: str) -> tuple[float, float] | None:
         """(low-bit, fp32) local times when `phase`'s cycle has just probed a pair and is
@@ -124,7 +128,7 @@ class MeasuredAdmission:
             return None
         if pos >= self._probe_end:
             return statistics.median(low), statistics.median(full)
-        return min(low + c.times.get(WARMUP, [])), min(full)
+        return min(low + c.times[WARMUP]), min(full)
 
     def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
         """Judge agreed times after a pair: (path kept, why) for the event once one path is
@@ -137,7 +141,7 @@ class MeasuredAdmission:
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
         low, full = len(c.times[LOWBIT]), len(c.times[FP32])
         how = (f"median of {min(low, full)} steps each" if last else
-               f"fastest of {low + len(c.times.get(WARMUP, []))} low-bit and {full} fp32 steps")
+               f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 steps")
         c.reason = (f"measured step: low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} "
                     f"ms ({how}, mean over ranks)")
         return c.decision, c.reason
@@ -150,5 +154,5 @@ class MeasuredAdmission:
         self._cycles = {}
         for phase, row in state.get("cycles", {}).items():
             start, seen, decided_at, times, decision, reason = row
-            self._cycles[phase] = _Cycle(start, seen, decided_at,
-                                         {k: list(v) for k, v in times.items()}, decision, reason)
+            kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}  # (older: no warm-up)
+            self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason)

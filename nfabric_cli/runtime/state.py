@@ -272,7 +272,7 @@ class FabricState:
 
     def _measured_path(self) -> str:
         """The measured gate's path for this step (`probe.py`), at its first bucket: record
-        the last step's period if it was timed, judge a probed pair on the ranks' mean fastest periods
+        the last step's period if it was timed, judge a probed pair on the ranks' mean times
         (one small blocking all-reduce: the worker is idle between steps and every rank
         reaches it at the same step), then ask for this step's path."""
         probe, phase, now = self.gate.measured, self.phase.name, self._step_started
@@ -383,16 +383,15 @@ class FabricState:
             verdict = self.gate.verdict(key, spec_numels(groups))
             if not verdict.admit:
                 groups = bucket_groups(regions, [FP32] * len(specs), numels)
-        previous, self._inflight = self._inflight, None
-        if is_last and previous is not None:  # landed first, so its time is in the statistics
-            self._land(previous)
-            previous = None
+        if is_last and self._inflight is not None:  # landed first: its time is in the statistics
+            self._land(self._inflight)
+            self._inflight = None
         stats, timed = self._stats_round() if is_last else (None, [])
         job = BucketJob(self, buffer, names, slices, offsets, groups, step, phase,
                         index=len(self._pending), rider=stats)
         self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
         job.start()
-        self._inflight = job
+        previous, self._inflight = self._inflight, job
         if previous is not None:
             self._land(previous)
         job.middle()
@@ -426,9 +425,9 @@ class FabricState:
         bucket's all-gather, `runtime/agree.py`): the loss, every bucket's gradient norms
         (taken before encoding), the reduce times of every bucket but the last (which rides
         in the next step's round), and the agreement sums of sharded reduces as they stand
-        when it is sent. Every rank sends it at the same point of the same bucket, so the collective
-        order stays the same on every rank. Returns the round and the (bucket, seconds) it
-        carries."""
+        when it is sent. Every rank sends it at the same point of the same bucket, so the
+        collective order stays the same on every rank. Returns the round and the (bucket,
+        seconds) it carries."""
         with self._lock:
             loss, self._loss = self._loss, None
         timed, self._bucket_times = self._bucket_times, []

@@ -27,6 +27,7 @@ from typing import Any
 from nfabric_cli.atomic import atomic_write_text
 from nfabric_cli.errors import CheckFailed, InputError
 from nfabric_cli.ranks.exit import env_rank
+from nfabric_cli.ranks.netns import link_wrap
 from nfabric_cli.validation.config import ValidateConfig, resolve_tolerance
 from nfabric_cli.validation.launch import ProgressCallback, spawn_ranks, start_torchrun, supervise
 from nfabric_cli.validation.report import step_frame, summarize, write_report
@@ -131,8 +132,7 @@ def run_validation(
         cfg.store_path = None if store_dir is None else os.path.join(store_dir, "store")
         config_path = cfg.save(run_dir / "config.json")
         cfg.save(report_dir / "config.json")
-        with _sigterm_as_exit(), _link(cfg) as link:
-            wrap = link.wrap if link is not None else (lambda cmd: cmd)
+        with _sigterm_as_exit(), link_wrap(cfg.link_mbit) as wrap:
             start = spawn_ranks if cfg.launcher == "spawn" else start_torchrun
             procs = start(cfg, config_path, report_dir / "logs", wrap)
             supervise(procs, run_dir, cfg.timeout_s, on_progress)
@@ -180,17 +180,6 @@ def _run_as_rank(cfg: ValidateConfig, rank: int, world_size: int) -> ValidationR
     if rank == 0:
         return holder["result"]
     return ValidationResult(None, Path(cfg.report_dir), verdict=passed)
-
-
-@contextlib.contextmanager
-def _link(cfg: ValidateConfig) -> Iterator[Any]:
-    if cfg.link_mbit is None:
-        yield None
-        return
-    from nfabric_cli.ranks.netns import ShapedLink
-
-    with ShapedLink(cfg.link_mbit) as link:
-        yield link
 
 
 @contextlib.contextmanager
