@@ -92,8 +92,8 @@ class Bindings:
         return phase_at(self.phases, step, total)
 
     def bucket_groups(self, bucket: int, phase_name: str) -> list[BucketGroup]:
-        """The reduces the hook issues for one bucket in one phase, one per (region, route)
-        group, with this phase's routes (what the capacity model prices)."""
+        """The reduces the hook issues for one bucket in one phase, one group per route,
+        with this phase's routes (what the capacity model prices)."""
         names = self.buckets[bucket].params
         return bucket_groups(
             [self.params[n].regions[phase_name] for n in names],

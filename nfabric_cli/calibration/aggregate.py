@@ -1,10 +1,11 @@
-"""What the simulated ranks receive: the hook's reduce per (region, route) group, with per-rank
-error feedback, for a set of parameters.
+"""What the simulated ranks receive: the hook's reduces, simulated one (region, route) group at
+a time with per-rank error feedback, for a set of parameters (a region's agreement sums are
+then simply that group's).
 
 A route's result for an element depends only on its chunk, and chunks never span parameters
 (scales, codes and sign votes are per chunk; stochastic-rounding noise is drawn per parameter),
 so any split of the parameters into groups gives the same values bit for bit: the hook's
-per-bucket groups, one group per (region, route) over the whole model, or the parameter shards
+per-bucket route groups, one group per (region, route) over the whole model, or the parameter shards
 that forked processes aggregate side by side (`shard`). A float route's sum is per element
 too, in the order gloo adds that element in the real run's all-reduce (`reduces.py`, given as
 `orders`). Mirrors `runtime/state.py`.

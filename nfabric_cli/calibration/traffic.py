@@ -1,7 +1,7 @@
 """Bytes a simulated step puts on the wire, counted the way the DDP hook sends them.
 
 The hook reduces each bucket as one fp32 all-reduce when every parameter in it is on fp32,
-and otherwise as one collective per (region, route) group (region "" for the float routes).
+and otherwise as one collective per route group (`routes/groups.py`).
 We replay that grouping over the bindings' bucket plan with the routes in force at each step
 (after health fallbacks and the capacity gate), so a trial's traffic fraction counts both. Bytes are one
 non-root rank's sent + received, against the same buckets all-reduced in fp32.
@@ -96,7 +96,7 @@ def gated(
 ) -> Callable[[str], RouteSpec]:
     """`effective` after the capacity gate: every parameter of a bucket the gate refuses runs
     on fp32, as in the hook (same `CapacityGate`, same key: the bucket's names and phase; same
-    price: one reduce per (region, route) group)."""
+    price: one reduce per route group)."""
     if gate is None or gate.substrate is None or not gate.enabled:
         return effective
     refused: set[str] = set()

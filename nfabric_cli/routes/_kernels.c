@@ -882,19 +882,49 @@ static void pack_codes(const uint32_t *code, int64_t n, int bits, uint8_t *out) 
     }
 }
 
+/* Vote margins by element range: range k holds elements [ends[k - 1], ends[k]) (ends[-1] = 0),
+ * ascending; elements at or past ends[nends - 1] (a shard's padding) are not counted. A reduce
+ * that spans several health scopes (regions on one route) keeps each scope's agreement apart.
+ * add_margins adds |2 acc[i] - w| of elements e0 .. e0 + ne - 1 to margin[k] of their range,
+ * the cursor *k moving along. */
+static void add_margins(const int32_t *acc, int64_t e0, int64_t ne, int64_t w,
+                        const int64_t *ends, int64_t nends, int64_t *k, int64_t *margin) {
+    int64_t i = 0;
+    while (i < ne && *k < nends) {
+        if (e0 + i >= ends[*k]) {
+            ++*k;
+            continue;
+        }
+        const int64_t stop = ends[*k] - e0 < ne ? ends[*k] - e0 : ne;
+        int64_t m = 0;
+        for (; i < stop; ++i) {
+            const int64_t d = 2 * (int64_t)acc[i] - w;
+            m += d < 0 ? -d : d;
+        }
+        margin[*k] += m;
+    }
+}
+
+/* Bits lo .. hi - 1 of a 64-bit word (0 <= lo, hi <= 64; none when hi <= lo). */
+static inline uint64_t bit_span(int64_t lo, int64_t hi) {
+    if (hi <= lo) return 0;
+    const uint64_t upto = hi >= 64 ? ~0ULL : ((1ULL << hi) - 1);
+    return upto & ~((1ULL << lo) - 1);
+}
+
 /* The sharded reducer's combine, packed: per element, c = the sum over the W shards of its raw
  * code (`kind`, as nf_sum_codes); its result code is table[c] when `table` is given (sign: a
  * vote count -> code; `table` has W + 1 entries), else c + offset; codes are written packed at
- * `bits` into `out` (nbytes * per * bits / 8 bytes). `margin` (may be
- * NULL) gets the sum of |2c - W| over the first `valid` elements: the sign vote's agreement,
+ * `bits` into `out` (nbytes * per * bits / 8 bytes). `margin` (may be NULL; `nends` entries)
+ * gets the sum of |2c - W| per range of `ends` (add_margins): the sign vote's agreement,
  * exact in int64. One pass, tile by tile: no int64 values, no float agreement array. */
 void nf_combine_pack(const uint8_t *const *shards, int64_t w, int64_t nbytes, int kind,
-                     int64_t offset, const int32_t *table, int bits, int64_t valid, uint8_t *out,
-                     int64_t *margin) {
+                     int64_t offset, const int32_t *table, int bits, const int64_t *ends,
+                     int64_t nends, uint8_t *out, int64_t *margin) {
     int32_t acc[NF_SUM_TILE * 8];
     uint32_t code[NF_SUM_TILE * 8];
     const int per = elems_per_byte(kind);
-    int64_t m = 0;
+    int64_t k = 0;
     for (int64_t j0 = 0; j0 < nbytes; j0 += NF_SUM_TILE) {
         const int64_t nb = nbytes - j0 < NF_SUM_TILE ? nbytes - j0 : NF_SUM_TILE;
         const int64_t e0 = j0 * per, ne = nb * per;
@@ -904,16 +934,9 @@ void nf_combine_pack(const uint8_t *const *shards, int64_t w, int64_t nbytes, in
         } else {
             for (int64_t i = 0; i < ne; ++i) code[i] = (uint32_t)(acc[i] + offset);
         }
-        if (margin) {
-            const int64_t stop = valid - e0 < ne ? valid - e0 : ne;
-            for (int64_t i = 0; i < stop; ++i) {
-                const int64_t d = 2 * (int64_t)acc[i] - w;
-                m += d < 0 ? -d : d;
-            }
-        }
+        if (margin) add_margins(acc, e0, ne, w, ends, nends, &k, margin);
         pack_codes(code, ne, bits, out + e0 * bits / 8);
     }
-    if (margin) *margin = m;
 }
 
 /* 32 bits of x spread to the even bits of a uint64 (bit k -> bit 2k): Morton interleave. */
@@ -930,56 +953,46 @@ static inline uint64_t spread32(uint64_t x) {
  * time, each shard's word is added into a vertical counter (bit b of every element's count in
  * planes[b]), then compared with K = W / 2 on the planes. Result codes as `_pack_result`
  * writes them: odd W, 1 bit (c > K); even W, 2 bits (0: c < K, 1: a tie, 2: c > K). `margin`
- * gets the sum of |2c - W| over the first `valid` elements. `nbytes` is a multiple of 8; every
- * shard is read once, 8 bytes at a time. */
-void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes, int64_t valid,
-                      uint8_t *out, int64_t *margin) {
+ * (`nends` entries) gets the sum of |2c - W| per range of `ends` (as add_margins). `nbytes`
+ * is a multiple of 8; every shard is read once, 8 bytes at a time. */
+void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes,
+                      const int64_t *ends, int64_t nends, uint8_t *out, int64_t *margin) {
     uint64_t planes[9];
     int nplanes = 1;
     while ((1LL << nplanes) <= w) ++nplanes;
     const int64_t k = w / 2;
     const int even = (w % 2) == 0;
-    int64_t m = 0;
-    if (w == 2) { /* the two-rank vote in a few word ops: both +, a tie (one each), both - */
-        for (int64_t j = 0; j < nbytes / 8; ++j) {
+    int64_t q0 = 0; /* the first range not closed before the current word */
+    for (int64_t j = 0; j < nbytes / 8; ++j) {
+        const int64_t base = 64 * j;
+        uint64_t gt = 0, eq = ~0ULL; /* c > K, c == K */
+        if (w == 2) { /* the two-rank vote in a few word ops: both +, a tie (one each), both - */
             uint64_t a, b;
             memcpy(&a, shards[0] + 8 * j, 8);
             memcpy(&b, shards[1] + 8 * j, 8);
-            const uint64_t gt = a & b, eq = a ^ b;
-            const uint64_t lo = spread32(eq) | spread32(gt) << 1;
-            const uint64_t hi = spread32(eq >> 32) | spread32(gt >> 32) << 1;
-            memcpy(out + 16 * j, &lo, 8);
-            memcpy(out + 16 * j + 8, &hi, 8);
-            const int64_t left = valid - 64 * j;
-            if (left > 0) { /* |2c - 2| is 2 unless the vote tied */
-                const uint64_t vm = left >= 64 ? ~0ULL : ((1ULL << left) - 1);
-                m += 2 * (int64_t)__builtin_popcountll(~eq & vm);
+            gt = a & b;
+            eq = a ^ b;
+        } else {
+            memset(planes, 0, sizeof planes);
+            for (int64_t r = 0; r < w; ++r) {
+                uint64_t carry;
+                memcpy(&carry, shards[r] + 8 * j, 8);
+                for (int b = 0; b < nplanes && carry; ++b) {
+                    const uint64_t t = planes[b] & carry;
+                    planes[b] ^= carry;
+                    carry = t;
+                }
             }
-        }
-        *margin = m;
-        return;
-    }
-    for (int64_t j = 0; j < nbytes / 8; ++j) {
-        memset(planes, 0, sizeof planes);
-        for (int64_t r = 0; r < w; ++r) {
-            uint64_t carry;
-            memcpy(&carry, shards[r] + 8 * j, 8);
-            for (int b = 0; b < nplanes && carry; ++b) {
-                const uint64_t t = planes[b] & carry;
-                planes[b] ^= carry;
-                carry = t;
+            for (int b = nplanes - 1; b >= 0; --b) { /* most significant plane first */
+                if ((k >> b) & 1) {
+                    eq &= planes[b];
+                } else {
+                    gt |= eq & planes[b];
+                    eq &= ~planes[b];
+                }
             }
+            if (!even) eq = 0; /* c == K is 2c = W - 1: a lost vote, not a tie */
         }
-        uint64_t gt = 0, eq = ~0ULL; /* c > K, c == K: most significant plane first */
-        for (int b = nplanes - 1; b >= 0; --b) {
-            if ((k >> b) & 1) {
-                eq &= planes[b];
-            } else {
-                gt |= eq & planes[b];
-                eq &= ~planes[b];
-            }
-        }
-        if (!even) eq = 0; /* c == K is 2c = W - 1: a lost vote, not a tie */
         if (even) {
             const uint64_t lo = spread32(eq) | spread32(gt) << 1;
             const uint64_t hi = spread32(eq >> 32) | spread32(gt >> 32) << 1;
@@ -988,20 +1001,27 @@ void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes, i
         } else {
             memcpy(out + 8 * j, &gt, 8);
         }
-        const int64_t left = valid - 64 * j;
-        if (left > 0) {
-            const uint64_t vm = left >= 64 ? ~0ULL : ((1ULL << left) - 1);
-            const uint64_t g = gt & vm, l = ~gt & ~eq & vm;
-            int64_t sum_g = 0, sum_l = 0;
-            for (int b = 0; b < nplanes; ++b) {
-                sum_g += (int64_t)__builtin_popcountll(planes[b] & g) << b;
-                sum_l += (int64_t)__builtin_popcountll(planes[b] & l) << b;
+        while (q0 < nends && ends[q0] <= base) ++q0;
+        for (int64_t q = q0; q < nends; ++q) { /* the ranges this word's elements fall in */
+            const int64_t start = q ? ends[q - 1] : 0;
+            if (start >= base + 64) break;
+            const int64_t lo = start > base ? start - base : 0;
+            const uint64_t vm = bit_span(lo, ends[q] - base);
+            if (w == 2) { /* |2c - 2| is 2 unless the vote tied */
+                margin[q] += 2 * (int64_t)__builtin_popcountll(~eq & vm);
+            } else {
+                const uint64_t g = gt & vm, l = ~gt & ~eq & vm;
+                int64_t sum_g = 0, sum_l = 0;
+                for (int b = 0; b < nplanes; ++b) {
+                    sum_g += (int64_t)__builtin_popcountll(planes[b] & g) << b;
+                    sum_l += (int64_t)__builtin_popcountll(planes[b] & l) << b;
+                }
+                margin[q] += 2 * sum_g - w * (int64_t)__builtin_popcountll(g)
+                             + w * (int64_t)__builtin_popcountll(l) - 2 * sum_l;
             }
-            m += 2 * sum_g - w * (int64_t)__builtin_popcountll(g)
-                 + w * (int64_t)__builtin_popcountll(l) - 2 * sum_l;
+            if (ends[q] >= base + 64) break;
         }
     }
-    *margin = m;
 }
 
 /* ---- decode of combined results ---------------------------------------------------------- */
@@ -1127,17 +1147,18 @@ void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const
  * its combined value v = values[c] (when `values`, one per possible sum: the sign vote) or
  * c + offset, and out = pre_scale(v) * s with its chunk's scale s: the float ops of
  * nf_combine_pack, then nf_decode_codes of that packed result, without the result. Tile by
- * tile, the chunk cursor moving along; `margin` (may be NULL) gets the sum of |2c - W| over
- * the first `numel` elements, elements past `numel` (padding) are not written. */
+ * tile, the chunk cursor moving along; `margin` (may be NULL; `nends` entries) gets the sum
+ * of |2c - W| per range of `ends` (add_margins); elements past `numel` (padding) are not
+ * written. */
 void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, int kind,
                        int64_t offset, const int64_t *values, const int64_t *blocks,
                        int64_t nblocks, const float *scales, int mode, float d, int64_t numel,
-                       float *out, int64_t *margin) {
+                       float *out, const int64_t *ends, int64_t nends, int64_t *margin) {
     int32_t acc[NF_SUM_TILE * 8];
     float v[NF_SUM_TILE * 8];
     const int per = elems_per_byte(kind);
     const int nt = numel >= NF_STREAM_MIN;
-    int64_t m = 0, b = 0, r = 0; /* the chunk cursor: block b, its chunk r */
+    int64_t k = 0, b = 0, r = 0; /* the range cursor k; the chunk cursor: block b, its chunk r */
     for (int64_t j0 = 0; j0 < nbytes; j0 += NF_SUM_TILE) {
         const int64_t nb = nbytes - j0 < NF_SUM_TILE ? nbytes - j0 : NF_SUM_TILE;
         const int64_t e0 = j0 * per;
@@ -1150,12 +1171,7 @@ void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, 
             const int32_t off = (int32_t)offset; /* |offset| <= 8 W: int32 lanes vectorize */
             for (int64_t i = 0; i < ne; ++i) v[i] = (float)(acc[i] + off);
         }
-        if (margin) {
-            for (int64_t i = 0; i < ne; ++i) {
-                const int64_t dm = 2 * (int64_t)acc[i] - w;
-                m += dm < 0 ? -dm : dm;
-            }
-        }
+        if (margin) add_margins(acc, e0, ne, w, ends, nends, &k, margin);
         /* scale the tile's elements [e0, e0 + ne) chunk by chunk */
         for (int64_t e = e0; e < e0 + ne;) {
             while (b < nblocks && e >= blocks[3 * b] + (r + 1) * blocks[3 * b + 2]) {
@@ -1169,7 +1185,6 @@ void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, 
         }
     }
     if (nt) nf_fence();
-    if (margin) *margin = m;
 }
 
 /* Combine and decode codes each rank quantised on its own scales (int8 / int4 whose codes every

@@ -40,6 +40,7 @@ from nfabric_cli.routes.comm import Comm, sum_in_rank_order
 from nfabric_cli.routes.packing import bits_for_levels, pack_uint, unpack_uint
 from nfabric_cli.routes.plan import CommOp, WireBytes, plan_wire_bytes
 from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.routes.tally import Sink, Tally
 
 #: Element counts of the parameters a flat gradient holds, in order (None: one parameter).
 Segments = tuple[int, ...] | None
@@ -141,7 +142,7 @@ class Route:
         flat: torch.Tensor,
         comm: Comm,
         segments: tuple[int, ...] | None = None,
-        stats: dict[str, float] | None = None,
+        stats: Sink | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Real collective: this rank's gradient in, the agreed mean out (may reuse `flat`)."""
@@ -151,7 +152,7 @@ class Route:
         self,
         grads: Sequence[torch.Tensor],
         segments: tuple[int, ...] | None = None,
-        stats: dict[str, float] | None = None,
+        stats: Sink | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> torch.Tensor:
         """Single-process simulation: N workers' gradients in, what every rank receives out."""
@@ -340,7 +341,7 @@ class CodeRoute(Route):
 
     def combine_packed(
         self, shards: Sequence[torch.Tensor], world_size: int, valid: int,
-        stats: dict[str, float] | None,
+        stats: Sink | None,
     ) -> torch.Tensor:
         """The shards' combined result, packed as it travels back (`_pack_result`), with the
         agreement of the first `valid` elements added to `stats`. Natively in one pass over the
@@ -348,22 +349,23 @@ class CodeRoute(Route):
         same bytes and the same agreement sums either way."""
         k = kernels.native(shards[0])
         how = self.native_combine(world_size) if k is not None else None
+        tally = Tally.of(stats, valid)
         if how is None:
             values, agree = self.combine(shards, world_size)
-            self._record_agreement(agree, valid, world_size, stats)
+            self._record_agreement(agree, world_size, tally)
             return self._pack_result(values, world_size)
         kind, bits, offset, table = self._result_codes(world_size)
         if table is None:
             return k.combine_pack(shards, kind, bits, offset=offset)[0]
-        packed, margin = k.combine_pack(shards, kind, bits, table=table, valid=valid,
-                                        margin=stats is not None)
-        if margin is not None:
-            self._add_margins(margin, valid, world_size, stats)
+        packed, margins = k.combine_pack(shards, kind, bits, table=table,
+                                         ends=tally.ends if tally is not None else None)
+        if tally is not None:
+            tally.add(margins, world_size)
         return packed
 
     def combine_decode(
         self, shards: Sequence[torch.Tensor], world_size: int, scales: torch.Tensor,
-        layout: ChunkLayout, out: torch.Tensor, stats: dict[str, float] | None,
+        layout: ChunkLayout, out: torch.Tensor, stats: Sink | None,
     ) -> torch.Tensor:
         """Every rank's whole codes combined and decoded into `out` (`layout.numel` elements),
         with their agreement added to `stats`: `combine_packed` then `_decode_result`, bit for
@@ -379,11 +381,12 @@ class CodeRoute(Route):
         s, mode, d = self.decode_mode(scales, world_size)
         table = value if isinstance(value, torch.Tensor) else None
         # only a vote (a table of values per count) has an agreement, as in combine_packed
-        margin = k.combine_decode(shards, kind, layout, s, mode, d, out,
-                                  offset=0 if table is not None else value, values=table,
-                                  margin=stats is not None and table is not None)
-        if margin is not None:
-            self._add_margins(margin, n, world_size, stats)
+        tally = Tally.of(stats, n) if table is not None else None
+        margins = k.combine_decode(shards, kind, layout, s, mode, d, out,
+                                   offset=0 if table is not None else value, values=table,
+                                   ends=tally.ends if tally is not None else None)
+        if tally is not None:
+            tally.add(margins, world_size)
         return out
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - routes are cached, stateless singletons
@@ -407,31 +410,19 @@ class CodeRoute(Route):
         return out
 
     @staticmethod
-    def _record_agreement(
-        agree: torch.Tensor | None, valid: int, w: int, stats: dict[str, float] | None
-    ) -> None:
+    def _record_agreement(agree: torch.Tensor | None, w: int, tally: Tally | None) -> None:
         """Add the vote margins |2c - W| (integers, so sums are exact in any grouping or
-        order) and W per element: agree_sum / agree_n is the mean agreement |2c - W| / W."""
-        if stats is None or agree is None:
-            return
-        CodeRoute._add_margins(torch.round(agree[:valid].double() * w).sum(), valid, w, stats)
-
-    @staticmethod
-    def _add_margins(margins: int | torch.Tensor, valid: int, w: int,
-                     stats: dict[str, float | torch.Tensor] | None) -> None:
-        """Add `margins` (the sum of |2c - W| over `valid` elements: the native kernels' int,
-        or a tensor the torch path leaves unread) to the step's stats, in float64."""
-        if stats is not None:
-            m = margins.double() if isinstance(margins, torch.Tensor) else float(margins)
-            stats["agree_sum"] = stats.get("agree_sum", 0.0) + m
-            stats["agree_n"] = stats.get("agree_n", 0.0) + float(valid * w)
+        order) and W per element, per range of `tally`: agree_sum / agree_n is the mean
+        agreement |2c - W| / W."""
+        if tally is not None and agree is not None:
+            tally.add(tally.split(agree, w), w)
 
     def reduce(
         self,
         flat: torch.Tensor,
         comm: Comm,
         segments: tuple[int, ...] | None = None,
-        stats: dict[str, float] | None = None,
+        stats: Sink | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         x = check_input(flat).float()
@@ -466,7 +457,7 @@ class CodeRoute(Route):
         self,
         grads: Sequence[torch.Tensor],
         segments: tuple[int, ...] | None = None,
-        stats: dict[str, float] | None = None,
+        stats: Sink | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
     ) -> torch.Tensor:
         xs = [check_input(g).float() for g in grads]
@@ -497,5 +488,5 @@ class CodeRoute(Route):
             for x, s, g in zip(xs, code_scales, gens, strict=True)
         ]
         values, agree = self.combine(codes, w)
-        self._record_agreement(agree, n, w, stats)
+        self._record_agreement(agree, w, Tally.of(stats, n))
         return self.decode_values(values[:n], agreed, layout, w)

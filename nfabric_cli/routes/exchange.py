@@ -41,6 +41,7 @@ import torch.distributed as dist
 from nfabric_cli.routes.base import CodeRoute, Noise, padded_payload_nbytes
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.comm import Comm, Pending, sum_in_rank_order
+from nfabric_cli.routes.tally import Sink, Tally
 
 #: Key of the sub-dict of a piece's `stats` that receives the agreement sums of a piece
 #: combined whole on every rank (it gathers codes): complete on each rank, the same on all,
@@ -63,12 +64,13 @@ class Rider(Protocol):
 @dataclass
 class Piece:
     """One sharded low-bit reduce: `x` (float32, contiguous, 1-D) is this rank's gradient in,
-    the agreed result out, in place. `stats` collects the route's agreement sums."""
+    the agreed result out, in place. `stats` collects the route's agreement sums: one scope's
+    dict, or a `Tally` of the scopes its parameters report to."""
 
     route: CodeRoute
     x: torch.Tensor
     segments: tuple[int, ...]
-    stats: dict | None = None
+    stats: Sink | None = None
     noise: Noise = None
 
 
@@ -175,7 +177,9 @@ class Exchange:
             shards = [recv[r, off : off + s.codes] for r in range(w)]
             shard_elems = s.codes * p.route.elems_per_byte
             valid = max(0, min(shard_elems, p.x.numel() - rank * shard_elems))
-            self._mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, p.stats)
+            tally = Tally.of(p.stats, p.x.numel())  # this rank's shard of its ranges
+            tally = tally.window(rank * shard_elems, valid) if tally is not None else None
+            self._mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, tally)
             if s.scale_bytes:
                 self._scales[i] = _agreed(p.route, recv, off + s.codes, s, w)
             off, roff = off + s.block, roff + s.result
@@ -201,7 +205,8 @@ class Exchange:
                 continue
             shards = [results[r, off : off + s.codes] for r in range(w)]
             # every rank combines every element, so every rank holds the whole agreement
-            stats = None if p.stats is None else p.stats.setdefault(WHOLE, {})
+            tally = Tally.of(p.stats, p.x.numel())
+            stats = tally.sub(WHOLE) if tally is not None else None
             agreed = _agreed(p.route, results, off + s.codes, s, w) if s.scale_bytes else sc
             out = p.route.combine_decode(shards, w, agreed, s.layout, p.x, stats)
             if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory

@@ -17,6 +17,7 @@ from nfabric_cli.routes.chunks import check_segments
 from nfabric_cli.routes.comm import Comm
 from nfabric_cli.routes.plan import CommOp
 from nfabric_cli.routes.ring import Piece, ring_sum
+from nfabric_cli.routes.tally import Sink
 
 
 def ddp_mean_(buffer: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -46,7 +47,7 @@ class FloatRoute(Route):
         flat: torch.Tensor,
         comm: Comm,
         segments: tuple[int, ...] | None = None,
-        stats: dict[str, float] | None = None,
+        stats: Sink | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         return self.reduce_async(flat, comm)()
@@ -64,7 +65,7 @@ class FloatRoute(Route):
         self,
         grads: Sequence[torch.Tensor],
         segments: tuple[int, ...] | None = None,
-        stats: dict[str, float] | None = None,
+        stats: Sink | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
         pieces: Sequence[Piece] | None = None,
     ) -> torch.Tensor:

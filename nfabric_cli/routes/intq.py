@@ -30,6 +30,7 @@ from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_i
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.comm import sum_in_rank_order
 from nfabric_cli.routes.packing import pack_uint, unpack_uint
+from nfabric_cli.routes.tally import Sink
 
 
 class IntRoute(CodeRoute):
@@ -108,7 +109,7 @@ class IntRoute(CodeRoute):
 
     def combine_decode(
         self, shards: Sequence[torch.Tensor], world_size: int, scales: torch.Tensor,
-        layout: ChunkLayout, out: torch.Tensor, stats: dict[str, float] | None,
+        layout: ChunkLayout, out: torch.Tensor, stats: Sink | None,
     ) -> torch.Tensor:
         """With local scales (`scales`: one row per rank) the mean of each rank's codes
         decoded on its own scales, in rank order; else the exact integer sum (`CodeRoute`)."""

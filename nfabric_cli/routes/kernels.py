@@ -53,12 +53,12 @@ _SIGNATURES: dict[str, list] = {
     "nf_ternary_decode": [_P, _P, _I, _P, _P],
     "nf_sum_codes": [_P, _I, _I, ctypes.c_int, _I, _P],
     "nf_sign_combine": [_P, _I, _I, ctypes.c_int, _P, _P],
-    "nf_sign_majority": [_P, _I, _I, _I, _P, _P],
-    "nf_combine_pack": [_P, _I, _I, ctypes.c_int, _I, _P, ctypes.c_int, _I, _P, _P],
+    "nf_sign_majority": [_P, _I, _I, _P, _I, _P, _P],
+    "nf_combine_pack": [_P, _I, _I, ctypes.c_int, _I, _P, ctypes.c_int, _P, _I, _P, _P],
     "nf_decode_values": [_P, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_combine_decode": [_P, _I, _I, ctypes.c_int, _I, _P, _P, _I, _P, ctypes.c_int, _F, _I,
-                          _P, _P],
+                          _P, _P, _I, _P],
     "nf_combine_decode_local": [_P, _I, _I, ctypes.c_int, _I, _F, _P, _I, _I, _P, _I, _P],
 }
 #: Code kinds `sum_codes` adds up, with elements per byte.
@@ -67,6 +67,20 @@ SUM_KINDS: dict[str, tuple[int, int]] = {"int8": (0, 1), "nibble": (1, 2), "trit
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+class _Margins:
+    """The kernels' view of vote-margin ranges (`ends`, ascending element offsets: range k is
+    [ends[k - 1], ends[k])) and the int64 sums they write per range; no ranges, no sums."""
+
+    def __init__(self, ends: Sequence[int] | None) -> None:
+        n = len(ends) if ends else 0
+        self.n = n
+        self.ends = (ctypes.c_int64 * n)(*ends) if n else None
+        self.sums = (ctypes.c_int64 * n)() if n else None
+
+    def result(self) -> list[int] | None:
+        return list(self.sums) if self.sums is not None else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -292,12 +306,12 @@ class Kernels:
 
     def combine_pack(
         self, shards: Sequence[torch.Tensor], kind: str, bits: int, *, offset: int = 0,
-        table: torch.Tensor | None = None, valid: int = 0, margin: bool = False,
-    ) -> tuple[torch.Tensor, int | None]:
+        table: torch.Tensor | None = None, ends: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, list[int] | None]:
         """The combined result of the shards' codes, packed at `bits`, in one pass: per element
         the code `table[c]` (int32, one entry per possible sum) or `c + offset`, c = the sum of
-        the shards' raw `kind` codes (as `sum_codes`); with `margin`, also the sum of |2c - W|
-        over the first `valid` elements (the sign vote's agreement), else None."""
+        the shards' raw `kind` codes (as `sum_codes`); with `ends`, also the sum of |2c - W|
+        per element range (`_Margins`; the sign vote's agreement), else None."""
         if bits not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"unsupported code width {bits}")
         code, per = SUM_KINDS[kind]
@@ -307,15 +321,16 @@ class Kernels:
         if table is not None and (table.dtype != torch.int32 or table.numel() < len(shards) + 1):
             raise ValueError("table must be int32 with one entry per count 0..W")
         out = self.empty(nbytes * per * bits // 8, torch.uint8)
-        total = ctypes.c_int64(0)
+        m = _Margins(ends)
         self.lib.nf_combine_pack(ptrs, len(shards), nbytes, code, offset, _ptr(table), bits,
-                                 valid, out.data_ptr(), ctypes.byref(total) if margin else None)
-        return out, (total.value if margin else None)
+                                 m.ends, m.n, out.data_ptr(), m.sums)
+        return out, m.result()
 
-    def sign_majority(self, shards: Sequence[torch.Tensor], valid: int) -> tuple[torch.Tensor, int]:
+    def sign_majority(self, shards: Sequence[torch.Tensor],
+                      ends: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
         """The sign majority vote of W shards of packed votes (each a multiple of 8 bytes),
         packed as `SignRoute._pack_result` packs it (1 bit for odd W, 2 for even), and the sum
-        of |2c - W| over the first `valid` elements; bit-sliced, 64 elements per word."""
+        of |2c - W| per element range (`_Margins`); bit-sliced, 64 elements per word."""
         if not 1 <= len(shards) <= 255:
             raise ValueError(f"sign votes combine 1 to 255 ranks, got {len(shards)}")
         ptrs, nbytes = self._shard_ptrs(shards)
@@ -323,9 +338,9 @@ class Kernels:
             raise ValueError(f"shards of {nbytes} bytes: need a multiple of 8")
         bits = 1 if len(shards) % 2 else 2
         out = self.empty(nbytes * bits, torch.uint8)
-        total = ctypes.c_int64(0)
-        self.lib.nf_sign_majority(ptrs, len(shards), nbytes, valid, out.data_ptr(), ctypes.byref(total))
-        return out, total.value
+        m = _Margins(ends)
+        self.lib.nf_sign_majority(ptrs, len(shards), nbytes, m.ends, m.n, out.data_ptr(), m.sums)
+        return out, m.result() or []
 
     def decode_values(
         self, values: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, mode: int, d: float = 1.0
@@ -368,13 +383,13 @@ class Kernels:
     def combine_decode(
         self, shards: Sequence[torch.Tensor], kind: str, layout: ChunkLayout, scales: torch.Tensor,
         mode: int, d: float, out: torch.Tensor, *, offset: int = 0,
-        values: torch.Tensor | None = None, margin: bool = False,
-    ) -> int | None:
+        values: torch.Tensor | None = None, ends: Sequence[int] | None = None,
+    ) -> list[int] | None:
         """Decode into `out` (float32, `layout.numel`) the combined value of every element of
         the shards' raw `kind` codes, `values[c]` (one per possible sum c) or `c + offset`,
         scaled per chunk as `decode_codes` scales (mode, d): `combine_pack` then
-        `decode_codes`, bit for bit, without the packed result. With `margin`, returns the sum
-        of |2c - W| over the layout's elements."""
+        `decode_codes`, bit for bit, without the packed result. With `ends`, returns the sum
+        of |2c - W| per element range (`_Margins`)."""
         code, per = SUM_KINDS[kind]
         ptrs, nbytes = self._shard_ptrs(shards)
         if nbytes * per < layout.numel:
@@ -386,12 +401,12 @@ class Kernels:
         scales = _need(scales.float(), 4 * layout.nchunks, "scales")
         if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
             raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
-        total = ctypes.c_int64(0)
+        m = _Margins(ends)
         self.lib.nf_combine_decode(ptrs, len(shards), nbytes, code, offset, _ptr(values),
                                    _blocks(layout).data_ptr(), len(layout.blocks),
                                    scales.data_ptr(), mode, d, layout.numel, out.data_ptr(),
-                                   ctypes.byref(total) if margin else None)
-        return total.value if margin else None
+                                   m.ends, m.n, m.sums)
+        return m.result()
 
 
     def combine_decode_local(

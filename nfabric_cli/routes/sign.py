@@ -18,6 +18,7 @@ from nfabric_cli.routes import kernels
 from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_input
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_bool, unpack_bool
+from nfabric_cli.routes.tally import Sink, Tally
 
 
 class SignRoute(CodeRoute):
@@ -73,14 +74,16 @@ class SignRoute(CodeRoute):
 
     def combine_packed(
         self, shards: Sequence[torch.Tensor], world_size: int, valid: int,
-        stats: dict[str, float] | None,
+        stats: Sink | None,
     ) -> torch.Tensor:
         """The majority vote natively bit-sliced (64 votes per word op); else as CodeRoute."""
         k = kernels.native(shards[0])
         if k is None or self.spec.mode != "majority":
             return super().combine_packed(shards, world_size, valid, stats)
-        packed, margin = k.sign_majority(shards, valid)
-        self._add_margins(margin, valid, world_size, stats)
+        tally = Tally.of(stats, valid)
+        packed, margins = k.sign_majority(shards, tally.ends if tally is not None else ())
+        if tally is not None:
+            tally.add(margins, world_size)
         return packed
 
     def native_combine(self, world_size: int) -> tuple[str, torch.Tensor]:

@@ -36,6 +36,7 @@ from nfabric_cli.routes.fp32 import FloatRoute
 from nfabric_cli.routes.groups import BucketGroup, whole_bucket
 from nfabric_cli.routes.plan import WireBytes, op_wire_bytes
 from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.routes.tally import Tally
 
 if TYPE_CHECKING:
     from nfabric_cli.runtime.agree import StatsRound
@@ -94,9 +95,11 @@ class BucketJob:
         for gi, group in enumerate(self.groups):
             spec = group.spec
             route = make_route(spec, dtype)
-            stats = st._group_stats(group.region) if spec.lowbit else None
             for ks in group.reduces():
                 part = self._prepare([group.index[k] for k in ks], spec)
+                # each region's agreement apart, though they share the reduce
+                stats = (Tally.over([st._group_stats(group.regions[k]) for k in ks], part.segments)
+                         if spec.lowbit else None)
                 gen = rounding_noise(spec, st.seed, self.step, st.rank, part.names, part.segments)
                 if isinstance(route, CodeRoute) and spec.reducer == "sharded" and not traced:
                     if part.x.numel():

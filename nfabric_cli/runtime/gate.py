@@ -1,8 +1,8 @@
 """`CapacityGate`: admit a low-bit route for a bucket only where it is predicted to pay.
 
 The verdict is taken on the *actual* bucket (DDP rebuilds buckets after the first step, so
-the compile-time plan is only a forecast), priced per reduce the hook issues for it (one per
-(region, route) group, `routes/groups.py`) by the substrate's α-β cost model
+the compile-time plan is only a forecast), priced per reduce the hook issues for it (one group per
+route, `routes/groups.py`) by the substrate's α-β cost model
 (`substrate/cost.py`), as compile-profile and calibration price it. Without a substrate every
 bucket is admitted as the profile wrote it.
 Measured collective times can revoke an admission: if a bucket's low-bit reduction is seen

@@ -1,7 +1,7 @@
 """The fabric DDP communication hook: `fabric_hook(state, bucket) -> Future`.
 
 DDP takes one hook per model, so this one dispatches every bucket: it splits the flat buffer
-into per-parameter slices, groups them by (region, route), runs each group's collective and
+into per-parameter slices, groups them by route, runs each group's collective and
 writes the results back at the original offsets. The reduction runs on the state's single
 worker thread, in bucket order, so (a) backward keeps computing while buckets reduce, and (b)
 every rank issues the same collectives in the same order even though each bucket issues

@@ -44,8 +44,9 @@ all-reduce (no combine step).
 
 Buckets run their collectives one after another (the comm hook issues them in order on one
 thread) and do not overlap with backward compute: a bucket's time is the sum of its parts. Its
-parts are the (region, route) groups of `routes/groups.py`: every low-bit group pays its own
-codec (two regions on sign in one bucket pay two fixed codec costs), while all sharded low-bit
+parts are the route groups of `routes/groups.py`: every low-bit group pays its own codec
+(two regions on sign in one bucket are one group; sign beside int8 pay two fixed codec
+costs), while all sharded low-bit
 groups of a bucket share one all-to-all and one all-gather (`routes/exchange.py`, plus one MAX
 all-reduce for int8 / int4 scales); float routes and the central reducer pay their own.
 """

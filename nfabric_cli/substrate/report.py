@@ -1,7 +1,7 @@
 """Capacity report: per-bucket verdicts, totals and crossovers for one phase of a bucket plan.
 
-Input is plain data (bucket index -> the bucket's reduces, one `BucketGroup` per (region,
-route) group as the hook issues them), so this module does not depend on the binding layer;
+Input is plain data (bucket index -> the bucket's reduces, one `BucketGroup` per route as
+the hook issues them), so this module does not depend on the binding layer;
 `nfabric capacity` extracts it from `Bindings.bucket_groups`.
 """
 
@@ -51,7 +51,7 @@ def capacity_report(
         v = bucket_verdict(substrate, spec_numels(groups), world_size)
         numel = sum(g.numel for g in groups)
         reduces = [
-            {"region": g.region, "route": g.spec.label(), "numel": g.numel,
+            {"regions": sorted(set(g.regions)), "route": g.spec.label(), "numel": g.numel,
              "bytes": wire_bytes(g.spec, g.numel, world_size)}
             for g in groups
             if g.numel

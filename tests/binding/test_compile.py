@@ -10,6 +10,7 @@ from nfabric_cli.binding.compile import NO_SUBSTRATE_REASON
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import OperatingProfile, ProfileRow, parse_phases
 from nfabric_cli.routes import make_route
+from nfabric_cli.routes.groups import spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 from tests.binding import models
 
@@ -188,21 +189,30 @@ def test_modelled_bytes_group_routes_per_bucket():
 
 def test_bucket_groups_are_the_hooks_reduces_and_price_bytes_and_verdicts():
     # One bucket: 3.bias 10, 3.weight 400, 1.bias 40, 1.weight 40, 0.bias 40, 0.weight 1200.
-    # bf16 is one reduce across its two regions; sign is one reduce per region.
+    # One group per route across regions; sign is reduced where it lies: one reduce per run
+    # of consecutive parameters (0.bias on bf16 splits it), each region's agreement apart.
     model = models.mlp()
     prof = rules(("3.*", "bf16"), ("1.*", "sign"), ("*.bias", "bf16"), ("*", "sign"))
     b = compile_profile(prof, model, world_size=4)
     groups = b.bucket_groups(0, "all")
-    assert [(g.region, g.spec.name, g.index, g.segments) for g in groups] == [
-        ("", "bf16", (0, 1, 4), (10, 400, 40)),
-        ("1.*", "sign", (2, 3), (40, 40)),
-        ("*", "sign", (5,), (1200,)),
+    assert [(g.spec.name, g.index, g.segments, g.regions) for g in groups] == [
+        ("bf16", (0, 1, 4), (10, 400, 40), ("3.*", "3.*", "*.bias")),
+        ("sign", (2, 3, 5), (40, 40, 1200), ("1.*", "1.*", "*")),
     ]
+    assert groups[1].reduces() == [(0, 1), (2,)]
     sign = make_route(RouteSpec("sign"))
     two = sign.wire_bytes(80, 4, segments=(40, 40)).total + sign.wire_bytes(1200, 4).total
     assert two > sign.wire_bytes(1280, 4, segments=(40, 40, 1200)).total  # padded twice
     bf16 = make_route(RouteSpec("bf16")).wire_bytes(450, 4).total
     assert b.buckets[0].wire_bytes["all"] == bf16 + two
+    # Two sign regions side by side are one reduce, padded once.
+    joined = compile_profile(rules(("3.*", "bf16"), ("1.*", "sign"), ("*", "sign")), model,
+                             world_size=4)
+    (_, signs) = joined.bucket_groups(0, "all")
+    assert (signs.regions, signs.reduces()) == (("1.*", "1.*", "*", "*"), [(0, 1, 2, 3)])
+    assert joined.buckets[0].wire_bytes["all"] == (
+        make_route(RouteSpec("bf16")).wire_bytes(410, 4).total
+        + sign.wire_bytes(1320, 4, segments=(40, 40, 40, 1200)).total)
     # The verdict prices the same three reduces: on 20 Mbit/s with 2 ms fixed per sign reduce,
     # one sign reduce of 1280 elements would pay (2.39 ms vs fp32 4.21 ms), two do not (4.01).
     from nfabric_cli.substrate.cost import bucket_verdict
@@ -211,6 +221,7 @@ def test_bucket_groups_are_the_hooks_reduces_and_price_bytes_and_verdicts():
     sub = {"link_gbps": 0.02, "latency_us": 10.0, "codec_call_us": {"sign": 2000.0, "bf16": 0.0}}
     b = compile_profile(prof, model, world_size=4, substrate=sub)
     pairs = [(RouteSpec("bf16"), 450), (RouteSpec("sign"), 80), (RouteSpec("sign"), 1200)]
+    assert spec_numels(b.bucket_groups(0, "all")) == pairs
     merged = {RouteSpec("bf16"): 450, RouteSpec("sign"): 1280}
     v = bucket_verdict(Substrate.from_dict(sub), pairs, 4)
     assert (b.buckets[0].verdicts["all"], b.buckets[0].reasons["all"]) == (v.verdict, v.reason)

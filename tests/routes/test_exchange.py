@@ -113,3 +113,60 @@ def test_one_exchange_equals_each_route_alone(world: int) -> None:
                     total = sum(float(r["stats"][k].get("agree_sum", 0)) for r in results)
                     assert total == float(stats["agree_sum"])
                     assert sum(r["stats"][k].get("agree_n", 0) for r in results) == stats["agree_n"]
+
+
+# One sign piece over three health scopes (`Tally`): ranges of odd lengths that cross 64-element
+# words and the kernels' tiles, a scope met twice, and parameters of one scope side by side.
+SCOPED = (RouteSpec("sign"), (7, 1000, 1, 2993, 16_384, 5), ("a", "b", "a", "c", "c", "b"))
+SCOPED_COUNT = (RouteSpec("sign", mode="count", chunk=128), (300, 41, 77), ("b", "a", "b"))
+
+
+def _scoped_worker(rank: int, world: int, native: bool) -> list[dict]:
+    import os
+
+    from nfabric_cli.routes import kernels
+    from nfabric_cli.routes.tally import Tally
+
+    os.environ[kernels.DISABLE_ENV] = "0" if native else "1"
+    out = []
+    for k, (spec, segs, scopes) in enumerate((SCOPED, SCOPED_COUNT)):
+        comm = Comm()
+        sinks = {s: {} for s in scopes}
+        x = _grads(world, segs, k)[rank].clone()
+        reduce_pieces([Piece(make_route(spec), x, segs,
+                             Tally.over([sinks[s] for s in scopes], segs))], comm)
+        out.append({"x": x, "sinks": sinks, "bytes": comm.take(), "status": kernels.status()})
+    return out
+
+
+@pytest.mark.parametrize(("world", "native"), [(2, True), (3, True), (4, True), (2, False),
+                                               (3, False)])
+def test_a_piece_over_several_scopes_keeps_each_scopes_agreement(world: int, native: bool) -> None:
+    """Regions on one route share one piece; each region's agreement sums are exactly those of
+    its parameters reduced alone (on every rank where the piece is combined whole, summed over
+    the ranks' shards where it is sharded), and the result is the route's bit for bit."""
+    per_rank = run_ranks(_scoped_worker, world, native)
+    for k, (spec, segs, scopes) in enumerate((SCOPED, SCOPED_COUNT)):
+        route, grads = make_route(spec), _grads(world, segs, k)
+        want: dict[str, dict] = {}
+        off = 0
+        for n, scope in zip(segs, scopes, strict=True):
+            route.simulate([g[off : off + n] for g in grads], (n,), want.setdefault(scope, {}))
+            off += n
+        sim = route.simulate(grads, segs)
+        gathered = route.gathers_codes(world)
+        for rank, r in enumerate(per_rank):
+            got = r[k]
+            assert got["status"].startswith("native") == native
+            assert torch.equal(got["x"], sim)
+            assert got["bytes"] == route.wire_bytes(sum(segs), world, rank, segs)
+        for scope, stats in want.items():
+            if gathered:
+                for r in per_rank:
+                    whole = r[k]["sinks"][scope][WHOLE]
+                    assert (float(whole["agree_sum"]), whole["agree_n"]) == (
+                        float(stats["agree_sum"]), stats["agree_n"]), (scope, spec)
+            else:
+                sinks = [r[k]["sinks"][scope] for r in per_rank]
+                assert sum(float(s.get("agree_sum", 0)) for s in sinks) == float(stats["agree_sum"])
+                assert sum(s.get("agree_n", 0) for s in sinks) == stats["agree_n"], scope

@@ -203,16 +203,16 @@ def test_ranks_switch_at_the_same_step_from_different_local_losses(two_ranks: li
 
 #: 10 Mbit/s, 3 ms fixed per sign reduce: TinyNet's 1,664 sign elements pay as one reduce
 #: (3.78 ms vs fp32 5.77 ms) but not as the two the hook issues for two regions (6.83 ms).
-TWO_CALLS_LOSE = {"link_gbps": 0.01, "latency_us": 10.0, "codec_call_us": {"sign": 3000.0},
-                  "encode_gbps": {"sign": 5.0}, "reduce_gbps": {"sign": 0.5},
-                  "decode_gbps": {"sign": 0.15}}
+CALL_LOSES = {"link_gbps": 0.01, "latency_us": 10.0, "codec_call_us": {"sign": 6000.0},
+              "encode_gbps": {"sign": 5.0}, "reduce_gbps": {"sign": 0.5},
+              "decode_gbps": {"sign": 0.15}}
 
 
 def _gate_bindings(model, world: int):  # noqa: ANN001, ANN202
-    """One bucket: head on fp32, body.0 and the rest on sign as two regions (two reduces).
-    The substrate goes in the profile: the runtime gate reads the bindings' metadata."""
+    """One bucket: head on fp32, body.0 and the rest on sign as two regions, side by side in
+    the bucket (one sign reduce, each region's agreement apart). The substrate goes in the profile: the runtime gate reads the bindings' metadata."""
     profile = static_profile(model, "sign", [("head.*", "fp32"), ("body.0.*", "sign")])
-    profile.meta["substrate"] = TWO_CALLS_LOSE
+    profile.meta["substrate"] = CALL_LOSES
     return compile_profile(profile, model, world_size=world, bucket_cap_mb=25)
 
 
@@ -244,11 +244,12 @@ def test_runtime_gate_prices_two_sign_regions_as_compile_profile_does(
     bindings = _gate_bindings(make_model(), 2)
     (bucket,) = bindings.buckets
     groups = bindings.bucket_groups(0, "all")
-    assert [(g.region, g.spec.name, g.numel) for g in groups] == [
-        ("", "fp32", 132), ("*", "sign", 1120), ("body.0.*", "sign", 544)]
-    want = bucket_verdict(Substrate.from_dict(TWO_CALLS_LOSE), spec_numels(groups), 2)
+    assert [(g.spec.name, g.numel, g.regions) for g in groups] == [
+        ("fp32", 132, ("head.*",) * 2), ("sign", 1664, ("*",) * 4 + ("body.0.*",) * 2)]
+    assert spec_numels(groups) == [(groups[0].spec, 132), (groups[1].spec, 1664)]
+    want = bucket_verdict(Substrate.from_dict(CALL_LOSES), spec_numels(groups), 2)
     assert (bucket.verdicts["all"], bucket.reasons["all"]) == ("fallback", want.reason)
-    assert want.reason.startswith("codec call overhead: codec 6.06 ms (6 ms fixed over 2 calls)")
+    assert want.reason.startswith("codec call overhead: codec 6.06 ms (6 ms fixed per call)")
     for r in two_ranks:
         ((key, v),) = r["gate"]["decided"].items()
         assert key == (frozenset(bucket.params), "all")
