@@ -27,6 +27,7 @@ float64, so a scope's squared norm is the same number a sequential Python sum gi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -113,7 +114,7 @@ class StatsRound:
         f64 = {"dtype": torch.float64, "device": self.device}
         whole = whole or {}
         # the whole sums may be device tensors: read with the rest, in the one host read
-        extra = [torch.as_tensor(v).to(**f64).reshape(1) for v in whole.values()]
+        extra = [_f64_vector(list(whole.values()), self.device)] if whole else []
         after = [t.reshape(-1).to(**f64) for _, t in updates]
         parts = [self.vec, *extra, *after]
         v = host_read(torch.cat(parts) if len(parts) > 1 else self.vec)
@@ -141,24 +142,42 @@ def _pack(scopes: list[str], norms: Sequence[Named], loss: torch.Tensor | float 
           acc: dict[str, torch.Tensor | float], bucket_seconds: list[float],
           device: torch.device) -> torch.Tensor:
     """The float64 vector the ranks all-reduce: non-finite flag, loss count and sum, per
-    scope the squared gradient norm and the agreement sums, the timed reduces."""
+    scope the squared gradient norm and the agreement sums, the timed reduces. A handful of
+    tensor ops (this runs every step, on the worker thread, between buckets)."""
     f64 = {"dtype": torch.float64, "device": device}
-    zero = torch.zeros((), **f64)
+    if norms:
+        grads = torch.cat([t.reshape(-1) for _, t in norms]).to(**f64)
+        owners = tuple(s for names, _ in norms for s in names)
+        norm2 = torch.zeros(len(scopes), **f64).index_add_(
+            0, _scope_index(tuple(scopes), owners, device),
+            (grads * grads).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
+        nonfinite = ~torch.isfinite(grads).all()
+    else:
+        norm2, nonfinite = torch.zeros(len(scopes), **f64), torch.zeros((), dtype=torch.bool)
+    if loss is None:  # no loss observed: counted as none (0 ranks), and finite
+        loss_part = torch.zeros(2, **f64)
+    else:
+        value = torch.as_tensor(loss).detach().to(**f64).reshape(1)
+        nonfinite = nonfinite.to(value.device) | ~torch.isfinite(value[0])
+        loss_part = torch.cat([torch.ones(1, **f64), value.nan_to_num(0.0, 0.0, 0.0)])
+    sums = _f64_vector([acc.get(f"{k}:{s}", 0.0) for s in scopes for k in _KINDS[1:]], device)
+    per_scope = torch.cat([norm2.reshape(-1, 1), sums.reshape(-1, 2)], dim=1)
+    return torch.cat([nonfinite.to(**f64).reshape(1), loss_part, per_scope.reshape(-1),
+                      torch.tensor(bucket_seconds, **f64)])
+
+
+@functools.lru_cache(maxsize=64)
+def _scope_index(scopes: tuple[str, ...], owners: tuple[str, ...],
+                 device: torch.device) -> torch.Tensor:
+    """Each parameter's scope as an index into `scopes` (the same buckets every step)."""
     index = {s: i for i, s in enumerate(scopes)}
-    grads = (torch.cat([t.reshape(-1) for _, t in norms]).to(**f64) if norms
-             else torch.zeros(0, **f64))
-    finite = torch.isfinite(grads)
-    which = torch.tensor([index[s] for owners, _ in norms for s in owners],
-                         dtype=torch.long, device=device)
-    norm2 = torch.zeros(len(scopes), **f64).index_add_(
-        0, which, torch.where(finite, grads * grads, zero))
-    # no loss observed: counted as none (0 ranks), and finite
-    value = torch.as_tensor(0.0 if loss is None else loss).detach().to(**f64).reshape(())
-    ok = torch.isfinite(value)
-    head = torch.stack([((~finite).any() | ~ok).to(torch.float64),
-                        torch.full((), float(loss is not None), **f64), torch.where(ok, value, zero)])
-    sums = [torch.as_tensor(acc.get(f"{k}:{s}", 0.0)).to(**f64).reshape(())
-            for s in scopes for k in _KINDS[1:]]
-    per_scope = (torch.stack([norm2, torch.stack(sums[0::2]), torch.stack(sums[1::2])], dim=1)
-                 if scopes else torch.zeros(0, 3, **f64))
-    return torch.cat([head, per_scope.reshape(-1), torch.tensor(bucket_seconds, **f64)])
+    return torch.tensor([index[s] for s in owners], dtype=torch.long, device=device)
+
+
+def _f64_vector(values: Sequence[torch.Tensor | float], device: torch.device) -> torch.Tensor:
+    """Numbers as one float64 vector on `device`: in one call when they are host numbers (the
+    native kernels' sums), else element by element (the torch path's unread tensors)."""
+    f64 = {"dtype": torch.float64, "device": device}
+    if all(isinstance(v, (int, float)) for v in values):
+        return torch.tensor(values, **f64)
+    return torch.stack([torch.as_tensor(v).to(**f64).reshape(()) for v in values])

@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
 from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
-from nfabric_cli.routes.groups import bucket_groups, spec_numels
+from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.agree import StatsRound
 from nfabric_cli.runtime.bucket import BucketJob
@@ -49,6 +49,24 @@ def _agreement(step_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
     them."""
     return {f"{k}:{region}": st[k] for region, st in step_stats.items()
             for k in ("agree_sum", "agree_n") if k in st}
+
+
+class _Routing(NamedTuple):
+    """A bucket's routing at a step (`FabricState._routing`): its parameters' names and
+    regions, its route groups, what the gate prices (empty: nothing low-bit) and its groups
+    were the gate to refuse it (every parameter on fp32)."""
+
+    names: tuple[str, ...]
+    regions: list[str]
+    groups: list[BucketGroup]
+    priced: list[tuple[RouteSpec, int]]
+    refused: list[BucketGroup]
+
+
+def _norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each tensor's 2-norm, stacked: one call for a bucket's parameters (the same bits as
+    `vector_norm` one by one)."""
+    return torch.stack(torch._foreach_norm(list(tensors)))
 
 
 def _full(dtype: torch.dtype):  # noqa: ANN202
@@ -128,6 +146,7 @@ class FabricState:
         self._grad_norms: list[tuple[list[str], torch.Tensor]] = []
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
         self._step_stats: dict[str, dict[str, Any]] = {}  # per region: agreement sums
+        self._routings: dict[tuple, _Routing] = {}  # per (bucket, phase, held scopes)
         # low-bit buckets' reduce times, agreed in the next statistics round that starts
         # after they land (the step's last bucket: the next step's), for the model gate
         self._bucket_times: list[tuple[tuple, float]] = []
@@ -371,18 +390,16 @@ class FabricState:
         slices = [buffer[o : o + n] for o, n in zip(offsets, numels, strict=True)]
         if self.injections:
             apply_injection(self.injections, step, self.rank, slices)
-        regions = [self.bindings.params[n].regions[phase] for n in names]
+        routing = self._routing(names, numels)
         # the local gradient norms, by scope, before anything is encoded (read at the step's end)
-        self._grad_norms.append((regions, torch.stack([torch.linalg.vector_norm(g) for g in slices])))
-        specs = [self._effective(n) for n in names]
-        groups = bucket_groups(regions, specs, numels)
-        if any(s.lowbit for s in specs):
-            # Priced per group as the job reduces it, as compile-profile and calibration price it.
-            key = (tuple(names), phase)
+        self._grad_norms.append((routing.regions, _norms(slices)))
+        groups = routing.groups
+        if routing.priced:
+            # Priced per reduce the job issues, as compile-profile and calibration price it.
+            key = (routing.names, phase)
             self._step_keys.append(key)
-            verdict = self.gate.verdict(key, spec_numels(groups))
-            if not verdict.admit:
-                groups = bucket_groups(regions, [FP32] * len(specs), numels)
+            if not self.gate.verdict(key, routing.priced).admit:
+                groups = routing.refused
         if is_last and self._inflight is not None:  # landed first: its time is in the statistics
             self._land(self._inflight)
             self._inflight = None
@@ -402,6 +419,26 @@ class FabricState:
             self._land(job)
             self._finish_step(step, stats, timed)
 
+    def _routing(self, names: list[str], numels: list[int]) -> _Routing:
+        """A bucket's regions and route groups now (the profile's routes, fp32 where the
+        monitor holds a scope), remembered per (bucket, phase, held scopes): they change only
+        when one of those does, and working them out per parameter cost a transformer step
+        about 0.4 ms."""
+        key = (tuple(names), self.phase.name, self.controller.forced())
+        found = self._routings.get(key)
+        if found is None:
+            if len(self._routings) >= 256:  # bucket rebuilds and hold patterns: a few
+                self._routings.clear()
+            phase = self.phase.name
+            regions = [self.bindings.params[n].regions[phase] for n in names]
+            specs = [self._effective(n) for n in names]
+            groups = bucket_groups(regions, specs, numels)
+            lowbit = any(s.lowbit for s in specs)
+            found = self._routings[key] = _Routing(
+                key[0], regions, groups, spec_numels(groups) if lowbit else [],
+                bucket_groups(regions, [FP32] * len(specs), numels) if lowbit else groups)
+        return found
+
     def _land(self, job: BucketJob) -> None:
         """Finish a bucket's reduction and record what the step's end needs of it."""
         job.finish()
@@ -412,8 +449,7 @@ class FabricState:
         ref = full.wire_bytes(job.buffer.numel(), self.world_size, self.rank)  # in its own dtype
         self.meter.add_fp32_reference(job.step, ref, job.buffer.dtype)
         if self.monitor_enabled:  # the update guard's input; read once per step
-            self._update_norms.append(
-                (job.names, torch.stack([torch.linalg.vector_norm(g) for g in job.slices])))
+            self._update_norms.append((job.names, _norms(job.slices)))
 
     def _group_stats(self, region: str) -> dict[str, Any]:
         """The dict a region's low-bit reduces add their agreement sums to, for this step."""

@@ -50,11 +50,11 @@ def capacity_report(
     for index, groups in buckets:
         v = bucket_verdict(substrate, spec_numels(groups), world_size)
         numel = sum(g.numel for g in groups)
-        reduces = [
-            {"regions": sorted(set(g.regions)), "route": g.spec.label(), "numel": g.numel,
-             "bytes": wire_bytes(g.spec, g.numel, world_size)}
-            for g in groups
-            if g.numel
+        reduces = [  # one per reduce the hook issues (what the verdict prices)
+            {"regions": sorted({g.regions[k] for k in ks}), "route": g.spec.label(),
+             "numel": n, "bytes": wire_bytes(g.spec, n, world_size)}
+            for g in groups for ks in g.reduces()
+            if (n := sum(g.segments[k] for k in ks))
         ]
         routes: dict[str, dict[str, int]] = {}
         for r in reduces:  # bytes per route: its groups' reduces together

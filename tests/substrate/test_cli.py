@@ -101,30 +101,35 @@ def test_json_report_numbers(files):
     assert c["route_world_size_limit"] == {"sign/central": 255}
 
 
-def test_json_report_prices_each_region_group(files):
-    """Layers 0 and 2 on sign as two regions in one bucket: two reduces, listed in "groups",
-    priced as two (verdict and times), and summed per route in "routes"."""
+def test_json_report_prices_each_reduce(files):
+    """Layers 0 and 2 on sign as two regions side by side in one bucket: one reduce with both
+    regions, listed in "groups" and priced as one; layer 2 on int8 instead: two reduces,
+    priced as two (verdict and times), and each route's bytes in "routes"."""
     from nfabric_cli.binding import compile_profile, static_profile, write_bindings
     from nfabric_cli.workloads.registry import load_model
 
     model = load_model("capmodel:build")
-    profile = static_profile(model, "sign", rules=[("4.*", "fp32"), ("0.*", "sign")])
-    write_bindings(compile_profile(profile, model, world_size=4, bucket_cap_mb=25.0),
-                   files / "two.parquet")
-    r = invoke("two.parquet", "--link-gbps", "0.1", "--latency-us", "50", "--json")
-    assert r.exit_code == 0, r.output
-    (b,) = json.loads(r.output)["buckets"]
-    assert [(g["region"], g["route"], g["numel"]) for g in b["groups"]] == [
-        ("", "fp32", 5130), ("*", "sign/sharded", 524800), ("0.*", "sign/sharded", 263168)]
-    assert b["routes"]["sign/sharded"] == {
-        "numel": 787968, "bytes": sum(g["bytes"] for g in b["groups"][1:])}
     s = Substrate(link_gbps=0.1, latency_us=50.0, **{k: {"sign": v} for k, v in CODEC.items()})
-    v = bucket_verdict(s, [(FP32, 5130), (RouteSpec("sign"), 524800),
-                           (RouteSpec("sign"), 263168)], 4)
-    assert (b["verdict"], b["reason"]) == (v.verdict, v.reason)
-    assert b["lowbit_time_s"] == pytest.approx(v.lowbit_time_s)
-    merged = bucket_verdict(s, {FP32: 5130, RouteSpec("sign"): 787968}, 4)
-    assert b["lowbit_time_s"] > merged.lowbit_time_s  # one more sign reduce's latency
+    cases = {"sign": [(FP32, 5130), (RouteSpec("sign"), 787968)],
+             "int8": [(FP32, 5130), (RouteSpec("int8"), 524800), (RouteSpec("sign"), 263168)]}
+    reports = {}
+    for body, priced in cases.items():
+        profile = static_profile(model, body, rules=[("4.*", "fp32"), ("0.*", "sign")])
+        write_bindings(compile_profile(profile, model, world_size=4, bucket_cap_mb=25.0),
+                       files / "two.parquet")
+        r = invoke("two.parquet", "--link-gbps", "0.1", "--latency-us", "50", "--json")
+        assert r.exit_code == 0, r.output
+        (b,) = json.loads(r.output)["buckets"]
+        assert [(g["route"].split("/")[0], g["numel"]) for g in b["groups"]] == [
+            (spec.name, n) for spec, n in priced]
+        reports[body] = b
+    v = bucket_verdict(s, cases["sign"], 4)  # (int8 is priced on the default tables)
+    assert (reports["sign"]["verdict"], reports["sign"]["reason"]) == (v.verdict, v.reason)
+    assert reports["sign"]["lowbit_time_s"] == pytest.approx(v.lowbit_time_s)
+    assert [g["regions"] for g in reports["sign"]["groups"]] == [["4.*"], ["*", "0.*"]]
+    assert reports["sign"]["routes"]["sign/sharded"] == {
+        "numel": 787968, "bytes": reports["sign"]["groups"][1]["bytes"]}
+    assert reports["int8"]["lowbit_time_s"] > reports["sign"]["lowbit_time_s"]  # two calls
 
 
 def test_profile_needs_a_model_and_compiles_with_one(files):
