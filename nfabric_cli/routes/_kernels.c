@@ -949,6 +949,49 @@ static inline uint64_t spread32(uint64_t x) {
     return (x | x << 1) & 0x5555555555555555ULL;
 }
 
+/* |2c - W| summed over the elements of one 64-element word selected by `vm`: for W = 2 from
+ * the tie mask alone (|2c - 2| is 2 unless the vote tied), else from the count planes. */
+static inline int64_t word_margin(int64_t w, int nplanes, const uint64_t *planes, uint64_t gt,
+                                  uint64_t eq, uint64_t vm) {
+    if (w == 2) return 2 * (int64_t)__builtin_popcountll(~eq & vm);
+    const uint64_t g = gt & vm, l = ~gt & ~eq & vm;
+    int64_t sum_g = 0, sum_l = 0;
+    for (int b = 0; b < nplanes; ++b) {
+        sum_g += (int64_t)__builtin_popcountll(planes[b] & g) << b;
+        sum_l += (int64_t)__builtin_popcountll(planes[b] & l) << b;
+    }
+    return 2 * sum_g - w * (int64_t)__builtin_popcountll(g) + w * (int64_t)__builtin_popcountll(l)
+           - 2 * sum_l;
+}
+
+/* The range cursor of nf_sign_majority: words wholly below `hi` lie in range q. */
+typedef struct {
+    int64_t q, hi;
+} nf_cursor;
+
+/* Add word j's margins to the ranges of `ends` its elements fall in: at once when the word
+ * lies inside the cursor's range (the common case), else range by range with bit masks, then
+ * move the cursor to the range of the next word's first element. */
+static inline void add_word_margins(int64_t j, int64_t w, int nplanes, const uint64_t *planes,
+                                    uint64_t gt, uint64_t eq, const int64_t *ends, int64_t nends,
+                                    nf_cursor *c, int64_t *margin) {
+    const int64_t base = 64 * j;
+    if (base + 64 <= c->hi) {
+        margin[c->q] += word_margin(w, nplanes, planes, gt, eq, ~0ULL);
+        return;
+    }
+    while (c->q < nends && ends[c->q] <= base) ++c->q;
+    for (int64_t k = c->q; k < nends; ++k) {
+        const int64_t start = k ? ends[k - 1] : 0;
+        if (start >= base + 64) break;
+        const uint64_t vm = bit_span(start > base ? start - base : 0, ends[k] - base);
+        margin[k] += word_margin(w, nplanes, planes, gt, eq, vm);
+        if (ends[k] >= base + 64) break;
+    }
+    while (c->q < nends && ends[c->q] <= base + 64) ++c->q;
+    c->hi = c->q < nends ? ends[c->q] : 0;
+}
+
 /* The sign route's majority vote over W shards of packed votes, bit-sliced: 64 elements at a
  * time, each shard's word is added into a vertical counter (bit b of every element's count in
  * planes[b]), then compared with K = W / 2 on the planes. Result codes as `_pack_result`
@@ -962,37 +1005,42 @@ void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes,
     while ((1LL << nplanes) <= w) ++nplanes;
     const int64_t k = w / 2;
     const int even = (w % 2) == 0;
-    int64_t q0 = 0; /* the first range not closed before the current word */
-    for (int64_t j = 0; j < nbytes / 8; ++j) {
-        const int64_t base = 64 * j;
-        uint64_t gt = 0, eq = ~0ULL; /* c > K, c == K */
-        if (w == 2) { /* the two-rank vote in a few word ops: both +, a tie (one each), both - */
+    nf_cursor c = {0, nends ? ends[0] : 0};
+    if (w == 2) { /* the two-rank vote in a few word ops: both +, a tie (one each), both - */
+        for (int64_t j = 0; j < nbytes / 8; ++j) {
             uint64_t a, b;
             memcpy(&a, shards[0] + 8 * j, 8);
             memcpy(&b, shards[1] + 8 * j, 8);
-            gt = a & b;
-            eq = a ^ b;
-        } else {
-            memset(planes, 0, sizeof planes);
-            for (int64_t r = 0; r < w; ++r) {
-                uint64_t carry;
-                memcpy(&carry, shards[r] + 8 * j, 8);
-                for (int b = 0; b < nplanes && carry; ++b) {
-                    const uint64_t t = planes[b] & carry;
-                    planes[b] ^= carry;
-                    carry = t;
-                }
-            }
-            for (int b = nplanes - 1; b >= 0; --b) { /* most significant plane first */
-                if ((k >> b) & 1) {
-                    eq &= planes[b];
-                } else {
-                    gt |= eq & planes[b];
-                    eq &= ~planes[b];
-                }
-            }
-            if (!even) eq = 0; /* c == K is 2c = W - 1: a lost vote, not a tie */
+            const uint64_t gt = a & b, eq = a ^ b;
+            const uint64_t lo = spread32(eq) | spread32(gt) << 1;
+            const uint64_t hi = spread32(eq >> 32) | spread32(gt >> 32) << 1;
+            memcpy(out + 16 * j, &lo, 8);
+            memcpy(out + 16 * j + 8, &hi, 8);
+            add_word_margins(j, w, 0, planes, gt, eq, ends, nends, &c, margin);
         }
+        return;
+    }
+    for (int64_t j = 0; j < nbytes / 8; ++j) {
+        memset(planes, 0, sizeof planes);
+        for (int64_t r = 0; r < w; ++r) {
+            uint64_t carry;
+            memcpy(&carry, shards[r] + 8 * j, 8);
+            for (int b = 0; b < nplanes && carry; ++b) {
+                const uint64_t t = planes[b] & carry;
+                planes[b] ^= carry;
+                carry = t;
+            }
+        }
+        uint64_t gt = 0, eq = ~0ULL; /* c > K, c == K: most significant plane first */
+        for (int b = nplanes - 1; b >= 0; --b) {
+            if ((k >> b) & 1) {
+                eq &= planes[b];
+            } else {
+                gt |= eq & planes[b];
+                eq &= ~planes[b];
+            }
+        }
+        if (!even) eq = 0; /* c == K is 2c = W - 1: a lost vote, not a tie */
         if (even) {
             const uint64_t lo = spread32(eq) | spread32(gt) << 1;
             const uint64_t hi = spread32(eq >> 32) | spread32(gt >> 32) << 1;
@@ -1001,26 +1049,7 @@ void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes,
         } else {
             memcpy(out + 8 * j, &gt, 8);
         }
-        while (q0 < nends && ends[q0] <= base) ++q0;
-        for (int64_t q = q0; q < nends; ++q) { /* the ranges this word's elements fall in */
-            const int64_t start = q ? ends[q - 1] : 0;
-            if (start >= base + 64) break;
-            const int64_t lo = start > base ? start - base : 0;
-            const uint64_t vm = bit_span(lo, ends[q] - base);
-            if (w == 2) { /* |2c - 2| is 2 unless the vote tied */
-                margin[q] += 2 * (int64_t)__builtin_popcountll(~eq & vm);
-            } else {
-                const uint64_t g = gt & vm, l = ~gt & ~eq & vm;
-                int64_t sum_g = 0, sum_l = 0;
-                for (int b = 0; b < nplanes; ++b) {
-                    sum_g += (int64_t)__builtin_popcountll(planes[b] & g) << b;
-                    sum_l += (int64_t)__builtin_popcountll(planes[b] & l) << b;
-                }
-                margin[q] += 2 * sum_g - w * (int64_t)__builtin_popcountll(g)
-                             + w * (int64_t)__builtin_popcountll(l) - 2 * sum_l;
-            }
-            if (ends[q] >= base + 64) break;
-        }
+        add_word_margins(j, w, nplanes, planes, gt, eq, ends, nends, &c, margin);
     }
 }
 

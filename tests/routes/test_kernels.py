@@ -343,3 +343,34 @@ def test_layout_mismatch_is_refused() -> None:
         k.sign_bits(torch.ones(10, dtype=torch.float64))
     with pytest.raises(ValueError, match="sign payload"):
         k.sign_decode(torch.zeros(1, dtype=torch.uint8), chunk_layout((9,), 4), torch.ones(3))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_vote_margins_per_element_range(isa: str) -> None:
+    """The three kernels that sum the sign vote's margins (the bit-sliced majority, the packed
+    combine, the fused combine-decode) sum them per element range: each range's sum is the
+    per-element |2c - W| of the torch vote summed over that range, for ranges that start and
+    end inside 64-element words and tiles, empty ones, and elements past the last range
+    (padding) left out."""
+    k = _variant(isa)
+    route = make_route(RouteSpec("sign"))
+    n = 20_011
+    ends = [0, 7, 64, 65, 130, 4096, 9000, 9000, 17_000, n - 3]
+    for world in (2, 3, 5):
+        codes = [route.encode(g).codes for g in _grads(n, world, seed=world)]
+        nbytes = (len(codes[0]) + 7) // 8 * 8
+        shards = [torch.cat([c, torch.zeros(nbytes - len(c), dtype=torch.uint8)]) for c in codes]
+        count = sum(torch.tensor([(int(b) >> i) & 1 for b in s.tolist() for i in range(8)])
+                    for s in shards)
+        per = (2 * count - world).abs()
+        want = [int(per[a:b].sum()) for a, b in zip([0, *ends], ends, strict=False)]
+        assert k.sign_majority(shards, ends)[1] == want, world
+        kind, bits, _, table = route._result_codes(world)
+        assert k.combine_pack(shards, kind, bits, table=table, ends=ends)[1] == want, world
+        layout = chunk_layout((8 * nbytes,), route.spec.effective_chunk)
+        scales = torch.ones(layout.nchunks)
+        s, mode, d = route.decode_mode(scales, world)
+        _, value = route.native_combine(world)
+        got = k.combine_decode(shards, "bit", layout, s, mode, d, torch.empty(8 * nbytes),
+                               values=value, ends=ends)
+        assert got == want, world
