@@ -118,11 +118,12 @@ class StepController:
             stats = StepStats(step, loss, nonfinite, dict(grad_norms), dict(agreement))
             for ev in self.monitor.check(stats):
                 self.log(ev.to_dict())
-            detected = {scope for _, scope, _ in self.monitor.detections[seen:]}
-            if ALL in detected:
-                detected = set(self.scopes)
+            why = {scope: reason for _, scope, reason in self.monitor.detections[seen:]}
+            if ALL in why:
+                why = dict.fromkeys(self.scopes, why[ALL]) | {k: v for k, v in why.items()
+                                                              if k != ALL}
             held = self._guard(step, update_norms, nonfinite,
-                               routed_fp32 | self.forced() | detected)
+                               routed_fp32 | self.forced() | set(why), why)
         else:
             held = []
         if nonfinite:
@@ -136,7 +137,7 @@ class StepController:
                   "reason": SKIP_REASON})
 
     def _guard(self, step: int, update_norms: Mapping[str, float], skipped: bool,
-               scopes: frozenset[str]) -> list[Held]:
+               scopes: frozenset[str], why: Mapping[str, str]) -> list[Held]:
         sums: dict[str, float] = {}
         for name in self.bindings.params:  # a fixed order: the same float sums everywhere
             if name in update_norms:
@@ -149,9 +150,11 @@ class StepController:
             self.held.append((step, h.scope, h.factor))
             if h.scope not in self._holding:  # one event per hold: its first scale-down
                 self._holding.add(h.scope)
+                kept = "" if self.monitor.forced_fp32(h.scope) else ", route kept"
+                cause = f" for {why[h.scope]}{kept}" if h.scope in why else ""
                 self.log({"step": step, "scope": h.scope, "from": "update", "to": "held",
                           "reason": f"update norm {h.norm:.3g} held to {h.cap:.3g} "
-                                    f"({self.guard.cap:g} x median of healthy updates); "
+                                    f"({self.guard.cap:g} x median of healthy updates){cause}; "
                                     "every held step is scaled down likewise"})
         return held
 

@@ -17,9 +17,11 @@ Trips: repeated non-finite steps and loss spikes (above `loss_spike` times the m
 `loss_spike_z` robust standard deviations above it *and* `loss_spike_floor` times the run's
 early loss, so the noise of small-batch losses near zero does not count) trip ``"all"``
 (every scope on FP32);
-gradient-norm blow-up (above `grad_blowup` times the median *and* `grad_blowup_floor` times
+a gradient-norm blow-up (above `grad_blowup` times the median *and* `grad_blowup_floor` times
 the scope's early norm: late in a run, converged, single hard batches jump 10-17x a median
-that has fallen tenfold) or collapse and sign-agreement collapse trip the one scope. Judgements
+that has fallen tenfold) is a detection handled in place: the controller's update guard holds
+that step's update and the scope keeps its route (`grad_blowup_trips` = 1 makes it trip the
+scope instead); a gradient-norm collapse and a sign-agreement collapse trip the one scope. Judgements
 compare against windowed medians of earlier steps; re-admission uses the stricter readmit
 thresholds, so a value between the readmit and the trip threshold keeps a scope on FP32
 without counting a trip (hysteresis). Re-admission asks whether what tripped has passed: a
@@ -93,6 +95,9 @@ class HealthEvent:
 
 # Verdicts of one check for one scope, from worst to best. NONE: no data for the scope.
 _TRIP, _UNHEALTHY, _HEALTHY, _NONE = "trip", "unhealthy", "healthy", "none"
+#: A detection handled in place: the guard holds the scope's update this step, its route stays
+#: (a gradient-norm blow-up unless `grad_blowup_trips`); unhealthy for the state machine.
+_GUARD = "guard"
 _COLLAPSE = "grad-norm collapse"
 
 
@@ -199,12 +204,16 @@ class HealthMonitor:
             verdict, reason = self._judge_all(stats)
         self._detect(stats.step, ALL, verdict, reason)
         events += self._advance(ALL, verdict, reason, stats.step)
+        guarded = set()  # blown up and held in place: their norms stay out of the windows
         for scope in self._scopes:
             if nonfinite_reason:  # not a healthy check for anyone; "all" carries any trip
                 verdict, reason = _UNHEALTHY, ""
             else:
                 verdict, reason = self._judge_scope(scope, stats)
             self._detect(stats.step, scope, verdict, reason)
+            if verdict == _GUARD:
+                guarded.add(scope)
+                verdict = _UNHEALTHY
             events += self._advance(scope, verdict, reason, stats.step)
 
         # The windows hold healthy steps only: a non-finite step's values, and a held scope's
@@ -215,7 +224,7 @@ class HealthMonitor:
             if stats.loss is not None and whole:
                 self._healthy(ALL, float(stats.loss), self._loss_window)
             for scope, norm in stats.grad_norms.items():
-                if whole and self._holds[scope].status == "ok":
+                if whole and self._holds[scope].status == "ok" and scope not in guarded:
                     self._healthy(scope, float(norm), self._norm_windows[scope])
         self._events.extend(events)
         return events
@@ -232,7 +241,7 @@ class HealthMonitor:
         return factor * statistics.median(self._early[key])
 
     def _detect(self, step: int, scope: str, verdict: str, reason: str) -> None:
-        if verdict == _TRIP:
+        if verdict in (_TRIP, _GUARD):
             self.detections.append((step, scope, reason))
 
     def _judge_nonfinite(self, step: int, reason: str) -> tuple[str, str]:
@@ -270,7 +279,8 @@ class HealthMonitor:
                 verdicts.append((_HEALTHY, ""))
             elif ratio > t.grad_blowup:
                 floor = self._floor(scope, t.grad_blowup_floor)
-                blowup = (_TRIP, f"grad-norm blow-up {ratio:.1f}x median")
+                blowup = (_TRIP if t.grad_blowup_trips else _GUARD,
+                          f"grad-norm blow-up {ratio:.1f}x median")
                 verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
             elif ratio < t.grad_collapse:
                 verdicts.append((_TRIP, f"{_COLLAPSE} {ratio:.2g}x median"))
@@ -286,7 +296,7 @@ class HealthMonitor:
                 verdicts.append((_TRIP, why))
             else:
                 verdicts.append((_HEALTHY, ""))
-        order = (_TRIP, _UNHEALTHY, _HEALTHY)
+        order = (_TRIP, _GUARD, _UNHEALTHY, _HEALTHY)
         return min(verdicts, key=lambda v: order.index(v[0]), default=(_NONE, ""))
 
     def _ratio(self, value: float | None, window: deque[float]) -> float | None:

@@ -14,7 +14,7 @@ from typing import Any
 from nfabric_cli.errors import InputError
 
 _INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips",
-               "nonfinite_repeat")
+               "grad_blowup_trips", "nonfinite_repeat")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,13 @@ class HealthThresholds:
     # pinned fp32 for the last half, 33-55 % traffic), still below where training started
     # (0 turns this test off)
     grad_blowup_floor: float = 1.0
+    # What a blow-up does. 0: guarded in place, the scope keeps its route and the update guard
+    # holds this step's update (its norm <= update_cap x the healthy median), the blown-up
+    # norm kept out of the window; 1: it trips the scope to fp32 for `cooldown` steps, guarded
+    # while held. A held update is all a blow-up needs: at four times the calibrated length on
+    # two ranks, trips on late blow-ups (5-8 per clean transformer run, pinned for the phase at
+    # 53-60 % traffic) moved runs by up to 0.83 points against no monitor (docs/health.md)
+    grad_blowup_trips: int = 0
     grad_collapse: float = 1e-3  # trip when a scope's grad norm < grad_collapse * its median
     grad_readmit: float = 3.0  # healthy when median/3 <= norm <= 3*median (stricter)
     sign_agreement_min: float = 0.02  # trip when sign agreement < this
@@ -75,6 +82,7 @@ class HealthThresholds:
              f"in [1, loss_spike={self.loss_spike:g}]"),
             ("grad_blowup", self.grad_blowup > 1, "> 1"),
             ("grad_blowup_floor", self.grad_blowup_floor >= 0, ">= 0"),
+            ("grad_blowup_trips", self.grad_blowup_trips in (0, 1), "0 or 1"),
             ("grad_collapse", 0 < self.grad_collapse < 1, "in (0, 1)"),
             ("grad_readmit", 1 <= self.grad_readmit <= readmit_max,
              "in [1, min(grad_blowup, 1/grad_collapse)]"),

@@ -14,7 +14,10 @@ from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.guard import UpdateGuard
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
 
-HEALTH = {"window": 8, "min_history": 4, "cooldown": 2, "healthy_to_readmit": 2, "update_cap": 1.0}
+# Blow-ups trip to fp32 here (grad_blowup_trips=1): the simplest trip, to test what a hold and a
+# re-admission deliver; the default, a blow-up guarded in place, is the first test.
+HEALTH = {"window": 8, "min_history": 4, "cooldown": 2, "healthy_to_readmit": 2, "update_cap": 1.0,
+          "grad_blowup_trips": 1}
 
 
 class Net(nn.Module):
@@ -44,8 +47,12 @@ def step(c: StepController, loss: float, grad: float, update: float, nonfinite: 
     return d
 
 
-def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step():
-    c, log = controller()
+@pytest.mark.parametrize("trips", [0, 1])
+def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step(trips: int):
+    """By default (trips 0) a blow-up is guarded in place: its own update held, the route
+    kept, the next step's update untouched and the blown-up norms in neither window; with
+    `grad_blowup_trips` 1 the scope also falls back to fp32, held while it is."""
+    c, log = controller(grad_blowup_trips=trips)
     healthy = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
     for u in healthy:
         assert step(c, 1.0, 1.0, u).scales == {}
@@ -55,7 +62,15 @@ def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step():
     assert 30.0 * d.scales["*"] == pytest.approx(median, rel=1e-12)  # norm that leaves = median
     held = [e for e in log if e["to"] == "held"]
     assert len(held) == 1 and held[0]["step"] == 6 and "held to 1" in held[0]["reason"]
-    assert [e["to"] for e in log if e["to"] in ("fp32", "sign")] == ["fp32"]
+    assert "grad-norm blow-up 50.0x median" in held[0]["reason"]  # what it was held for
+    assert c.monitor.detections == [(6, "*", "grad-norm blow-up 50.0x median")]
+    assert [e["to"] for e in log if e["to"] in ("fp32", "sign")] == ["fp32"] * trips
+    assert (c.effective("body.weight").name == "fp32") == bool(trips)
+    after = step(c, 1.0, 1.0, 1.0)
+    assert after.scales == {}
+    if not trips:
+        assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
+        assert 50.0 not in c.monitor.state_dict()["norm_windows"]["*"]
 
 
 def test_every_held_step_is_capped_and_a_smaller_update_is_never_scaled_up():

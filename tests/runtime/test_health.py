@@ -17,7 +17,10 @@ from nfabric_cli.runtime.health import (
 )
 
 # Small windows so every sequence below is short enough to follow by hand.
-T = HealthThresholds(window=5, min_history=3, cooldown=2, healthy_to_readmit=2, max_trips=3)
+# Blow-ups trip here (grad_blowup_trips=1), the simplest way to drive the state machine; the
+# default, a blow-up guarded in place, has its own tests below.
+T = HealthThresholds(window=5, min_history=3, cooldown=2, healthy_to_readmit=2, max_trips=3,
+                     grad_blowup_trips=1)
 
 
 def make_monitor(routes: dict[str, str] | None = None, **overrides) -> HealthMonitor:
@@ -351,3 +354,24 @@ def test_thresholds_round_trip_and_validation():
 def test_event_to_dict_keys():
     e = HealthEvent(3, "a", "sign", "fp32", "why")
     assert e.to_dict() == {"step": 3, "scope": "a", "from": "sign", "to": "fp32", "reason": "why"}
+
+
+def test_by_default_a_blowup_is_guarded_in_place_and_kept_out_of_the_window():
+    """grad_blowup_trips 0 (the default): a blow-up is a detection (the controller's guard
+    holds that step's update) but no trip: the scope keeps its route, counts no trip, logs no
+    switch, and its norm does not join the window, so the next step is judged against the
+    norms from before it; a scope on probation is kept there (unhealthy)."""
+    m = make_monitor(grad_blowup_trips=0)
+    for step, a in enumerate([1, 1, 1, 20, 1, 30, 1]):
+        m.check(StepStats(step, 1.0, False, {"a": a, "b": 1.0}))
+        assert not m.forced_fp32("a")
+    assert m.events == []
+    assert m.detections == [(3, "a", "grad-norm blow-up 20.0x median"),
+                            (5, "a", "grad-norm blow-up 30.0x median")]
+    assert m.state_dict()["norm_windows"]["a"] == [1.0] * 5
+    assert m.state_dict()["holds"]["a"]["trips"] == 0
+    # a collapse still trips (the route carries nothing: fp32 is the cure)
+    assert as_tuples(feed(m, [1e-5], start=7)) == [
+        (7, "a", "sign", "fp32", "grad-norm collapse 1e-05x median")]
+    with pytest.raises(InputError, match="grad_blowup_trips must be 0 or 1"):
+        HealthThresholds(grad_blowup_trips=2)
