@@ -8,7 +8,8 @@ so any split of the parameters into groups gives the same values bit for bit: th
 per-bucket route groups, one group per (region, route) over the whole model, or the parameter shards
 that forked processes aggregate side by side (`shard`). A float route's sum is per element
 too, in the order gloo adds that element in the real run's all-reduce (`reduces.py`, given as
-`orders`). Mirrors `runtime/state.py`.
+`orders`). Mirrors `runtime/state.py`'s numbers (values, residuals, each region's agreement),
+deliberately not its grouping: the hook groups by route only (`routes/groups.py`).
 """
 
 from __future__ import annotations

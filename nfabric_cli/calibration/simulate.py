@@ -59,8 +59,8 @@ class SimResult:
     #: checkpoint) at each checkpoint reached: paired with the reference's (same batches), a
     #: smoother early signal than the metric
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
-    #: (step, scope, reason) of every trip signal the health monitor's detectors gave, acted
-    #: on or not (`HealthMonitor.detections`)
+    #: (step, scope, reason) of every detection the health monitor's detectors gave (trip
+    #: signals and blow-ups guarded in place), acted on or not (`HealthMonitor.detections`)
     detections: list[tuple[int, str, str]] = field(default_factory=list)
 
     @property

@@ -355,13 +355,9 @@ class CodeRoute(Route):
             self._record_agreement(agree, world_size, tally)
             return self._pack_result(values, world_size)
         kind, bits, offset, table = self._result_codes(world_size)
-        if table is None:
-            return k.combine_pack(shards, kind, bits, offset=offset)[0]
-        packed, margins = k.combine_pack(shards, kind, bits, table=table,
-                                         ends=tally.ends if tally is not None else None)
-        if tally is not None:
-            tally.add(margins, world_size)
-        return packed
+        if table is None:  # only a vote (a table of codes per count) has an agreement
+            return k.combine_pack(shards, kind, bits, offset=offset)
+        return k.combine_pack(shards, kind, bits, table=table, tally=tally)
 
     def combine_decode(
         self, shards: Sequence[torch.Tensor], world_size: int, scales: torch.Tensor,
@@ -381,12 +377,9 @@ class CodeRoute(Route):
         s, mode, d = self.decode_mode(scales, world_size)
         table = value if isinstance(value, torch.Tensor) else None
         # only a vote (a table of values per count) has an agreement, as in combine_packed
-        tally = Tally.of(stats, n) if table is not None else None
-        margins = k.combine_decode(shards, kind, layout, s, mode, d, out,
-                                   offset=0 if table is not None else value, values=table,
-                                   ends=tally.ends if tally is not None else None)
-        if tally is not None:
-            tally.add(margins, world_size)
+        k.combine_decode(shards, kind, layout, s, mode, d, out,
+                         offset=0 if table is not None else value, values=table,
+                         tally=Tally.of(stats, n) if table is not None else None)
         return out
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - routes are cached, stateless singletons

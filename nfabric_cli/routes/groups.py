@@ -47,6 +47,10 @@ class BucketGroup:
         `routes/exchange.py`), rather than as one concatenated reduce."""
         return self.spec.lowbit and self.spec.reducer == "sharded" and not self.spec.error_feedback
 
+    def numel_of(self, ks: tuple[int, ...]) -> int:
+        """Elements of the reduce over positions `ks` (one of `reduces()`)."""
+        return sum(self.segments[k] for k in ks)
+
     def reduces(self) -> list[tuple[int, ...]]:
         """Positions (into `index`) of the parameters of each reduce the hook issues."""
         if not self.in_place:
@@ -66,9 +70,9 @@ class BucketGroup:
         route = make_route(self.spec, dtype)
         total = WireBytes()
         for ks in self.reduces():
-            segs = tuple(self.segments[k] for k in ks)
-            if sum(segs):
-                total = total + route.wire_bytes(sum(segs), world_size, rank, segments=segs)
+            if n := self.numel_of(ks):
+                segs = tuple(self.segments[k] for k in ks)
+                total = total + route.wire_bytes(n, world_size, rank, segments=segs)
         return total
 
 
@@ -109,4 +113,4 @@ def bucket_reduces(
 def spec_numels(groups: Iterable[BucketGroup]) -> list[tuple[RouteSpec, int]]:
     """The (route, elements) pair of each reduce the hook issues (`BucketGroup.reduces`: a
     codec call each): what `substrate.cost.bucket_verdict` prices."""
-    return [(g.spec, sum(g.segments[k] for k in ks)) for g in groups for ks in g.reduces()]
+    return [(g.spec, g.numel_of(ks)) for g in groups for ks in g.reduces()]

@@ -25,6 +25,7 @@ import torch
 
 from nfabric_cli.routes.chunks import ChunkLayout, chunk_layout
 from nfabric_cli.routes.native_build import ISA_FLAGS, build
+from nfabric_cli.routes.tally import Tally
 
 __all__ = ["ISA_FLAGS", "Kernels", "build", "native", "status", "variant"]
 
@@ -70,17 +71,22 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class _Margins:
-    """The kernels' view of vote-margin ranges (`ends`, ascending element offsets: range k is
-    [ends[k - 1], ends[k])) and the int64 sums they write per range; no ranges, no sums."""
+    """A `Tally`'s ranges as the kernels take them (int64 element ends, ascending) and the int64
+    vote-margin sums they write per range; `add` hands the sums to the tally. No tally, no
+    ranges: the kernels skip the margins."""
 
-    def __init__(self, ends: Sequence[int] | None) -> None:
-        n = len(ends) if ends else 0
+    def __init__(self, tally: Tally | None, elements: int) -> None:
+        self.tally = tally
+        n = len(tally.ends) if tally is not None else 0
+        if n and tally.ends[-1] > elements:  # agree_n counts to the last end: all must exist
+            raise ValueError(f"margin ranges end at {tally.ends[-1]}, past {elements} elements")
         self.n = n
-        self.ends = (ctypes.c_int64 * n)(*ends) if n else None
+        self.ends = (ctypes.c_int64 * n)(*tally.ends) if n else None
         self.sums = (ctypes.c_int64 * n)() if n else None
 
-    def result(self) -> list[int] | None:
-        return list(self.sums) if self.sums is not None else None
+    def add(self, world_size: int) -> None:
+        if self.tally is not None:
+            self.tally.add(list(self.sums) if self.sums is not None else [], world_size)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -306,12 +312,12 @@ class Kernels:
 
     def combine_pack(
         self, shards: Sequence[torch.Tensor], kind: str, bits: int, *, offset: int = 0,
-        table: torch.Tensor | None = None, ends: Sequence[int] | None = None,
-    ) -> tuple[torch.Tensor, list[int] | None]:
+        table: torch.Tensor | None = None, tally: Tally | None = None,
+    ) -> torch.Tensor:
         """The combined result of the shards' codes, packed at `bits`, in one pass: per element
         the code `table[c]` (int32, one entry per possible sum) or `c + offset`, c = the sum of
-        the shards' raw `kind` codes (as `sum_codes`); with `ends`, also the sum of |2c - W|
-        per element range (`_Margins`; the sign vote's agreement), else None."""
+        the shards' raw `kind` codes (as `sum_codes`); with a `tally`, the sum of |2c - W| per
+        range of it is added to it (the sign vote's agreement)."""
         if bits not in (1, 2, 4, 8, 16, 32):
             raise ValueError(f"unsupported code width {bits}")
         code, per = SUM_KINDS[kind]
@@ -321,16 +327,17 @@ class Kernels:
         if table is not None and (table.dtype != torch.int32 or table.numel() < len(shards) + 1):
             raise ValueError("table must be int32 with one entry per count 0..W")
         out = self.empty(nbytes * per * bits // 8, torch.uint8)
-        m = _Margins(ends)
+        m = _Margins(tally, nbytes * per)
         self.lib.nf_combine_pack(ptrs, len(shards), nbytes, code, offset, _ptr(table), bits,
                                  m.ends, m.n, out.data_ptr(), m.sums)
-        return out, m.result()
+        m.add(len(shards))
+        return out
 
     def sign_majority(self, shards: Sequence[torch.Tensor],
-                      ends: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+                      tally: Tally | None = None) -> torch.Tensor:
         """The sign majority vote of W shards of packed votes (each a multiple of 8 bytes),
-        packed as `SignRoute._pack_result` packs it (1 bit for odd W, 2 for even), and the sum
-        of |2c - W| per element range (`_Margins`); bit-sliced, 64 elements per word."""
+        packed as `SignRoute._pack_result` packs it (1 bit for odd W, 2 for even), the sum of
+        |2c - W| per range of `tally` added to it; bit-sliced, 64 elements per word."""
         if not 1 <= len(shards) <= 255:
             raise ValueError(f"sign votes combine 1 to 255 ranks, got {len(shards)}")
         ptrs, nbytes = self._shard_ptrs(shards)
@@ -338,9 +345,10 @@ class Kernels:
             raise ValueError(f"shards of {nbytes} bytes: need a multiple of 8")
         bits = 1 if len(shards) % 2 else 2
         out = self.empty(nbytes * bits, torch.uint8)
-        m = _Margins(ends)
+        m = _Margins(tally, 8 * nbytes)
         self.lib.nf_sign_majority(ptrs, len(shards), nbytes, m.ends, m.n, out.data_ptr(), m.sums)
-        return out, m.result() or []
+        m.add(len(shards))
+        return out
 
     def decode_values(
         self, values: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, mode: int, d: float = 1.0
@@ -383,13 +391,13 @@ class Kernels:
     def combine_decode(
         self, shards: Sequence[torch.Tensor], kind: str, layout: ChunkLayout, scales: torch.Tensor,
         mode: int, d: float, out: torch.Tensor, *, offset: int = 0,
-        values: torch.Tensor | None = None, ends: Sequence[int] | None = None,
-    ) -> list[int] | None:
+        values: torch.Tensor | None = None, tally: Tally | None = None,
+    ) -> None:
         """Decode into `out` (float32, `layout.numel`) the combined value of every element of
         the shards' raw `kind` codes, `values[c]` (one per possible sum c) or `c + offset`,
         scaled per chunk as `decode_codes` scales (mode, d): `combine_pack` then
-        `decode_codes`, bit for bit, without the packed result. With `ends`, returns the sum
-        of |2c - W| per element range (`_Margins`)."""
+        `decode_codes`, bit for bit, without the packed result. With a `tally`, the sum of
+        |2c - W| per range of it is added to it."""
         code, per = SUM_KINDS[kind]
         ptrs, nbytes = self._shard_ptrs(shards)
         if nbytes * per < layout.numel:
@@ -401,12 +409,12 @@ class Kernels:
         scales = _need(scales.float(), 4 * layout.nchunks, "scales")
         if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
             raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
-        m = _Margins(ends)
+        m = _Margins(tally, layout.numel)
         self.lib.nf_combine_decode(ptrs, len(shards), nbytes, code, offset, _ptr(values),
                                    _blocks(layout).data_ptr(), len(layout.blocks),
                                    scales.data_ptr(), mode, d, layout.numel, out.data_ptr(),
                                    m.ends, m.n, m.sums)
-        return m.result()
+        m.add(len(shards))
 
 
     def combine_decode_local(

@@ -80,11 +80,7 @@ class SignRoute(CodeRoute):
         k = kernels.native(shards[0])
         if k is None or self.spec.mode != "majority":
             return super().combine_packed(shards, world_size, valid, stats)
-        tally = Tally.of(stats, valid)
-        packed, margins = k.sign_majority(shards, tally.ends if tally is not None else ())
-        if tally is not None:
-            tally.add(margins, world_size)
-        return packed
+        return k.sign_majority(shards, Tally.of(stats, valid))
 
     def native_combine(self, world_size: int) -> tuple[str, torch.Tensor]:
         counts = torch.arange(world_size + 1)

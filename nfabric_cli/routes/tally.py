@@ -11,7 +11,8 @@ any grouping). The native kernels sum per range in the same pass (`kernels._Marg
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ Stats = dict  # a scope's step statistics: "agree_sum", "agree_n" (and `exchange
 
 @dataclass(frozen=True)
 class Tally:
-    """Element range k, [ends[k - 1], ends[k]) (ends ascending, from 0), adds its vote
+    """Element range k, [ends[k - 1], ends[k]) (ends non-decreasing, from 0), adds its vote
     margins to `into[k]`; elements at or past `ends[-1]` are not counted."""
 
     ends: tuple[int, ...]
@@ -35,20 +36,13 @@ class Tally:
         return Tally((n,), (stats,))
 
     @staticmethod
-    def over(scopes: Sequence[Stats], segments: Sequence[int]) -> Tally:
-        """Consecutive segments (a reduce's parameters) each adding to its scope's dict;
-        neighbours with the same dict make one range."""
-        ends: list[int] = []
-        into: list[Stats] = []
-        end = 0
-        for stats, n in zip(scopes, segments, strict=True):
-            end += n
-            if into and into[-1] is stats:
-                ends[-1] = end
-            else:
-                ends.append(end)
-                into.append(stats)
-        return Tally(tuple(ends), tuple(into))
+    def over(regions: Sequence[str], segments: Sequence[int],
+             sink: Callable[[str], Stats]) -> Tally:
+        """Consecutive segments (a reduce's parameters), each adding to its region's dict
+        `sink(region)`; neighbours of one region make one range (worked out once per layout:
+        this runs per reduce per step)."""
+        ends, names = _runs(tuple(regions), tuple(segments))
+        return Tally(ends, tuple(sink(r) for r in names))
 
     def window(self, start: int, n: int) -> Tally:
         """The ranges seen from elements [start, start + n) (a rank's shard of the reduce)."""
@@ -61,20 +55,32 @@ class Tally:
     def add(self, margins: Sequence[int | float | torch.Tensor], w: int) -> None:
         """Add each range's margin sum (the kernels' ints, or tensors the torch path leaves
         unread) and its element count times W, in float64."""
-        start = 0
-        for end, m, d in zip(self.ends, margins, self.into, strict=True):
+        for start, end, m, d in zip((0, *self.ends), self.ends, margins, self.into, strict=False):
             value = m.double() if isinstance(m, torch.Tensor) else float(m)
             d["agree_sum"] = d.get("agree_sum", 0.0) + value
-            d["agree_n"] = d.get("agree_n", 0.0) + float(max(end - start, 0) * w)
-            start = max(start, end)
+            d["agree_n"] = d.get("agree_n", 0.0) + float((end - start) * w)
 
     def split(self, agree: torch.Tensor, w: int) -> list[torch.Tensor]:
         """Per range, the sum of |2c - W| from the torch path's per-element agreement."""
-        margins, start = [], 0
-        for end in self.ends:
-            margins.append(torch.round(agree[start:max(start, end)].double() * w).sum())
-            start = max(start, end)
-        return margins
+        return [torch.round(agree[start:end].double() * w).sum()
+                for start, end in zip((0, *self.ends), self.ends, strict=False)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _runs(regions: tuple[str, ...], segments: tuple[int, ...]) -> tuple[tuple[int, ...],
+                                                                       tuple[str, ...]]:
+    """Where each run of one region ends, and its region, along consecutive segments."""
+    ends: list[int] = []
+    names: list[str] = []
+    end = 0
+    for region, n in zip(regions, segments, strict=True):
+        end += n
+        if names and names[-1] == region:
+            ends[-1] = end
+        else:
+            ends.append(end)
+            names.append(region)
+    return tuple(ends), tuple(names)
 
 
 #: What a route's `stats` argument takes: one scope's dict (the whole reduce adds to it), or

@@ -150,8 +150,8 @@ def _pack(scopes: list[str], norms: Sequence[Named], loss: torch.Tensor | float 
         owners = tuple(s for names, _ in norms for s in names)
         norm2 = torch.zeros(len(scopes), **f64).index_add_(
             0, _scope_index(tuple(scopes), owners, device),
-            (grads * grads).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0))
-        nonfinite = ~torch.isfinite(grads).all()
+            torch.where(finite := torch.isfinite(grads), grads * grads, 0.0))
+        nonfinite = ~finite.all()
     else:
         norm2, nonfinite = torch.zeros(len(scopes), **f64), torch.zeros((), dtype=torch.bool)
     if loss is None:  # no loss observed: counted as none (0 ranks), and finite

@@ -24,7 +24,7 @@ group by group, blocking, so each reduce is timed and metered alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -66,7 +66,7 @@ class BucketJob:
     """The reduction of one bucket of step `step` (see the module docstring)."""
 
     def __init__(self, state: FabricState, buffer: torch.Tensor, names: list[str],
-                 slices: list[torch.Tensor], offsets: list[int], groups: list[BucketGroup],
+                 slices: list[torch.Tensor], offsets: list[int], groups: Sequence[BucketGroup],
                  step: int, phase: str, index: int, rider: StatsRound | None = None) -> None:
         self.state, self.buffer, self.names = state, buffer, names
         self.rider = rider  # the step's statistics, carried by this bucket's all-gather if any
@@ -98,8 +98,8 @@ class BucketJob:
             for ks in group.reduces():
                 part = self._prepare([group.index[k] for k in ks], spec)
                 # each region's agreement apart, though they share the reduce
-                stats = (Tally.over([st._group_stats(group.regions[k]) for k in ks], part.segments)
-                         if spec.lowbit else None)
+                stats = (Tally.over([group.regions[k] for k in ks], part.segments,
+                                    st._group_stats) if spec.lowbit else None)
                 gen = rounding_noise(spec, st.seed, self.step, st.rank, part.names, part.segments)
                 if isinstance(route, CodeRoute) and spec.reducer == "sharded" and not traced:
                     if part.x.numel():

@@ -120,8 +120,7 @@ class StepController:
                 self.log(ev.to_dict())
             why = {scope: reason for _, scope, reason in self.monitor.detections[seen:]}
             if ALL in why:
-                why = dict.fromkeys(self.scopes, why[ALL]) | {k: v for k, v in why.items()
-                                                              if k != ALL}
+                why = {**dict.fromkeys(self.scopes, why.pop(ALL)), **why}
             held = self._guard(step, update_norms, nonfinite,
                                routed_fp32 | self.forced() | set(why), why)
         else:

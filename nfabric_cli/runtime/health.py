@@ -112,6 +112,7 @@ class _Hold:
     # tripped by a gradient-norm collapse: re-admission also needs the norm back up (after
     # any other trip a norm below its old level is training converging, not a fault)
     collapsed: bool = False
+    guarded: int = 0  # consecutive blow-ups guarded in place (past `cooldown`: a trip)
 
     @property
     def forced(self) -> bool:
@@ -140,8 +141,9 @@ class HealthMonitor:
         # the floors': the run's first `window` healthy losses (under "all") and norms per scope
         self._early: dict[str, list[float]] = {s: [] for s in [ALL, *scopes]}
         self._events: list[HealthEvent] = []
-        #: (step, scope, reason) of every trip signal judged, acted on or not (a scope on fp32,
-        #: one already held): what the detectors saw, e.g. their false-trip rate on fp32 runs
+        #: (step, scope, reason) of every detection judged (a trip signal, or a blow-up guarded
+        #: in place), acted on or not (a scope on fp32, one already held): what the detectors
+        #: saw, e.g. their false-trip rate on fp32 runs
         self.detections: list[tuple[int, str, str]] = []
         self._nonfinite: list[int] = []  # steps of the non-finite checks within `window`
         self._phase: str | None = None
@@ -210,6 +212,7 @@ class HealthMonitor:
                 verdict, reason = _UNHEALTHY, ""
             else:
                 verdict, reason = self._judge_scope(scope, stats)
+            verdict, reason = self._in_place(scope, verdict, reason)
             self._detect(stats.step, scope, verdict, reason)
             if verdict == _GUARD:
                 guarded.add(scope)
@@ -228,6 +231,20 @@ class HealthMonitor:
                     self._healthy(scope, float(norm), self._norm_windows[scope])
         self._events.extend(events)
         return events
+
+    def _in_place(self, scope: str, verdict: str, reason: str) -> tuple[str, str]:
+        """A blow-up guarded in place, unless the guard cannot hold it (`update_cap` 0) or it
+        has lasted past `cooldown` steps in a row (a new scale, not a hard batch: its norms
+        never join the window, so it would be guarded for good): then a trip."""
+        hold = self._holds[scope]
+        hold.guarded = hold.guarded + 1 if verdict == _GUARD else 0
+        if verdict != _GUARD:
+            return verdict, reason
+        if self.thresholds.update_cap <= 0:
+            return _TRIP, f"{reason} (update guard off)"
+        if hold.guarded > self.thresholds.cooldown:
+            return _TRIP, f"{reason} ({hold.guarded} steps in a row)"
+        return verdict, reason
 
     def _healthy(self, key: str, value: float, window: deque[float]) -> None:
         """A healthy value joins its window, and the early values while there are fewer than

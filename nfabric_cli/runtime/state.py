@@ -57,15 +57,15 @@ class _Routing(NamedTuple):
     were the gate to refuse it (every parameter on fp32)."""
 
     names: tuple[str, ...]
-    regions: list[str]
-    groups: list[BucketGroup]
-    priced: list[tuple[RouteSpec, int]]
-    refused: list[BucketGroup]
+    regions: tuple[str, ...]
+    groups: tuple[BucketGroup, ...]
+    priced: tuple[tuple[RouteSpec, int], ...]
+    refused: tuple[BucketGroup, ...]
 
 
 def _norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's 2-norm, stacked: one call for a bucket's parameters (the same bits as
-    `vector_norm` one by one)."""
+    """Each tensor's 2-norm, stacked: one call for a bucket's parameters (on CPU the same
+    bits as `vector_norm` one by one, which the simulator takes)."""
     return torch.stack(torch._foreach_norm(list(tensors)))
 
 
@@ -430,13 +430,13 @@ class FabricState:
             if len(self._routings) >= 256:  # bucket rebuilds and hold patterns: a few
                 self._routings.clear()
             phase = self.phase.name
-            regions = [self.bindings.params[n].regions[phase] for n in names]
+            regions = tuple(self.bindings.params[n].regions[phase] for n in names)
             specs = [self._effective(n) for n in names]
-            groups = bucket_groups(regions, specs, numels)
+            groups = tuple(bucket_groups(regions, specs, numels))
             lowbit = any(s.lowbit for s in specs)
             found = self._routings[key] = _Routing(
-                key[0], regions, groups, spec_numels(groups) if lowbit else [],
-                bucket_groups(regions, [FP32] * len(specs), numels) if lowbit else groups)
+                key[0], regions, groups, tuple(spec_numels(groups)) if lowbit else (),
+                tuple(bucket_groups(regions, [FP32] * len(specs), numels)) if lowbit else groups)
         return found
 
     def _land(self, job: BucketJob) -> None:

@@ -34,7 +34,7 @@ class HealthThresholds:
     # started is not one to fall back for (0 turns this test off)
     loss_spike_floor: float = 0.25
     loss_readmit: float = 1.5  # healthy only when loss <= loss_readmit * median (stricter)
-    grad_blowup: float = 10.0  # trip when a scope's grad norm > grad_blowup * its median
+    grad_blowup: float = 10.0  # a blow-up: a scope's grad norm > grad_blowup * its median
     # ... and > grad_blowup_floor * the scope's early norm (the median of its first `window`
     # healthy norms): late in a converged run a hard batch lifts the norm 10-17x a median that
     # has fallen tenfold (transformer at 600 steps: 11 such trips per seed on seeds 0, 1 and 4,
@@ -43,8 +43,9 @@ class HealthThresholds:
     grad_blowup_floor: float = 1.0
     # What a blow-up does. 0: guarded in place, the scope keeps its route and the update guard
     # holds this step's update (its norm <= update_cap x the healthy median), the blown-up
-    # norm kept out of the window; 1: it trips the scope to fp32 for `cooldown` steps, guarded
-    # while held. A held update is all a blow-up needs: at four times the calibrated length on
+    # norm kept out of the window; it trips after all when the guard is off (update_cap 0) or
+    # after `cooldown` blow-ups in a row (a new scale, not a hard batch). 1: every blow-up
+    # trips the scope to fp32 for `cooldown` steps, guarded while held. A held update is all a blow-up needs: at four times the calibrated length on
     # two ranks, trips on late blow-ups (5-8 per clean transformer run, pinned for the phase at
     # 53-60 % traffic) moved runs by up to 0.83 points against no monitor (docs/health.md)
     grad_blowup_trips: int = 0

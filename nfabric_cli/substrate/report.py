@@ -54,7 +54,7 @@ def capacity_report(
             {"regions": sorted({g.regions[k] for k in ks}), "route": g.spec.label(),
              "numel": n, "bytes": wire_bytes(g.spec, n, world_size)}
             for g in groups for ks in g.reduces()
-            if (n := sum(g.segments[k] for k in ks))
+            if (n := g.numel_of(ks))
         ]
         routes: dict[str, dict[str, int]] = {}
         for r in reduces:  # bytes per route: its groups' reduces together

@@ -134,7 +134,7 @@ def _scoped_worker(rank: int, world: int, native: bool) -> list[dict]:
         sinks = {s: {} for s in scopes}
         x = _grads(world, segs, k)[rank].clone()
         reduce_pieces([Piece(make_route(spec), x, segs,
-                             Tally.over([sinks[s] for s in scopes], segs))], comm)
+                             Tally.over(scopes, segs, sinks.__getitem__))], comm)
         out.append({"x": x, "sinks": sinks, "bytes": comm.take(), "status": kernels.status()})
     return out
 

@@ -19,6 +19,7 @@ import torch
 
 from nfabric_cli.routes import RouteSpec, kernels, make_route
 from nfabric_cli.routes.chunks import chunk_layout
+from nfabric_cli.routes.tally import Tally
 
 HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
 pytestmark = pytest.mark.skipif(not HAVE_CC, reason="no C compiler: only the torch path exists")
@@ -364,13 +365,26 @@ def test_vote_margins_per_element_range(isa: str) -> None:
                     for s in shards)
         per = (2 * count - world).abs()
         want = [int(per[a:b].sum()) for a, b in zip([0, *ends], ends, strict=False)]
-        assert k.sign_majority(shards, ends)[1] == want, world
+
+        def tally() -> Tally:
+            return Tally(tuple(ends), tuple({} for _ in ends))
+
+        def sums(t: Tally, world: int = world) -> list[int]:
+            for d, a, b in zip(t.into, [0, *ends], ends, strict=False):
+                assert d["agree_n"] == (b - a) * world
+            return [int(d["agree_sum"]) for d in t.into]
+
+        k.sign_majority(shards, t := tally())
+        assert sums(t) == want, world
         kind, bits, _, table = route._result_codes(world)
-        assert k.combine_pack(shards, kind, bits, table=table, ends=ends)[1] == want, world
+        k.combine_pack(shards, kind, bits, table=table, tally=(t := tally()))
+        assert sums(t) == want, world
         layout = chunk_layout((8 * nbytes,), route.spec.effective_chunk)
         scales = torch.ones(layout.nchunks)
         s, mode, d = route.decode_mode(scales, world)
         _, value = route.native_combine(world)
-        got = k.combine_decode(shards, "bit", layout, s, mode, d, torch.empty(8 * nbytes),
-                               values=value, ends=ends)
-        assert got == want, world
+        k.combine_decode(shards, "bit", layout, s, mode, d, torch.empty(8 * nbytes),
+                         values=value, tally=(t := tally()))
+        assert sums(t) == want, world
+        with pytest.raises(ValueError, match="past"):
+            k.sign_majority(shards, Tally((8 * nbytes + 1,), ({},)))

@@ -375,3 +375,19 @@ def test_by_default_a_blowup_is_guarded_in_place_and_kept_out_of_the_window():
         (7, "a", "sign", "fp32", "grad-norm collapse 1e-05x median")]
     with pytest.raises(InputError, match="grad_blowup_trips must be 0 or 1"):
         HealthThresholds(grad_blowup_trips=2)
+
+
+def test_a_blowup_in_place_trips_when_it_lasts_or_nothing_can_hold_it():
+    """A blow-up that lasts past `cooldown` steps in a row is a new scale, not a hard batch
+    (its norms never join the window): it trips on the next one. With the update guard off
+    (`update_cap` 0) nothing would hold a blow-up in place, so it trips at once."""
+    m = make_monitor(grad_blowup_trips=0)  # cooldown 2
+    events = feed(m, [1, 1, 1, 20, 20, 20])
+    assert as_tuples(events) == [
+        (5, "a", "sign", "fp32", "grad-norm blow-up 20.0x median (3 steps in a row)")]
+    assert [s for s, scope, _ in m.detections if scope == "a"] == [3, 4, 5]
+    m = make_monitor(grad_blowup_trips=0)
+    assert as_tuples(feed(m, [1, 1, 1, 1, 20, 1, 20, 1])) == []  # apart: held in place
+    m = make_monitor(grad_blowup_trips=0, update_cap=0.0)
+    assert as_tuples(feed(m, [1, 1, 1, 20])) == [
+        (3, "a", "sign", "fp32", "grad-norm blow-up 20.0x median (update guard off)")]
