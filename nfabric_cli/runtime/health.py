@@ -112,7 +112,6 @@ class _Hold:
     # tripped by a gradient-norm collapse: re-admission also needs the norm back up (after
     # any other trip a norm below its old level is training converging, not a fault)
     collapsed: bool = False
-    guarded: int = 0  # consecutive blow-ups guarded in place (past `cooldown`: a trip)
 
     @property
     def forced(self) -> bool:
@@ -206,45 +205,31 @@ class HealthMonitor:
             verdict, reason = self._judge_all(stats)
         self._detect(stats.step, ALL, verdict, reason)
         events += self._advance(ALL, verdict, reason, stats.step)
-        guarded = set()  # blown up and held in place: their norms stay out of the windows
         for scope in self._scopes:
             if nonfinite_reason:  # not a healthy check for anyone; "all" carries any trip
                 verdict, reason = _UNHEALTHY, ""
             else:
                 verdict, reason = self._judge_scope(scope, stats)
-            verdict, reason = self._in_place(scope, verdict, reason)
             self._detect(stats.step, scope, verdict, reason)
-            if verdict == _GUARD:
-                guarded.add(scope)
+            if verdict == _GUARD:  # held by the controller's guard; the scope's state stays
                 verdict = _UNHEALTHY
             events += self._advance(scope, verdict, reason, stats.step)
 
         # The windows hold healthy steps only: a non-finite step's values, and a held scope's
         # (a trip's own spike, the steps until re-admission), never enter them, so
-        # re-admission is judged against the run as it was before the trip.
+        # re-admission is judged against the run as it was before the trip. A blow-up guarded
+        # in place does enter its window, as one value of `window` (the median barely moves);
+        # a lasting new scale then becomes the median within half a window, and stops being
+        # held, instead of being held for good.
         if not nonfinite_reason:
             whole = self._holds[ALL].status == "ok"
             if stats.loss is not None and whole:
                 self._healthy(ALL, float(stats.loss), self._loss_window)
             for scope, norm in stats.grad_norms.items():
-                if whole and self._holds[scope].status == "ok" and scope not in guarded:
+                if whole and self._holds[scope].status == "ok":
                     self._healthy(scope, float(norm), self._norm_windows[scope])
         self._events.extend(events)
         return events
-
-    def _in_place(self, scope: str, verdict: str, reason: str) -> tuple[str, str]:
-        """A blow-up guarded in place, unless the guard cannot hold it (`update_cap` 0) or it
-        has lasted past `cooldown` steps in a row (a new scale, not a hard batch: its norms
-        never join the window, so it would be guarded for good): then a trip."""
-        hold = self._holds[scope]
-        hold.guarded = hold.guarded + 1 if verdict == _GUARD else 0
-        if verdict != _GUARD:
-            return verdict, reason
-        if self.thresholds.update_cap <= 0:
-            return _TRIP, f"{reason} (update guard off)"
-        if hold.guarded > self.thresholds.cooldown:
-            return _TRIP, f"{reason} ({hold.guarded} steps in a row)"
-        return verdict, reason
 
     def _healthy(self, key: str, value: float, window: deque[float]) -> None:
         """A healthy value joins its window, and the early values while there are fewer than
@@ -296,8 +281,9 @@ class HealthMonitor:
                 verdicts.append((_HEALTHY, ""))
             elif ratio > t.grad_blowup:
                 floor = self._floor(scope, t.grad_blowup_floor)
-                blowup = (_TRIP if t.grad_blowup_trips else _GUARD,
-                          f"grad-norm blow-up {ratio:.1f}x median")
+                # held in place by the guard, unless told to trip or there is no guard
+                trips = t.grad_blowup_trips or t.update_cap <= 0
+                blowup = (_TRIP if trips else _GUARD, f"grad-norm blow-up {ratio:.1f}x median")
                 verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
             elif ratio < t.grad_collapse:
                 verdicts.append((_TRIP, f"{_COLLAPSE} {ratio:.2g}x median"))

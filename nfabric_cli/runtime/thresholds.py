@@ -42,10 +42,9 @@ class HealthThresholds:
     # (0 turns this test off)
     grad_blowup_floor: float = 1.0
     # What a blow-up does. 0: guarded in place, the scope keeps its route and the update guard
-    # holds this step's update (its norm <= update_cap x the healthy median), the blown-up
-    # norm kept out of the window; it trips after all when the guard is off (update_cap 0) or
-    # after `cooldown` blow-ups in a row (a new scale, not a hard batch). 1: every blow-up
-    # trips the scope to fp32 for `cooldown` steps, guarded while held. A held update is all a blow-up needs: at four times the calibrated length on
+    # holds this step's update (its norm <= update_cap x the healthy median); with the guard
+    # off (update_cap 0) it trips after all. 1: every blow-up trips the scope to fp32 for
+    # `cooldown` steps, guarded while held. A held update is all a blow-up needs: at four times the calibrated length on
     # two ranks, trips on late blow-ups (5-8 per clean transformer run, pinned for the phase at
     # 53-60 % traffic) moved runs by up to 0.83 points against no monitor (docs/health.md)
     grad_blowup_trips: int = 0

@@ -50,7 +50,7 @@ def step(c: StepController, loss: float, grad: float, update: float, nonfinite: 
 @pytest.mark.parametrize("trips", [0, 1])
 def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step(trips: int):
     """By default (trips 0) a blow-up is guarded in place: its own update held, the route
-    kept, the next step's update untouched and the blown-up norms in neither window; with
+    kept, the next step's update untouched, the held update out of the guard's window; with
     `grad_blowup_trips` 1 the scope also falls back to fp32, held while it is."""
     c, log = controller(grad_blowup_trips=trips)
     healthy = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
@@ -70,7 +70,6 @@ def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step(trips: 
     assert after.scales == {}
     if not trips:
         assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
-        assert 50.0 not in c.monitor.state_dict()["norm_windows"]["*"]
 
 
 def test_every_held_step_is_capped_and_a_smaller_update_is_never_scaled_up():
