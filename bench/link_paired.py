@@ -120,6 +120,7 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
     times = measured["times"]
     rows = {n: per_round(t, rounds, block) for n, t in times.items()}
     overall = {n: statistics.median(t[1:]) for n, t in times.items()}
+
     def over(num: str, den: list[float]) -> list[float]:
         return [a / b for a, b in zip(rows[num], den, strict=True)]
 

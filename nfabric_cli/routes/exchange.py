@@ -1,7 +1,8 @@
 """Every sharded low-bit reduce of a bucket in at most two collectives.
 
 A bucket often holds several low-bit reduces: sign beside int8, one route's parameters split
-by another route's (each consecutive run of them is reduced where it lies). Reduced one after another, each paid its own collectives; here they share them:
+by another route's (each consecutive run of them is reduced where it lies). Reduced one after
+another, each paid its own collectives; here they share them:
 
 1. every piece encodes its codes (int8 / int4 that shard first agree their chunk scales: one
    MAX all-reduce for all such pieces of the bucket together, since their codes need the

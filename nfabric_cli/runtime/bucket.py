@@ -227,7 +227,6 @@ class BucketJob:
         st = self.state
         planned = [p.route.wire_bytes(p.x.numel(), st.world_size, st.rank, p.segments)
                    for p in pieces]
-        rest = WireBytes(measured.sent - sum(b.sent for b in planned),
-                         measured.received - sum(b.received for b in planned))
+        rest = measured - sum(planned, WireBytes())
         for i, (label, wb) in enumerate(zip(self._labels, planned, strict=True)):
             st.meter.add(self.step, self.phase, label, wb + rest if i == 0 else wb)

@@ -21,8 +21,8 @@ a gradient-norm blow-up (above `grad_blowup` times the median *and* `grad_blowup
 the scope's early norm: late in a run, converged, single hard batches jump 10-17x a median
 that has fallen tenfold) is a detection handled in place: the controller's update guard holds
 that step's update and the scope keeps its route (`grad_blowup_trips` = 1 makes it trip the
-scope instead); a gradient-norm collapse and a sign-agreement collapse trip the one scope. Judgements
-compare against windowed medians of earlier steps; re-admission uses the stricter readmit
+scope instead); a gradient-norm collapse and a sign-agreement collapse trip the one scope.
+Judgements compare against windowed medians of earlier steps; re-admission uses the stricter readmit
 thresholds, so a value between the readmit and the trip threshold keeps a scope on FP32
 without counting a trip (hysteresis). Re-admission asks whether what tripped has passed: a
 norm far *below* its old level keeps a scope held only after a collapse trip; after a blow-up

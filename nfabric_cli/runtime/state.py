@@ -143,7 +143,7 @@ class FabricState:
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
         # the step's statistics, kept as tensors until the step's one host read (agree.py):
         # per bucket, its parameters' scopes and gradient norms, and names and update norms
-        self._grad_norms: list[tuple[list[str], torch.Tensor]] = []
+        self._grad_norms: list[tuple[Sequence[str], torch.Tensor]] = []
         self._update_norms: list[tuple[list[str], torch.Tensor]] = []
         self._step_stats: dict[str, dict[str, Any]] = {}  # per region: agreement sums
         self._routings: dict[tuple, _Routing] = {}  # per (bucket, phase, held scopes)
@@ -429,13 +429,13 @@ class FabricState:
         if found is None:
             if len(self._routings) >= 256:  # bucket rebuilds and hold patterns: a few
                 self._routings.clear()
-            phase = self.phase.name
-            regions = tuple(self.bindings.params[n].regions[phase] for n in names)
+            names_t, phase, _ = key
+            regions = tuple(self.bindings.params[n].regions[phase] for n in names_t)
             specs = [self._effective(n) for n in names]
             groups = tuple(bucket_groups(regions, specs, numels))
             lowbit = any(s.lowbit for s in specs)
             found = self._routings[key] = _Routing(
-                key[0], regions, groups, tuple(spec_numels(groups)) if lowbit else (),
+                names_t, regions, groups, tuple(spec_numels(groups)) if lowbit else (),
                 tuple(bucket_groups(regions, [FP32] * len(specs), numels)) if lowbit else groups)
         return found
 

@@ -2,8 +2,8 @@
 
 Rows come from the `Comm` byte meter (what the collectives actually passed), next to the bytes
 the same buckets would have cost all-reduced in fp32, so the traffic fraction is measured on
-the same steps. `control` rows are the health statistics' share of the step (their bytes in the last
-bucket's all-gather, or their own small all-reduce).
+the same steps. `control` rows are the health statistics' share of the step (their bytes in
+the last bucket's all-gather, or their own small all-reduce).
 """
 
 from __future__ import annotations
