@@ -1,6 +1,7 @@
 """One DDP bucket's reduction, in three stages the hook's worker thread interleaves.
 
-`FabricState` (runtime/state.py) runs, for each bucket k of a step, on its one worker thread:
+`FabricState` (runtime/state.py) runs, for each bucket k of a step, on its one worker thread
+(the last bucket on DDP's thread once the worker is done: one thread at a time either way):
 
     job_k.start()      encode, issue bucket k's collectives (all-to-all, float all-reduces)
     job_{k-1}.finish() wait for bucket k-1's all-gather, decode, copy back, error feedback

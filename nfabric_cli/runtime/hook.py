@@ -3,7 +3,8 @@
 DDP takes one hook per model, so this one dispatches every bucket: it splits the flat buffer
 into per-parameter slices, groups them by route, runs each group's collective and
 writes the results back at the original offsets. The reduction runs on the state's single
-worker thread, in bucket order, so (a) backward keeps computing while buckets reduce, and (b)
+worker thread, in bucket order (the last bucket, once the worker is done, on DDP's own thread:
+backward has nothing left to overlap), so (a) backward keeps computing while buckets reduce, and (b)
 every rank issues the same collectives in the same order even though each bucket issues
 several (a chain of `Future.then` callbacks issuing collectives from backend threads can
 interleave differently on different ranks). All bucket futures of a step complete together

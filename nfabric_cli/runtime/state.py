@@ -1,6 +1,7 @@
 """`FabricState`: everything the hook needs across buckets and steps.
 
-Per bucket (on the worker thread): inject faults (tests), measure per-scope gradient norms,
+Per bucket (on the state's worker thread, the step's last one on the calling thread once the
+worker is done: `_reduce_last`): inject faults (tests), measure per-scope gradient norms,
 pick each parameter's effective route (profile route unless the health monitor forces fp32
 for its region or the capacity gate refuses the bucket), reduce the bucket
 (`runtime/bucket.py`: encoding it while the previous bucket's results are on the wire),
@@ -14,6 +15,7 @@ update, then complete the step's futures and advance the phase.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 import warnings
@@ -88,7 +90,8 @@ class FabricState:
     and `ddp.register_comm_hook(state, fabric_hook)`.
 
     Thread safety: `observe` may be called from any thread; the reduction runs on the state's
-    own worker thread; `state_dict` / `load_state_dict` / `close` belong between steps."""
+    own worker thread (the step's last bucket on DDP's thread, after the worker's);
+    `state_dict` / `load_state_dict` / `close` belong between steps."""
 
     def __init__(
         self,
@@ -166,6 +169,7 @@ class FabricState:
         # together once the step is judged finite (`_neutralise_direct`)
         self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future]] = []
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
+        self._queued: concurrent.futures.Future | None = None  # the worker's last job
 
     @classmethod
     def create(cls, ddp_model: Any, source: Any, total_steps: int | None = None,
@@ -273,9 +277,30 @@ class FabricState:
             return self._fp32_direct(buffer, is_last)
         names = [self._names[id(p)] for p in params]
         fut: torch.futures.Future = torch.futures.Future()
-        job = self._pool.submit(self._reduce_bucket, buffer, names, [p.numel() for p in params], is_last, fut)
-        job.add_done_callback(lambda j: self._fail_step(j, fut))
+        args = (buffer, names, [p.numel() for p in params], is_last, fut)
+        if is_last:
+            self._reduce_last(args)
+            return fut
+        self._queued = self._pool.submit(self._reduce_bucket, *args)
+        self._queued.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
+
+    def _reduce_last(self, args: tuple) -> None:
+        """The step's last bucket, reduced on the calling thread once the worker has done the
+        step's earlier ones. Backward has nothing left to overlap with it, and the worker
+        would only cost two thread hand-offs (waking it, then waking DDP's thread when the
+        futures complete): with a single bucket, as vision's, that was all the hook's
+        threading did. Collective order is unchanged: the worker is idle by then."""
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            concurrent.futures.wait([queued])
+            if queued.exception() is not None:  # its futures carry it (`_fail_step`)
+                args[-1].set_exception(queued.exception())
+                return
+        try:
+            self._reduce_bucket(*args)
+        except Exception as exc:  # noqa: BLE001 - handed to DDP's futures, as the worker's are
+            self._fail_pending(exc, args[-1])
 
     def _gated_off(self) -> bool:
         """Whether this step goes out as plain DDP: the measured gate chose fp32 for it, or the
@@ -513,8 +538,11 @@ class FabricState:
     def _fail_step(self, job: Any, fut: torch.futures.Future) -> None:
         """Surface a worker exception in DDP's main thread instead of hanging the step."""
         exc = job.exception()
-        if exc is None:
-            return
+        if exc is not None:
+            self._fail_pending(exc, fut)
+
+    def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
+        """Fail the step's pending futures and `fut` with `exc`."""
         pending, self._pending, self._inflight = self._pending, [], None
         for f in [p for p, _, _ in pending] + [fut]:
             if not f.done():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,6 +65,7 @@ def _scenarios(rank: int, world: int) -> dict:
         "spike": _spike_worker(rank, world),
         "unused": _unused_worker(rank, world),
         "gate": _gate_worker(rank, world),
+        "failures": [_failure_worker(rank, world, which) for which in ("first", "last")],
     }
 
 
@@ -85,8 +88,18 @@ def _mixed_worker(rank: int, world: int, cap_mb: float = 25) -> dict:
     loss = F.cross_entropy(ddp.module(x), y)  # local grads without DDP, for the reference
     local = torch.autograd.grad(loss, list(model.parameters()))
     ddp.zero_grad()
-    submit, buckets = state.submit, []
-    state.submit = lambda *a: buckets.append(1) or submit(*a)  # buckets of the measured step
+    submit, reduce_bucket, done, threads = state.submit, state._reduce_bucket, [], []
+
+    def recording(*args):  # noqa: ANN002, ANN202 - the measured step's buckets
+        fut = submit(*args)
+        done.append(fut.done())  # whether the bucket's result was ready when DDP got it
+        return fut
+
+    def on_thread(*args):  # noqa: ANN002, ANN202 - which thread reduces each bucket
+        threads.append(threading.current_thread().name)
+        return reduce_bucket(*args)
+
+    state.submit, state._reduce_bucket = recording, on_thread
     F.cross_entropy(ddp(x), y).backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     gathered = []
@@ -97,7 +110,41 @@ def _mixed_worker(rank: int, world: int, cap_mb: float = 25) -> dict:
     state.close()
     return {"got": got, "local": dict(zip([n for n, _ in model.named_parameters()], gathered, strict=True)),
             "bytes": state.bytes_per_route(), "fraction": state.meter.fraction(),
-            "buckets": len(buckets)}
+            "buckets": len(done), "done": done, "threads": threads}
+
+
+def _failure_worker(rank: int, world: int, which: str) -> str:
+    """A bucket's reduction raises (the first, on the worker, or the last, on DDP's thread):
+    backward raises it on every rank instead of hanging."""
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.0005)
+    state = attach(ddp, _bindings(model, "sign", world_size=world), total_steps=3)
+    _train(ddp, 1, state, rank)  # DDP rebuilds its buckets: several from here on
+    reduce_bucket, seen = state._reduce_bucket, []
+
+    def failing(*args):  # noqa: ANN002, ANN202
+        seen.append(args[3])
+        if (which == "first" and len(seen) == 1) or (which == "last" and args[3]):
+            raise RuntimeError(f"{which} bucket broke")
+        return reduce_bucket(*args)
+
+    state._reduce_bucket = failing
+    x, y = batch(1, rank)
+    try:
+        F.cross_entropy(ddp(x), y).backward()
+    except RuntimeError as exc:
+        return f"{len(seen)} buckets: {exc}"
+    finally:
+        state.close()
+    return "no error"
+
+
+def test_a_failing_bucket_surfaces_in_backward_on_every_rank(two_ranks: list[dict]) -> None:
+    for r in two_ranks:
+        first, last = r["failures"]
+        assert "first bucket broke" in first
+        assert "last bucket broke" in last
+        assert int(last.split()[0]) >= 3  # the buckets before it ran on the worker
 
 
 def _check_mixed(out: list[dict]) -> None:
@@ -128,6 +175,11 @@ def test_pipelined_buckets_reduce_exactly(two_ranks: list[dict]) -> None:
     out = [r["mixed-pipelined"] for r in two_ranks]
     assert out[0]["buckets"] >= 3
     _check_mixed(out)
+    for r in out:  # earlier buckets on the worker, the last on DDP's thread, its result ready
+        n = r["buckets"]
+        assert r["done"] == [False] * (n - 1) + [True]
+        assert [t.startswith("nfabric") for t in r["threads"]] == [True] * (n - 1) + [False]
+        assert r["threads"][-1] == "MainThread"
     three = run_ranks(_mixed_worker, 3, 0.0005)  # sharded exchanges (all-to-all, all-gather)
     assert three[0]["buckets"] >= 3
     for name in [n for n in three[0]["local"] if n.startswith("head.")]:
