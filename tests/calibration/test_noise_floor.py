@@ -63,3 +63,25 @@ def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
     assert beyond["worse_beyond_noise"] == ["profile"]
     no_noise = judge({**cell(0.0), "arms": {k: v for k, v in cell(0.0)["arms"].items() if k != NOISE}})
     assert no_noise["worse"] == ["profile"] and no_noise["worse_beyond_noise"] == []
+
+
+def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
+    from bench.robustness import judge, summary
+
+    def cell(profile: float, faults: bool) -> dict:
+        metrics = {"fp32": 0.98, "static": 0.97, "profile": profile}
+        if faults:
+            metrics.update({"static+spike": 0.2, "profile+spike": 0.975,
+                            "static+nan": 0.97, "profile+nan": 0.97})
+        return {"higher_is_better": True, "tolerance": 0.02, "steps": 100,
+                "arms": {a: {"metric": m, "false_trip_steps": 0} for a, m in metrics.items()}}
+
+    clean = judge(cell(0.961, faults=False))  # 1.9 points under fp32: within 2
+    assert clean["pairs"] == 1 and clean["within"] and clean["rescued"] == []
+    outside = judge(cell(0.959, faults=False))
+    assert not outside["within"] and outside["worse"] == ["profile"]  # 1.1 points under static
+    full = judge(cell(0.97, faults=True))
+    assert full["pairs"] == 3 and full["rescued"] == ["spike"] and full["not_rescued"] == []
+    total = summary([cell(0.961, faults=False), cell(0.959, faults=False), cell(0.97, faults=True)])
+    assert (total["pairs"], total["faults"], total["within_tolerance"]) == (5, 2, 2)
+    assert abs(total["worst_vs_fp32"] - (0.959 - 0.98)) < 1e-12
