@@ -31,12 +31,13 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from nfabric_cli.routes.comm import Comm, sum_in_rank_order
 
-_KINDS = ("norm2", "agree_sum", "agree_n")  # per scope
+_SUMS = ("agree_sum", "agree_n")  # the agreement sums, per scope
 Named = tuple[list[str], torch.Tensor]  # per bucket: a label per parameter, a value per parameter
 
 #: Host reads so far (`host_read` calls), for tests: one per step is the contract.
@@ -118,17 +119,18 @@ class StatsRound:
         after = [t.reshape(-1).to(**f64) for _, t in updates]
         parts = [self.vec, *extra, *after]
         v = host_read(torch.cat(parts) if len(parts) > 1 else self.vec)
-        nonfinite, loss, norm2, sums, seconds, n = _unpack(v, self.scopes, self.n_seconds)
+        read = _unpack(v, self.scopes, self.n_seconds)
+        sums, n = read.sums, read.end
         for key, value in zip(whole, v[n:n + len(whole)], strict=True):
             sums[key] += value
         n += len(whole)
         return Agreed(
-            nonfinite=nonfinite,
-            loss=loss,
-            grad_norms={s: math.sqrt(norm2[s]) for s in self.scopes},
+            nonfinite=read.nonfinite,
+            loss=read.loss,
+            grad_norms={s: math.sqrt(read.norm2[s]) for s in self.scopes},
             agreement={s: sums[f"agree_sum:{s}"] / sums[f"agree_n:{s}"] for s in self.scopes
                        if sums[f"agree_n:{s}"] > 0},
-            bucket_seconds=[t / self.comm.world_size for t in seconds],
+            bucket_seconds=[t / self.comm.world_size for t in read.seconds],
             update_norms=dict(zip([name for names, _ in updates for name in names],
                                   v[n:], strict=True)),
         )
@@ -162,24 +164,29 @@ def _pack(scopes: list[str], norms: Sequence[Named], loss: torch.Tensor | float 
         ok = finite if ok is None else ok & finite
         loss_sum = loss_sum.nan_to_num(0.0, 0.0, 0.0)
     flag = torch.zeros(1, **f64) if ok is None else (~ok).to(**f64).reshape(1)
-    sums = [acc.get(f"{k}:{s}", 0.0) for k in _KINDS[1:] for s in scopes]
+    sums = [acc.get(f"{k}:{s}", 0.0) for k in _SUMS for s in scopes]
     tail = _f64_vector([float(loss is not None), *sums, *bucket_seconds], device)
     return torch.cat([flag, loss_sum, norm2, tail])
 
 
-def _unpack(v: list[float], scopes: Sequence[str], n_seconds: int) -> tuple[
-        bool, float | None, dict[str, float], dict[str, float], list[float], int]:
-    """`_pack`'s vector, summed over the ranks and read: (anything not finite, mean loss over
-    the ranks that had one, squared gradient norm per scope, "agree_sum:<s>"/"agree_n:<s>"
-    sums, the reduce times summed, and where the vector ends)."""
+class _Read(NamedTuple):
+    """`_pack`'s vector summed over the ranks, read back (`_unpack`)."""
+
+    nonfinite: bool
+    loss: float | None  # mean over the ranks that observed one
+    norm2: dict[str, float]  # per scope, the squared gradient norm
+    sums: dict[str, float]  # "agree_sum:<scope>" / "agree_n:<scope>"
+    seconds: list[float]  # the timed reduces, summed over the ranks
+    end: int  # where the vector ends in the step's host read
+
+
+def _unpack(v: list[float], scopes: Sequence[str], n_seconds: int) -> _Read:
     k = len(scopes)
-    count = v[2 + k]
-    norm2 = dict(zip(scopes, v[2 : 2 + k], strict=True))
-    keys = [f"{kind}:{s}" for kind in _KINDS[1:] for s in scopes]
-    sums = dict(zip(keys, v[3 + k : 3 + 3 * k], strict=True))
-    end = 3 + 3 * k + n_seconds
-    return (v[0] > 0, v[1] / count if count > 0 else None, norm2, sums,
-            v[3 + 3 * k : end], end)
+    count, end = v[2 + k], 3 + 3 * k + n_seconds
+    keys = [f"{kind}:{s}" for kind in _SUMS for s in scopes]
+    return _Read(v[0] > 0, v[1] / count if count > 0 else None,
+                 dict(zip(scopes, v[2 : 2 + k], strict=True)),
+                 dict(zip(keys, v[3 + k : 3 + 3 * k], strict=True)), v[3 + 3 * k : end], end)
 
 
 @functools.lru_cache(maxsize=64)

@@ -32,6 +32,13 @@ A pause in the one fp32 sample of a slow-link pair cannot mislead (fp32 only loo
 there); on a fast link it can make low-bit look 2x faster and keep it, 1.1-1.3x slower there,
 until the re-check.
 
+A close call probes longer: when the `steps`-th pair's medians are within `close` (1.15x),
+the cycle probes on to `close_steps` (12) pairs and decides on their medians. Near the
+crossover a probe step on the slower path costs little (at most 15 % of a step), while four
+samples a path decide badly: transformer.v5 at 500 Mbit/s, where static was 6 % faster than
+fp32 over the run, measured 24.73 against 21.97 ms on four steps each and kept fp32 for the
+run (`bench.link_paired`, profile 1.147x min(fp32, static)).
+
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, the worker thread's hand-offs and the gradient
 norms, and its reduce no longer overlaps backward as fp32's all-reduce does. On vision over
@@ -41,7 +48,8 @@ unshaped loopback the bucket timings said low-bit 3.4 ms against fp32 5.8 ms whi
 Opt-in, not the default: a decision from wall-clock times differs from run to run, so
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
 simulator stay bit-reproducible without it). Probing costs 1 to `steps` steps on the slower
-path per cycle (and the `warmup` steps, which run low-bit).
+path per cycle, up to `close_steps` on a close call (and the `warmup` steps, which run
+low-bit).
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ class _Cycle:
     times: dict[str, list[float]] = field(default_factory=_no_times)
     decision: str | None = None  # the path kept (None: not decided yet)
     reason: str = ""
+    pairs: int = 0  # pairs this cycle probes: 0 for `steps`, more once a close call extends it
 
 
 class MeasuredAdmission:
@@ -75,17 +84,18 @@ class MeasuredAdmission:
     then `path` for this step."""
 
     def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2,
-                 decisive: float = 2.0) -> None:
-        if steps < 1 or recheck_every < 0 or warmup < 0 or decisive < 1:
+                 decisive: float = 2.0, close: float = 1.15, close_steps: int = 12) -> None:
+        if (steps < 1 or recheck_every < 0 or warmup < 0 or decisive < 1 or close < 1
+                or close_steps < steps):
             raise ValueError("probe steps must be >= 1, recheck_every and warmup >= 0, "
-                             "decisive >= 1")
+                             "decisive and close >= 1, close_steps >= steps")
         self.steps, self.recheck_every, self.warmup = steps, recheck_every, warmup
-        self.decisive = decisive
+        self.decisive, self.close, self.close_steps = decisive, close, close_steps
         self._cycles: dict[str, _Cycle] = {}
 
-    @property
-    def _probe_end(self) -> int:
-        return self.warmup + 2 * self.steps
+    def _end(self, c: _Cycle) -> int:
+        """The phase step (from the cycle's start) its last pair ends at."""
+        return self.warmup + 2 * (c.pairs or self.steps)
 
     def path(self, phase: str) -> tuple[str, bool]:
         """This step's path in `phase` and whether its period is to be timed (one call per
@@ -93,14 +103,14 @@ class MeasuredAdmission:
         c = self._cycles.setdefault(phase, _Cycle())
         if c.decision is not None and c.seen - c.decided_at >= self.recheck_every:
             c.start = c.seen  # probe again
-            c.times, c.decision, c.reason = _no_times(), None, ""
+            c.times, c.decision, c.reason, c.pairs = _no_times(), None, "", 0
         pos = c.seen - c.start
         c.seen += 1
         if c.decision is not None:
             return c.decision, False
-        if pos >= self._probe_end:  # undecided: a resumed cycle lost its times; probe again
+        if pos >= self._end(c):  # undecided: a resumed cycle lost its times; probe again
             c.start, pos = c.seen - 1, 0
-            c.times = _no_times()
+            c.times, c.pairs = _no_times(), 0
         if pos < self.warmup:
             return LOWBIT, True  # more low-bit samples (module docstring)
         return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
@@ -121,22 +131,26 @@ class MeasuredAdmission:
         if c is None or c.decision is not None:
             return None
         pos = c.seen - c.start
-        if not self.warmup < pos <= self._probe_end or (pos - self.warmup) % 2:
+        if not self.warmup < pos <= self._end(c) or (pos - self.warmup) % 2:
             return None
         low, full = c.times[LOWBIT], c.times[FP32]
         if not low or not full:
             return None
-        if pos >= self._probe_end:
+        if pos >= self._end(c):
             return statistics.median(low), statistics.median(full)
         return min(low + c.times[WARMUP]), min(full)
 
     def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
         """Judge agreed times after a pair: (path kept, why) for the event once one path is
-        `decisive` times the other or the last pair is in, else None (probe on)."""
+        `decisive` times the other or the last pair is in, else None (probe on). A close call
+        at the `steps`-th pair (within `close`) probes on to `close_steps` pairs first."""
         c = self._cycles[phase]
-        last = c.seen - c.start >= self._probe_end
+        last = c.seen - c.start >= self._end(c)
         slow, fast = max(lowbit_s, fp32_s), min(lowbit_s, fp32_s)
         if not last and slow < self.decisive * fast:
+            return None
+        if last and not c.pairs and self.close_steps > self.steps and slow < self.close * fast:
+            c.pairs = self.close_steps
             return None
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
         low, full = len(c.times[LOWBIT]), len(c.times[FP32])
@@ -147,12 +161,13 @@ class MeasuredAdmission:
         return c.decision, c.reason
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision, c.reason]
-                           for phase, c in self._cycles.items()}}
+        return {"cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision, c.reason,
+                                   c.pairs] for phase, c in self._cycles.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycles = {}
         for phase, row in state.get("cycles", {}).items():
-            start, seen, decided_at, times, decision, reason = row
+            start, seen, decided_at, times, decision, reason, *pairs = row  # (older: no pairs)
             kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}  # (older: no warm-up)
-            self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason)
+            self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason,
+                                         *pairs)

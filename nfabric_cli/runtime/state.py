@@ -292,11 +292,10 @@ class FabricState:
         futures complete): with a single bucket, as vision's, that was all the hook's
         threading did. Collective order is unchanged: the worker is idle by then."""
         queued, self._queued = self._queued, None
-        if queued is not None:
-            concurrent.futures.wait([queued])
-            if queued.exception() is not None:  # its futures carry it (`_fail_step`)
-                args[-1].set_exception(queued.exception())
-                return
+        failed = queued.exception() if queued is not None else None  # waits for it
+        if failed is not None:  # its futures carry it already (`_fail_step`)
+            args[-1].set_exception(failed)
+            return
         try:
             self._reduce_bucket(*args)
         except Exception as exc:  # noqa: BLE001 - handed to DDP's futures, as the worker's are

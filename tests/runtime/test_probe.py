@@ -42,7 +42,7 @@ def _cycle(m: MeasuredAdmission, low: float, fp32: float) -> tuple[list, tuple |
 
 
 def test_a_close_call_probes_every_pair_then_keeps_the_faster() -> None:
-    m = MeasuredAdmission(steps=3, recheck_every=4, warmup=2)
+    m = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, close_steps=3)
     steps, decided = _cycle(m, low=0.018, fp32=0.020)  # within 2x: all three pairs
     # the warm-up steps run low-bit and are timed too (more low-bit samples)
     assert steps == [(LOWBIT, True)] * 2 + [(LOWBIT, True), (FP32, True)] * 3
@@ -55,10 +55,39 @@ def test_a_close_call_probes_every_pair_then_keeps_the_faster() -> None:
     assert len(steps) == 8 and decided[0] == FP32
     assert m.path(PHASE) == (FP32, False)
     # a resumed run continues the same schedule, with the same decision
-    again = MeasuredAdmission(steps=3, recheck_every=4, warmup=2)
+    again = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, close_steps=3)
     again.load_state_dict(m.state_dict())
     assert [again.path(PHASE) for _ in range(3)] == [(FP32, False)] * 3
     assert again.path(PHASE) == (LOWBIT, True)  # the next recheck's warm-up
+
+
+def test_a_close_call_probes_on_to_twelve_pairs() -> None:
+    """Within 1.15x after the fourth pair: probe on to twelve and decide on their medians; a
+    gap of 1.25x decides after four; a resumed run keeps the extension."""
+    m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
+    lows = iter([0.020] * 2 + [0.0215, 0.0230, 0.0225, 0.0205] + [0.0200] * 8)
+    fulls = iter([0.0210, 0.0220, 0.0200, 0.0240] + [0.0215] * 8)
+    steps, decided = [], None
+    while decided is None:
+        due = m.due(PHASE)
+        if due is not None and (decided := m.decide(PHASE, *due)) is not None:
+            break
+        if len(steps) == 2 + 2 * 4 + 1:  # mid-extension: resume from a checkpoint
+            resumed = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
+            resumed.load_state_dict(m.state_dict())
+            m = resumed
+        path, timed = m.path(PHASE)
+        steps.append(path)
+        m.record(PHASE, path, next(lows) if path == LOWBIT else next(fulls))
+    # after four pairs the medians were 22.0 vs 21.5 ms (fp32 ahead); twelve say low-bit
+    assert steps == [LOWBIT] * 2 + [LOWBIT, FP32] * 12
+    assert decided == (LOWBIT, "measured step: low-bit 20.00 ms vs fp32 21.50 ms (median of 12 "
+                               "steps each, mean over ranks)")
+    m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
+    steps, decided = _cycle(m, low=0.025, fp32=0.020)  # 1.25x: four pairs decide
+    assert len(steps) == 2 + 2 * 4 and decided[0] == FP32
+    with pytest.raises(ValueError, match="close_steps >= steps"):
+        MeasuredAdmission(steps=4, close_steps=3)
 
 
 def test_a_decisive_pair_ends_the_probe_early() -> None:
