@@ -104,6 +104,15 @@ def better(cell: dict, a: float, b: float) -> float:
     return (a - b) if cell["higher_is_better"] else (b - a)
 
 
+def _within(cell: dict, metric: float, fp32: float) -> bool:
+    """`metric` within the profile's tolerance of fp32's."""
+    return better(cell, metric, fp32) >= -cell["tolerance"]
+
+
+def _vs_fp32(cell: dict) -> float:
+    return better(cell, cell["arms"]["profile"]["metric"], cell["arms"]["fp32"]["metric"])
+
+
 def judge(cell: dict) -> dict:
     """The cell's verdicts: monitor worse than none (per pair), faults rescued or not."""
     m = {arm: v["metric"] for arm, v in cell["arms"].items()}
@@ -111,7 +120,7 @@ def judge(cell: dict) -> dict:
     noise = abs(m[NOISE] - m["fp32"]) if NOISE in m else None
     out = {"worse": [], "worse_beyond_noise": [], "rescued": [], "not_rescued": [],
            "noise": noise, "pairs": 0,
-           "within": better(cell, m["profile"], m["fp32"]) >= -cell["tolerance"]}
+           "within": _within(cell, m["profile"], m["fp32"])}
     for suffix in ("", *(f"+{k}" for k in FAULTS if f"profile+{k}" in m)):
         out["pairs"] += 1
         gap = better(cell, m["profile" + suffix], m["static" + suffix])
@@ -120,8 +129,8 @@ def judge(cell: dict) -> dict:
             if noise is not None and -gap > noise:
                 out["worse_beyond_noise"].append("profile" + suffix)
         if suffix:
-            static_ok = better(cell, m["static" + suffix], m["fp32"]) >= -cell["tolerance"]
-            profile_ok = better(cell, m["profile" + suffix], m["fp32"]) >= -cell["tolerance"]
+            static_ok = _within(cell, m["static" + suffix], m["fp32"])
+            profile_ok = _within(cell, m["profile" + suffix], m["fp32"])
             if not static_ok:
                 out["rescued" if profile_ok else "not_rescued"].append(suffix[1:])
     return out
@@ -160,8 +169,9 @@ def summary(cells: list[dict]) -> dict:
                                if all(NOISE in c["arms"] for c in cells) else None),
         "faults": sum(v["pairs"] - 1 for v in verdicts),
         "within_tolerance": sum(v["within"] for v in verdicts),
-        "worst_vs_fp32": min((better(c, c["arms"]["profile"]["metric"], c["arms"]["fp32"]["metric"])
-                              for c in cells), default=None),
+        # per workload: accuracy and val_loss differences are not one scale
+        "worst_vs_fp32": {w: min(_vs_fp32(c) for c in cells if c["workload"] == w)
+                          for w in dict.fromkeys(c["workload"] for c in cells)},
         "faults_needing_rescue": sum(len(v["rescued"]) + len(v["not_rescued"]) for v in verdicts),
         "rescued": sum(len(v["rescued"]) for v in verdicts),
         "false_trip_rate": false / steps if steps else 0.0,
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "'none': the clean arms only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    faults = tuple(f for f in args.faults.split(",") if f and f != "none")
+    faults = () if args.faults == "none" else tuple(f for f in args.faults.split(",") if f)
     if set(faults) - set(FAULTS):
         parser.error(f"--faults: from {', '.join(FAULTS)}, or none")
     torch.set_num_threads(1)
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"({total['faults']} injected); passive false trips {total['false_trip_rate']:.2%}"
               f" of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)"
               f"; profile within tolerance of fp32 in {total['within_tolerance']} of "
-              f"{total['cells']} cells, worst {total['worst_vs_fp32']:+.4f}")
+              f"{total['cells']} cells, worst " + ", ".join(
+                  f"{w} {v:+.4f}" for w, v in total["worst_vs_fp32"].items()))
     return total
 
 

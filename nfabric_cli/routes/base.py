@@ -106,7 +106,7 @@ class Route:
       guard rely on this (`tests/calibration/test_simulate.py`). A result depends only on its
       own chunk: chunks never span the parameters given as `segments`.
     - **Collectives.** Issue them only through `comm`, in the same order on every rank, and
-      synchronously. The hook calls `reduce` on its one worker thread, group after group.
+      synchronously. The hook calls `reduce` on one thread at a time, group after group.
     - **Thread safety.** One instance may serve several groups of a step. Keep no per-call
       state on `self`; per-step results go into the `stats` dict passed in (e.g. the sign
       vote's `agree_sum` / `agree_n`).

@@ -2,9 +2,10 @@
 
 Each call records the logical bytes it moved (see `plan.py`), so the traffic a run reports is
 counted from the collectives actually issued, and a test can compare it with `wire_bytes`.
-Every call is issued at once, in program order, from the hook's one worker thread, which keeps
-the collective order identical on every rank (see `runtime/hook.py`); the plain calls block
-until done, the `_async` ones return a `Pending` to wait on later.
+Every call is issued at once, in program order, from one thread at a time (the hook's worker,
+or DDP's for a step's last bucket), which keeps the collective order identical on every rank
+(see `runtime/hook.py`); the plain calls block until done, the `_async` ones return a
+`Pending` to wait on later.
 """
 
 from __future__ import annotations

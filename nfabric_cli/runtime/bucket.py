@@ -1,4 +1,4 @@
-"""One DDP bucket's reduction, in three stages the hook's worker thread interleaves.
+"""One DDP bucket's reduction, in three stages the hook interleaves across buckets.
 
 `FabricState` (runtime/state.py) runs, for each bucket k of a step, on its one worker thread
 (the last bucket on DDP's thread once the worker is done: one thread at a time either way):

@@ -5,7 +5,8 @@ admits every bucket as the profile wrote it, however slow low-bit is on the link
 With ``gate="measure"`` (`attach`, `validate --gate measure`) and no substrate, each phase
 with a low-bit route runs a *probe cycle* (phases that route every parameter alike share
 one: vision.v5's warm-up and main phase are timed once, not at a slow-path step each):
-`warmup` steps as written, then up to `steps` pairs of steps, one on the profile's routes and
+`warmup` steps as written, then up to `steps` pairs of steps (`close_steps` on a close call,
+below), one on the profile's routes and
 one on plain DDP's fp32 path, each step's period (first bucket to next step's first bucket)
 timed. After each pair, at the next step's first bucket, the ranks all-reduce each path's
 fastest period so far (one small blocking all-reduce, while nothing else is in flight) and
@@ -33,14 +34,15 @@ there); on a fast link it can make low-bit look 2x faster and keep it, 1.1-1.3x 
 until the re-check.
 
 A close call probes longer: when the `steps`-th pair's medians are within `close` (1.15x),
-the cycle probes on to `close_steps` (12) pairs and decides on their medians. Near the
+the cycle probes on to `close_steps` (12) pairs and decides on their medians (a pair
+`decisive` times apart on the fastest samples still ends it early). Near the
 crossover a probe step on the slower path costs little (at most 15 % of a step), while four
 samples a path decide badly: transformer.v5 at 500 Mbit/s, where static was 6 % faster than
 fp32 over the run, measured 24.73 against 21.97 ms on four steps each and kept fp32 for the
 run (`bench.link_paired`, profile 1.147x min(fp32, static)).
 
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
-step also pays for the step's statistics round, the worker thread's hand-offs and the gradient
+step also pays for the step's statistics round, any thread hand-offs and the gradient
 norms, and its reduce no longer overlaps backward as fp32's all-reduce does. On vision over
 unshaped loopback the bucket timings said low-bit 3.4 ms against fp32 5.8 ms while the step was
 1.24x slower on low-bit (`python -m bench.validate_link`, docs/capacity.md).
@@ -85,10 +87,10 @@ class MeasuredAdmission:
 
     def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2,
                  decisive: float = 2.0, close: float = 1.15, close_steps: int = 12) -> None:
-        if (steps < 1 or recheck_every < 0 or warmup < 0 or decisive < 1 or close < 1
+        if (steps < 1 or recheck_every < 0 or warmup < 0 or not 1 <= close <= decisive
                 or close_steps < steps):
             raise ValueError("probe steps must be >= 1, recheck_every and warmup >= 0, "
-                             "decisive and close >= 1, close_steps >= steps")
+                             "1 <= close <= decisive, close_steps >= steps")
         self.steps, self.recheck_every, self.warmup = steps, recheck_every, warmup
         self.decisive, self.close, self.close_steps = decisive, close, close_steps
         self._cycles: dict[str, _Cycle] = {}

@@ -293,13 +293,15 @@ class FabricState:
         threading did. Collective order is unchanged: the worker is idle by then."""
         queued, self._queued = self._queued, None
         failed = queued.exception() if queued is not None else None  # waits for it
-        if failed is not None:  # its futures carry it already (`_fail_step`)
-            args[-1].set_exception(failed)
+        if failed is not None:  # (its done-callback may not have run yet: idempotent)
+            self._fail_pending(failed, args[-1])
             return
         try:
             self._reduce_bucket(*args)
-        except Exception as exc:  # noqa: BLE001 - handed to DDP's futures, as the worker's are
+        except BaseException as exc:  # handed to DDP's futures, as the worker's are
             self._fail_pending(exc, args[-1])
+            if not isinstance(exc, Exception):  # Ctrl-C on DDP's thread: still stop the run
+                raise
 
     def _gated_off(self) -> bool:
         """Whether this step goes out as plain DDP: the measured gate chose fp32 for it, or the
@@ -398,15 +400,16 @@ class FabricState:
         for _, b, f in pending:
             f.set_result(b)
 
-    # -- per bucket (worker thread) ----------------------------------------------------------
+    # -- per bucket (worker thread; the last on DDP's) -----------------------------------------
     def _effective(self, name: str) -> RouteSpec:
         return self.controller.effective(name)
 
     def _reduce_bucket(
         self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool, fut: torch.futures.Future
     ) -> None:
-        """One bucket on the worker thread: its statistics and routes, then its reduction,
-        pipelined with the previous bucket's (`runtime/bucket.py`)."""
+        """One bucket (on the worker thread, or the last on DDP's): its statistics and
+        routes, then its reduction, pipelined with the previous bucket's
+        (`runtime/bucket.py`)."""
         step, phase = self.step, self.phase.name
         offsets = [0]
         for n in numels[:-1]:
@@ -541,8 +544,11 @@ class FabricState:
             self._fail_pending(exc, fut)
 
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
-        """Fail the step's pending futures and `fut` with `exc`."""
+        """Fail the step's pending futures and `fut` with `exc`, and drop the step's
+        statistics so that a run that catches the error starts its next step clean."""
         pending, self._pending, self._inflight = self._pending, [], None
+        self._grad_norms, self._update_norms, self._step_stats = [], [], {}
+        self._step_keys, self._bucket_times = [], []
         for f in [p for p, _, _ in pending] + [fut]:
             if not f.done():
                 f.set_exception(exc)

@@ -82,6 +82,9 @@ def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
     assert not outside["within"] and outside["worse"] == ["profile"]  # 1.1 points under static
     full = judge(cell(0.97, faults=True))
     assert full["pairs"] == 3 and full["rescued"] == ["spike"] and full["not_rescued"] == []
-    total = summary([cell(0.961, faults=False), cell(0.959, faults=False), cell(0.97, faults=True)])
+    cells = [cell(0.961, faults=False), cell(0.959, faults=False), cell(0.97, faults=True)]
+    for c in cells:
+        c["workload"] = "vision"
+    total = summary(cells)
     assert (total["pairs"], total["faults"], total["within_tolerance"]) == (5, 2, 2)
-    assert abs(total["worst_vs_fp32"] - (0.959 - 0.98)) < 1e-12
+    assert abs(total["worst_vs_fp32"]["vision"] - (0.959 - 0.98)) < 1e-12

@@ -88,6 +88,13 @@ def test_a_close_call_probes_on_to_twelve_pairs() -> None:
     assert len(steps) == 2 + 2 * 4 and decided[0] == FP32
     with pytest.raises(ValueError, match="close_steps >= steps"):
         MeasuredAdmission(steps=4, close_steps=3)
+    with pytest.raises(ValueError, match="1 <= close <= decisive"):
+        MeasuredAdmission(close=2.5)
+    # a state saved before cycles had `pairs` (six fields) loads as not extended
+    older = {"cycles": {PHASE: [0, 3, 0, {LOWBIT: [0.02], FP32: []}, None, ""]}}
+    m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
+    m.load_state_dict(older)
+    assert m.state_dict()["cycles"][PHASE][-1] == 0 and m.path(PHASE) == (FP32, True)
 
 
 def test_a_decisive_pair_ends_the_probe_early() -> None:

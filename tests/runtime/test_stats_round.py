@@ -38,7 +38,8 @@ def _order(rank: int, world: int) -> dict:
 
     def kept_whole(self, updates, whole=None):  # noqa: ANN001, ANN202
         wholes.append({k: float(v) for k, v in (whole or {}).items()})
-        wholes[-1]["reduced"] = [float(x) for x in self.vec[3:]]  # what the ranks summed
+        wholes[-1]["reduced"] = agree._unpack(self.vec.tolist(), self.scopes,  # the ranks' sum
+                                              self.n_seconds)
         return result(self, updates, whole)
 
     agree.StatsRound.result = kept_whole
@@ -90,8 +91,9 @@ def test_the_round_is_issued_before_the_last_bucket_is_waited_for() -> None:
     (scope,) = a["scopes"]
     for whole in a["whole"]:
         assert whole[f"agree_n:{scope}"] == 2 * a["numel"]
-        norm2, agree_sum, agree_n = whole["reduced"][:3]  # the scope's row of the vector
-        assert norm2 > 0 and agree_sum == agree_n == 0.0
+        reduced = whole["reduced"]
+        assert reduced.norm2[scope] > 0 and reduced.loss is not None
+        assert reduced.sums == {f"agree_sum:{scope}": 0.0, f"agree_n:{scope}": 0.0}
     for agreement in a["agreement"]:
         assert agreement and all(0.0 <= v <= 1.0 for v in agreement.values())
 
