@@ -109,18 +109,14 @@ def _within(cell: dict, metric: float, fp32: float) -> bool:
     return better(cell, metric, fp32) >= -cell["tolerance"]
 
 
-def _vs_fp32(cell: dict) -> float:
-    return better(cell, cell["arms"]["profile"]["metric"], cell["arms"]["fp32"]["metric"])
-
-
 def judge(cell: dict) -> dict:
     """The cell's verdicts: monitor worse than none (per pair), faults rescued or not."""
     m = {arm: v["metric"] for arm, v in cell["arms"].items()}
     worse = WORSE[cell["higher_is_better"]]
     noise = abs(m[NOISE] - m["fp32"]) if NOISE in m else None
     out = {"worse": [], "worse_beyond_noise": [], "rescued": [], "not_rescued": [],
-           "noise": noise, "pairs": 0,
-           "within": _within(cell, m["profile"], m["fp32"])}
+           "noise": noise, "pairs": 0, "vs_fp32": better(cell, m["profile"], m["fp32"])}
+    out["within"] = out["vs_fp32"] >= -cell["tolerance"]
     for suffix in ("", *(f"+{k}" for k in FAULTS if f"profile+{k}" in m)):
         out["pairs"] += 1
         gap = better(cell, m["profile" + suffix], m["static" + suffix])
@@ -144,7 +140,7 @@ def show(cell: dict) -> None:
     print(head + " | " + "  ".join(parts), flush=True)
     ft = a["fp32"]["false_trip_steps"] / cell["steps"]
     print(f"{'':11s} profile-static {better(cell, a['profile']['metric'], a['static']['metric']):+.4f}"
-          f"  profile-fp32 {better(cell, a['profile']['metric'], a['fp32']['metric']):+.4f}"
+          f"  profile-fp32 {v['vs_fp32']:+.4f}"
           f"  (+ is better)  passive false trips {ft:.2%}"
           + (f"  noise {v['noise']:.4f}" if v["noise"] is not None else "")
           + (f"  WORSE: {', '.join(v['worse'])}" if v["worse"] else "")
@@ -170,7 +166,8 @@ def summary(cells: list[dict]) -> dict:
         "faults": sum(v["pairs"] - 1 for v in verdicts),
         "within_tolerance": sum(v["within"] for v in verdicts),
         # per workload: accuracy and val_loss differences are not one scale
-        "worst_vs_fp32": {w: min(_vs_fp32(c) for c in cells if c["workload"] == w)
+        "worst_vs_fp32": {w: min(v["vs_fp32"] for c, v in zip(cells, verdicts, strict=True)
+                                 if c["workload"] == w)
                           for w in dict.fromkeys(c["workload"] for c in cells)},
         "faults_needing_rescue": sum(len(v["rescued"]) + len(v["not_rescued"]) for v in verdicts),
         "rescued": sum(len(v["rescued"]) for v in verdicts),
