@@ -319,7 +319,13 @@ class FabricState:
         """The measured gate's path for this step (`probe.py`), at its first bucket: record
         the last step's period if it was timed, judge a probed pair on the ranks' mean times
         (one small blocking all-reduce: the worker is idle between steps and every rank
-        reaches it at the same step), then ask for this step's path."""
+        reaches it at the same step), then ask for this step's path.
+
+        This step's period starts after that all-reduce. It is a barrier, so it holds the
+        ranks' skew as well as its round trip: 2.7-2.9 ms median, 7-8 ms at p90, on
+        transformer's ~22 ms step. It runs only on the low-bit step after each pair, never in
+        the steady state the decision is about, and counted it made low-bit read ~12 % slower
+        than it runs and kept fp32 where static was faster (docs/capacity.md)."""
         probe, phase, now = self.gate.measured, self.phase.name, self._step_started
         if self._timing is not None:
             probe.record(*self._timing, now - self._period_start)
@@ -338,6 +344,7 @@ class FabricState:
             if decided is not None:
                 self._log({"step": self.step, "scope": "step", "from": "probe",
                            "to": decided[0], "reason": decided[1]})
+            self._period_start = time.perf_counter()
         path, timed = probe.path(cycle)
         if timed:
             self._timing = (cycle, path)
