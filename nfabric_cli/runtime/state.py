@@ -525,11 +525,12 @@ class FabricState:
                     factor = decision.scales.get(self.controller.region(name))
                     if factor is not None:
                         g.mul_(factor)
-        pending, self._pending = self._pending, []
         self._step_stats = {}
         self._lowbit_keys[self.phase.name], self._step_keys = self._step_keys, []
         self._grad_norms, self._update_norms = [], []
         self._advance(step)
+        # only now: a raise above still finds the futures in `_pending` (`_fail_pending`)
+        pending, self._pending = self._pending, []
         for fut, buf, _ in pending:
             fut.set_result(buf)
 

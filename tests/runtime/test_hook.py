@@ -65,7 +65,8 @@ def _scenarios(rank: int, world: int) -> dict:
         "spike": _spike_worker(rank, world),
         "unused": _unused_worker(rank, world),
         "gate": _gate_worker(rank, world),
-        "failures": [_failure_worker(rank, world, which) for which in ("first", "last")],
+        "failures": [_failure_worker(rank, world, which)
+                     for which in ("first", "last", "close")],
     }
 
 
@@ -114,8 +115,8 @@ def _mixed_worker(rank: int, world: int, cap_mb: float = 25) -> dict:
 
 
 def _failure_worker(rank: int, world: int, which: str) -> str:
-    """A bucket's reduction raises (the first, on the worker, or the last, on DDP's thread):
-    backward raises it on every rank instead of hanging."""
+    """A bucket's reduction raises (the first, on the worker, or the last, on DDP's thread), or
+    closing the step after it does: backward raises it on every rank instead of hanging."""
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.0005)
     state = attach(ddp, _bindings(model, "sign", world_size=world), total_steps=3)
@@ -128,7 +129,13 @@ def _failure_worker(rank: int, world: int, which: str) -> str:
             raise RuntimeError(f"{which} bucket broke")
         return reduce_bucket(*args)
 
-    state._reduce_bucket = failing
+    def failing_close(step: int) -> None:  # after the step's last reduce, before DDP resumes
+        raise RuntimeError("closing the step broke")
+
+    if which == "close":
+        state.controller.advance = failing_close
+    else:
+        state._reduce_bucket = failing
     x, y = batch(1, rank)
     try:
         F.cross_entropy(ddp(x), y).backward()
@@ -141,10 +148,11 @@ def _failure_worker(rank: int, world: int, which: str) -> str:
 
 def test_a_failing_bucket_surfaces_in_backward_on_every_rank(two_ranks: list[dict]) -> None:
     for r in two_ranks:
-        first, last = r["failures"]
+        first, last, close = r["failures"]
         assert "first bucket broke" in first
         assert "last bucket broke" in last
         assert int(last.split()[0]) >= 3  # the buckets before it ran on the worker
+        assert "closing the step broke" in close  # every bucket's future failed, none left
 
 
 def _check_mixed(out: list[dict]) -> None:
