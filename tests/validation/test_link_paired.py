@@ -22,6 +22,8 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     # profile / min(fp32, static), round by round: 0.011 / 0.010, then 0.016 / 0.016
     assert row["profile/min(fp32,static)"] == 1.05
     assert row["profile/min(fp32,static) range"] == [1.0, 1.1]
+    # on the run's medians (static 0.016, profile 0.016): per-round mins pick the lower arm
+    assert row["profile/min(fp32,static) of run medians"] == 1.0
     assert row["profile/powersgd"] == 0.675
     assert "gate: step 4 -> low-bit: measured" in capsys.readouterr().out
 
