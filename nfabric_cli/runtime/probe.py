@@ -35,8 +35,8 @@ there); on a fast link it can make low-bit look 2x faster and keep it, 1.1-1.3x 
 until the re-check.
 
 A close call probes longer: when the `steps`-th pair's medians are within `close` (1.15x),
-the cycle probes on to `close_steps` (12) pairs and decides on their medians (a pair
-`decisive` times apart on the fastest samples still ends it early). Near the
+the cycle probes on to `close_steps` (12) pairs, an event of its own, and decides on their
+medians (a pair `decisive` times apart on the fastest samples still ends it early). Near the
 crossover a probe step on the slower path costs little (at most 15 % of a step), while four
 samples a path decide badly: transformer.v5 at 500 Mbit/s, where static was 6 % faster than
 fp32 over the run, measured 24.73 against 21.97 ms on four steps each and kept fp32 for the
@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOWBIT, FP32 = "low-bit", "fp32"
+PROBE_ON = "probe on"  # `decide`'s verdict when a close call extends the cycle
 WARMUP = "warm-up"  # the low-bit periods of a cycle's warm-up steps
 
 
@@ -147,21 +148,23 @@ class MeasuredAdmission:
     def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
         """Judge agreed times after a pair: (path kept, why) for the event once one path is
         `decisive` times the other or the last pair is in, else None (probe on). A close call
-        at the `steps`-th pair (within `close`) probes on to `close_steps` pairs first."""
+        at the `steps`-th pair (within `close`) probes on to `close_steps` pairs first, and
+        says so: (`PROBE_ON`, why), an event too."""
         c = self._cycles[phase]
         last = c.seen - c.start >= self._end(c)
         slow, fast = max(lowbit_s, fp32_s), min(lowbit_s, fp32_s)
         if not last and slow < self.decisive * fast:
             return None
+        times = f"low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} ms"
+        low, full = len(c.times[LOWBIT]), len(c.times[FP32])
         if last and not c.pairs and self.close_steps > self.steps and slow < self.close * fast:
             c.pairs = self.close_steps
-            return None
+            return PROBE_ON, (f"close call: {times} (median of {min(low, full)} steps each, "
+                              f"within {self.close:g}x): probing to {self.close_steps} pairs")
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
-        low, full = len(c.times[LOWBIT]), len(c.times[FP32])
         how = (f"median of {min(low, full)} steps each" if last else
                f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 steps")
-        c.reason = (f"measured step: low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} "
-                    f"ms ({how}, mean over ranks)")
+        c.reason = f"measured step: {times} ({how}, mean over ranks)"
         return c.decision, c.reason
 
     def state_dict(self) -> dict[str, Any]:

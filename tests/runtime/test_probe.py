@@ -17,7 +17,7 @@ from nfabric_cli.profile.phases import Phase
 from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.inject import Injection
-from nfabric_cli.runtime.probe import FP32, LOWBIT, MeasuredAdmission
+from nfabric_cli.runtime.probe import FP32, LOWBIT, PROBE_ON, MeasuredAdmission
 from tests.distutil import run_ranks
 from tests.runtime.models import make_model, train_steps
 
@@ -33,6 +33,8 @@ def _cycle(m: MeasuredAdmission, low: float, fp32: float) -> tuple[list, tuple |
         due = m.due(PHASE)
         if due is not None:
             decided = m.decide(PHASE, *due)
+            if decided is not None and decided[0] == PROBE_ON:
+                decided = None  # a close call extended the cycle
             if decided is not None:
                 break
         path, timed = m.path(PHASE)
@@ -68,11 +70,14 @@ def test_a_close_call_probes_on_to_twelve_pairs() -> None:
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
     lows = iter([0.020] * 2 + [0.0215, 0.0230, 0.0225, 0.0205] + [0.0200] * 8)
     fulls = iter([0.0210, 0.0220, 0.0200, 0.0240] + [0.0215] * 8)
-    steps, decided = [], None
+    steps, decided, extended = [], None, []
     while decided is None:
         due = m.due(PHASE)
         if due is not None and (decided := m.decide(PHASE, *due)) is not None:
-            break
+            if decided[0] != PROBE_ON:
+                break
+            extended.append((len(steps), decided[1]))
+            decided = None
         if len(steps) == 2 + 2 * 4 + 1:  # mid-extension: resume from a checkpoint
             resumed = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
             resumed.load_state_dict(m.state_dict())
@@ -82,6 +87,8 @@ def test_a_close_call_probes_on_to_twelve_pairs() -> None:
         m.record(PHASE, path, next(lows) if path == LOWBIT else next(fulls))
     # after four pairs the medians were 22.0 vs 21.5 ms (fp32 ahead); twelve say low-bit
     assert steps == [LOWBIT] * 2 + [LOWBIT, FP32] * 12
+    assert extended == [(10, "close call: low-bit 22.00 ms vs fp32 21.50 ms (median of 4 steps "
+                             "each, within 1.15x): probing to 12 pairs")]  # said once, an event
     assert decided == (LOWBIT, "measured step: low-bit 20.00 ms vs fp32 21.50 ms (median of 12 "
                                "steps each, mean over ranks)")
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
