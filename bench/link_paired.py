@@ -130,9 +130,11 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
     ratios: dict[str, list[float]] = {}
     if "fp32" in rows:
         ratios.update({f"{n}/fp32": over(n, rows["fp32"]) for n in rows if n != "fp32"})
+    on_medians = None
     if {"profile", "static", "fp32"} <= rows.keys():
         best = [min(f, s) for f, s in zip(rows["fp32"], rows["static"], strict=True)]
         ratios["profile/min(fp32,static)"] = over("profile", best)
+        on_medians = overall["profile"] / min(overall["fp32"], overall["static"])
     if {"profile", "powersgd"} <= rows.keys():
         ratios["profile/powersgd"] = over("profile", rows["powersgd"])
     title = f"{mbit:g} Mbit/s" if mbit else "loopback, unshaped"
@@ -144,8 +146,7 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
         row[key] = round(med, 3)
         row[f"{key} range"] = [round(min(vals), 3), round(max(vals), 3)]
         print(f"  {key:<26} median {med:.3f}  [{min(vals):.3f}, {max(vals):.3f}] over rounds")
-    if {"profile", "static", "fp32"} <= rows.keys():  # the same goal on the run's medians
-        on_medians = overall["profile"] / min(overall["fp32"], overall["static"])
+    if on_medians is not None:  # the same goal on the run's medians
         row["profile/min(fp32,static) of run medians"] = round(on_medians, 3)
         print(f"  {'profile/min(fp32,static)':<26} {on_medians:.3f} on the run's median steps")
     for event in measured["probe"]:

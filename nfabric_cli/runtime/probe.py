@@ -10,7 +10,8 @@ below), one on the profile's routes and
 one on plain DDP's fp32 path, each step's period (first bucket to next step's first bucket)
 timed. After each pair, at the next step's first bucket, the ranks all-reduce each path's
 fastest period so far (one small blocking all-reduce, while nothing else is in flight; not
-counted in that step's period, see `FabricState._measured_path`) and every rank takes the same
+counted in any period: every timed step starts after such a round, see
+`FabricState._measured_path`) and every rank takes the same
 decision: keep the faster path once one is `decisive` times the
 other (a slow link: one pair, not four, of slow fp32 steps) or after the last pair, else
 probe on. `decisive` is 2: at 1.5 a single step of a 4-8 ms step's ordinary jitter (one fp32
@@ -40,7 +41,7 @@ medians (a pair `decisive` times apart on the fastest samples still ends it earl
 crossover a probe step on the slower path costs little (at most 15 % of a step), while four
 samples a path decide badly: transformer.v5 at 500 Mbit/s, where static was 6 % faster than
 fp32 over the run, measured 24.73 against 21.97 ms on four steps each and kept fp32 for the
-run (`bench.link_paired`, profile 1.147x min(fp32, static)); about 2.7 ms of that gap was
+run (`bench.link_paired`, profile 1.147x min(fp32, static)); 2.7-2.9 ms of that gap was
 the agreement all-reduce, timed in the low-bit period until session 35.
 
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit

@@ -321,15 +321,17 @@ class FabricState:
         (one small blocking all-reduce: the worker is idle between steps and every rank
         reaches it at the same step), then ask for this step's path.
 
-        This step's period starts after that all-reduce. It is a barrier, so it holds the
-        ranks' skew as well as its round trip: 2.7-2.9 ms median, 7-8 ms at p90, on
-        transformer's ~22 ms step. It runs only on the low-bit step after each pair, never in
-        the steady state the decision is about, and counted it made low-bit read ~12 % slower
-        than it runs and kept fp32 where static was faster (docs/capacity.md)."""
+        Every timed step starts at such a round, an empty one where no pair is due, and its
+        period starts after it. The round is a barrier: it holds its round trip and the
+        ranks' skew (2.7-2.9 ms median, 7-8 ms at p90, on transformer's ~22 ms step). Timed in
+        the low-bit step after each pair alone, it made low-bit read ~9 % slower than it runs
+        and kept fp32 where static was faster; left out of the low-bit periods alone, those
+        started with the ranks in step while the fp32 ones still held the skew, which favours
+        low-bit by about half of it. Both paths now start in step (docs/capacity.md)."""
         probe, phase, now = self.gate.measured, self.phase.name, self._step_started
         if self._timing is not None:
             probe.record(*self._timing, now - self._period_start)
-        self._timing, self._period_start = None, now
+        self._timing = None
         if phase in self._fp32_phases:
             return FP32_PATH
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
@@ -337,18 +339,25 @@ class FabricState:
         cycle = self._probe_cycle[phase]
         due = probe.due(cycle)
         if due is not None:
-            times = torch.tensor(due, dtype=torch.float64, device=self.device)
-            dist.all_reduce(times, group=self.comm.group)
-            low, full = (times / self.world_size).tolist()
+            low, full = self._probe_round(due)
             decided = probe.decide(cycle, low, full)
             if decided is not None:
                 self._log({"step": self.step, "scope": "step", "from": "probe",
                            "to": decided[0], "reason": decided[1]})
-            self._period_start = time.perf_counter()
         path, timed = probe.path(cycle)
         if timed:
-            self._timing = (cycle, path)
+            if due is None:
+                self._probe_round((0.0, 0.0))  # a barrier: this step starts in step too
+            self._timing, self._period_start = (cycle, path), time.perf_counter()
         return path
+
+    def _probe_round(self, times: tuple[float, float]) -> tuple[float, float]:
+        """The ranks' mean of (low-bit, fp32) times: one small blocking all-reduce, the same
+        on every rank at the same step."""
+        agreed = torch.tensor(times, dtype=torch.float64, device=self.device)
+        dist.all_reduce(agreed, group=self.comm.group)
+        low, full = (agreed / self.world_size).tolist()
+        return low, full
 
     def _fp32_direct(self, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
         """A phase with every parameter on fp32, or a step the gate sends all fp32

@@ -8,7 +8,8 @@ From every rank's `ArmRecord`s:
 - ``step_time_s``: per step the slowest rank's wall time, median over steps after the first
   (the first step carries DDP's bucket rebuild and warm-up);
 - ``fallbacks``: switches to fp32 (health monitor trips, capacity-gate revocations) on rank 0.
-``events`` are the profile arm's switch and skip events from every rank.
+``events`` are the profile arm's events from every rank: switches, skips, and the
+measured gate's decisions (a close call's "probe on" among them).
 With a shaped link each arm also has ``link_bytes``: the bytes the ranks claim to have sent
 (sum over ranks) next to what crossed the namespace's loopback (bytes and packets; the
 difference is TCP/IP headers, ACKs and gloo's framing, a few dozen bytes per packet).

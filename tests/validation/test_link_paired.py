@@ -22,8 +22,13 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     # profile / min(fp32, static), round by round: 0.011 / 0.010, then 0.016 / 0.016
     assert row["profile/min(fp32,static)"] == 1.05
     assert row["profile/min(fp32,static) range"] == [1.0, 1.1]
-    # on the run's medians (static 0.016, profile 0.016): per-round mins pick the lower arm
-    assert row["profile/min(fp32,static) of run medians"] == 1.0
+    assert row["profile/min(fp32,static) of run medians"] == 1.0  # static 0.016, profile 0.016
+    # fp32 and static trade wins: per round 0.011 / 0.010 and 0.016 / 0.014; on the run's
+    # medians profile 0.016 against fp32's 0.014 (static's is 0.016)
+    times["fp32"] = [9.0, 0.012, 0.012, 0.014, 0.014, 0.014]
+    row = report(20.0, {"times": times, "probe": []}, 2, 3)
+    assert row["profile/min(fp32,static)"] == 1.121
+    assert row["profile/min(fp32,static) of run medians"] == 1.143
     assert row["profile/powersgd"] == 0.675
     assert "gate: step 4 -> low-bit: measured" in capsys.readouterr().out
 
