@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -137,11 +138,16 @@ def _failure_worker(rank: int, world: int, which: str) -> str:
     else:
         state._reduce_bucket = failing
     x, y = batch(1, rank)
+    # a regression here is a backward that never returns: end the rank, so the test fails
+    watchdog = threading.Timer(60.0, os._exit, args=(3,))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         F.cross_entropy(ddp(x), y).backward()
     except RuntimeError as exc:
         return f"{len(seen)} buckets: {exc}"
     finally:
+        watchdog.cancel()
         state.close()
     return "no error"
 
