@@ -104,9 +104,9 @@ def better(cell: dict, a: float, b: float) -> float:
     return (a - b) if cell["higher_is_better"] else (b - a)
 
 
-def _within(cell: dict, metric: float, fp32: float) -> bool:
-    """`metric` within the profile's tolerance of fp32's."""
-    return better(cell, metric, fp32) >= -cell["tolerance"]
+def _within(cell: dict, gap: float) -> bool:
+    """A gap to fp32 (`better(cell, metric, fp32)`) within the profile's tolerance."""
+    return gap >= -cell["tolerance"]
 
 
 def judge(cell: dict) -> dict:
@@ -116,7 +116,7 @@ def judge(cell: dict) -> dict:
     noise = abs(m[NOISE] - m["fp32"]) if NOISE in m else None
     out = {"worse": [], "worse_beyond_noise": [], "rescued": [], "not_rescued": [],
            "noise": noise, "pairs": 0, "vs_fp32": better(cell, m["profile"], m["fp32"])}
-    out["within"] = out["vs_fp32"] >= -cell["tolerance"]
+    out["within"] = _within(cell, out["vs_fp32"])
     for suffix in ("", *(f"+{k}" for k in FAULTS if f"profile+{k}" in m)):
         out["pairs"] += 1
         gap = better(cell, m["profile" + suffix], m["static" + suffix])
@@ -125,8 +125,8 @@ def judge(cell: dict) -> dict:
             if noise is not None and -gap > noise:
                 out["worse_beyond_noise"].append("profile" + suffix)
         if suffix:
-            static_ok = _within(cell, m["static" + suffix], m["fp32"])
-            profile_ok = _within(cell, m["profile" + suffix], m["fp32"])
+            static_ok = _within(cell, better(cell, m["static" + suffix], m["fp32"]))
+            profile_ok = _within(cell, better(cell, m["profile" + suffix], m["fp32"]))
             if not static_ok:
                 out["rescued" if profile_ok else "not_rescued"].append(suffix[1:])
     return out

@@ -534,9 +534,8 @@ class FabricState:
                     factor = decision.scales.get(self.controller.region(name))
                     if factor is not None:
                         g.mul_(factor)
-        self._step_stats = {}
-        self._lowbit_keys[self.phase.name], self._step_keys = self._step_keys, []
-        self._grad_norms, self._update_norms = [], []
+        self._lowbit_keys[self.phase.name] = self._step_keys
+        self._clear_step_stats()
         self._advance(step)
         # only now: a raise above still finds the futures in `_pending` (`_fail_pending`)
         pending, self._pending = self._pending, []
@@ -560,12 +559,16 @@ class FabricState:
         if exc is not None:
             self._fail_pending(exc, fut)
 
+    def _clear_step_stats(self) -> None:
+        """Forget the step's statistics: norms, agreement sums, the buckets it priced."""
+        self._grad_norms, self._update_norms, self._step_stats, self._step_keys = [], [], {}, []
+
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's
         statistics so that a run that catches the error starts its next step clean."""
         pending, self._pending, self._inflight = self._pending, [], None
-        self._grad_norms, self._update_norms, self._step_stats = [], [], {}
-        self._step_keys, self._bucket_times = [], []
+        self._clear_step_stats()
+        self._bucket_times = []
         for f in [p for p, _, _ in pending] + [fut]:
             if not f.done():
                 f.set_exception(exc)

@@ -188,15 +188,23 @@ class _LowBitSlower(MeasuredAdmission):
         return super().decide(phase, lowbit_s + 1.0, fp32_s)
 
 
-def _measured_run(rank: int, world: int, nan_at: int | None = None,
-                  phases: list[Phase] | None = None) -> dict:
-    steps = 12
+def _measured(world: int, steps: int, phases: list[Phase] | None = None,
+              injections: tuple = ()) -> tuple:
+    """A small all-sign model in DDP (several buckets) with the measured gate attached:
+    (model, ddp, state)."""
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.001)
     bindings = compile_profile(static_profile(model, "sign", phases=phases), model,
                                world_size=world, bucket_cap_mb=None)
+    state = attach_with(ddp, bindings, total_steps=steps, gate="measure", injections=injections)
+    return model, ddp, state
+
+
+def _measured_run(rank: int, world: int, nan_at: int | None = None,
+                  phases: list[Phase] | None = None) -> dict:
+    steps = 12
     faults = () if nan_at is None else (Injection("nan", nan_at, 1),)
-    state = attach_with(ddp, bindings, total_steps=steps, gate="measure", injections=faults)
+    model, ddp, state = _measured(world, steps, phases, faults)
     state.gate.measured = _LowBitSlower(steps=2, recheck_every=100, warmup=1)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     weights = []
@@ -285,11 +293,7 @@ class _NeverDecides(MeasuredAdmission):
 
 
 def _probe_periods(rank: int, world: int) -> dict:
-    model = make_model()
-    ddp = DDP(model, bucket_cap_mb=0.001)
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               bucket_cap_mb=None)
-    state = attach_with(ddp, bindings, total_steps=9, gate="measure")
+    _, ddp, state = _measured(world, 9)
     probe = state.gate.measured = _NeverDecides(steps=10, recheck_every=100, warmup=1)
     rounds, probe_round = [], state._probe_round
 
