@@ -18,7 +18,8 @@ Printed per cell: each arm's metric and traffic, profile - static and profile - 
 runs where the monitor made things worse than no monitor (more than 0.5 accuracy points or 0.01
 nats, clean and faulted pairs), faults rescued (static+fault outside the profile's tolerance of
 fp32, profile+fault inside), faults not rescued, and the passive false-trip rate of the fp32
-arms (goal <= 1 % of steps), and the cells where the profile ends within its tolerance of fp32
+arms (goal <= 1 % of steps), the updates the guard dropped in arms with no fault injected
+(goal 0: `update_drop` must sit above every real blow-up), and the cells where the profile ends within its tolerance of fp32
 (issue 15: the worst seed must, at the calibrated length and 2x). With `--noise`, each cell also trains fp32 from weights one ulp
 apart (`bench/noise_floor.py`): how far that ends from fp32 is the cell's run-to-run noise,
 and a worse pair is also counted as beyond that noise or not (any perturbation, a trip or a
@@ -93,6 +94,7 @@ def run_cell(name: str, seed: int, steps: int, world: int, noise: bool = False,
         cell["arms"][arm] = {
             "metric": res.metric, "traffic": res.traffic_fraction, "trips": len(trips),
             "held_steps": sum(1 for e in res.events if e["to"] == "held"),
+            "dropped_steps": sum(1 for e in res.events if e["to"] == "dropped"),
             "false_trip_steps": len({s for s, _, _ in res.detections}) if arm == "fp32" else None,
             "seconds": time.perf_counter() - t0,
         }
@@ -171,6 +173,10 @@ def summary(cells: list[dict]) -> dict:
                           for w in dict.fromkeys(c["workload"] for c in cells)},
         "faults_needing_rescue": sum(len(v["rescued"]) + len(v["not_rescued"]) for v in verdicts),
         "rescued": sum(len(v["rescued"]) for v in verdicts),
+        # the guard dropped an update where nothing was injected (a real blow-up beyond
+        # `update_drop`: goal 0, the threshold sits above every real one measured)
+        "drops_without_fault": sum(a.get("dropped_steps", 0) for c in cells
+                                   for arm, a in c["arms"].items() if "+" not in arm),
         "false_trip_rate": false / steps if steps else 0.0,
         "false_trip_rate_worst_run": worst,
     }
@@ -212,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
               + ("" if total["worse_beyond_noise"] is None else
                  f"; {total['worse_beyond_noise']} beyond their cell's noise") + "); faults rescued "
               f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
-              f"({total['faults']} injected); passive false trips {total['false_trip_rate']:.2%}"
+              f"({total['faults']} injected); updates dropped without a fault "
+              f"{total['drops_without_fault']} (goal 0); passive false trips {total['false_trip_rate']:.2%}"
               f" of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)"
               f"; profile within tolerance of fp32 in {total['within_tolerance']} of "
               f"{total['cells']} cells, worst " + ", ".join(

@@ -85,6 +85,9 @@ def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
     cells = [cell(0.961, faults=False), cell(0.959, faults=False), cell(0.97, faults=True)]
     for c in cells:
         c["workload"] = "vision"
+    cells[0]["arms"]["profile"]["dropped_steps"] = 1  # a real blow-up dropped: counted
+    cells[2]["arms"]["profile+spike"]["dropped_steps"] = 1  # the injected one: not
     total = summary(cells)
     assert (total["pairs"], total["faults"], total["within_tolerance"]) == (5, 2, 2)
+    assert total["drops_without_fault"] == 1
     assert abs(total["worst_vs_fp32"]["vision"] - (0.959 - 0.98)) < 1e-12

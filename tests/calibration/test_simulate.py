@@ -41,9 +41,10 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
     return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
 
 
-#: A gradient blow-up on rank 1 at step 2 (after two healthy steps): the update guard scales the
-#: step down on every rank, in the hook as in the simulator; by default the route stays, with
-#: `grad_blowup_trips` the scope also falls back to fp32.
+#: A gradient blow-up on rank 1 at step 2 (after two healthy steps), x1e3: the update guard
+#: drops the step's update on every rank, in the hook as in the simulator, or holds it
+#: (`update_drop` 0); by default the route stays, with `grad_blowup_trips` the scope also falls
+#: back to fp32.
 GUARDED = {"window": 4, "min_history": 2}
 SPIKE = (Injection("spike", 2, 1),)
 
@@ -66,12 +67,13 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
     }
 
 
-@pytest.mark.parametrize("guarded", [None, 0, 1], ids=["healthy", "spike-held", "spike-tripped"])
+@pytest.mark.parametrize("guarded", [None, 0, 1], ids=["healthy", "spike-held", "spike-dropped-tripped"])
 def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | None) -> None:
     world = 2
     health, injections = (None, ())
-    if guarded is not None:
-        health, injections = {**GUARDED, "grad_blowup_trips": guarded}, SPIKE
+    if guarded is not None:  # held: nothing dropped; tripped: the default drop, and a trip
+        health = {**GUARDED, "grad_blowup_trips": guarded, **({} if guarded else {"update_drop": 0})}
+        injections = SPIKE
     real = run_ranks(_real_worker, world, health, injections)
     wl = get_workload("vision")
     model = wl.build_model(SEED)
@@ -79,8 +81,8 @@ def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | None) -> 
     sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,),
                        injections=injections)
     if guarded is not None:  # the same scale-down (and trip), on both sides
-        held = [e for e in sim.events if e["to"] == "held"]
-        assert held and {e["step"] for e in held} == {2}
+        guard = [e for e in sim.events if e["to"] == ("dropped" if guarded else "held")]
+        assert guard and {e["step"] for e in guard} == {2}
         assert bool([e for e in sim.events if e["to"] == "fp32"]) == bool(guarded)
     for rank in range(world):
         for name, p in sim.model.named_parameters():

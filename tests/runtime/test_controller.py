@@ -72,6 +72,31 @@ def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step(trips: 
         assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
 
 
+def test_a_blowup_far_beyond_the_healthy_updates_is_dropped_not_held():
+    """Beyond `update_drop` x the healthy median the update is dropped (factor 0): its
+    direction is the fault's. One event per drop, naming the cause; the window is untouched,
+    and the next blow-up under the threshold is held as before."""
+    c, log = controller(grad_blowup_trips=0, update_drop=20.0)
+    healthy = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
+    for u in healthy:
+        step(c, 1.0, 1.0, u)
+    d = step(c, 1.0, 500.0, 21.0)  # just beyond 20 x median 1.0
+    assert d.scales == {"*": 0.0} and not d.skip
+    (ev,) = [e for e in log if e["to"] == "dropped"]
+    assert ev["step"] == 6 and ev["scope"] == "*"
+    assert ev["reason"] == ("update norm 21 dropped (above 20 x median of healthy updates) for "
+                            "grad-norm blow-up 500.0x median, route kept")
+    assert step(c, 1.0, 1.0, 1.0).scales == {}
+    assert step(c, 1.0, 50.0, 19.0).scales == {"*": pytest.approx(1.0 / 19.0)}  # held, not dropped
+    assert [e["to"] for e in log] == ["dropped", "held"]
+    assert [(s, f) for s, _, f in c.held] == [(6, 0.0), (8, pytest.approx(1.0 / 19.0))]
+    assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
+    off, _ = controller(grad_blowup_trips=0, update_drop=0)
+    for u in healthy:
+        step(off, 1.0, 1.0, u)
+    assert step(off, 1.0, 500.0, 1e6).scales == {"*": pytest.approx(1e-6)}  # 0: never dropped
+
+
 def test_every_held_step_is_capped_and_a_smaller_update_is_never_scaled_up():
     c, _ = controller(update_cap=1.5)
     for u in [2.0] * 6:
@@ -182,7 +207,9 @@ def test_readmission_is_judged_against_the_run_before_the_trip():
     assert m.forced_fp32("a")
 
 
-@pytest.mark.parametrize(("field", "value"), [("update_cap", -1.0), ("loss_spike_z", -0.5)])
-def test_new_thresholds_are_validated(field: str, value: float):
-    with pytest.raises(InputError, match=f"health threshold {field} must be >= 0"):
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("update_cap", -1.0, ">= 0"), ("loss_spike_z", -0.5, ">= 0"),
+    ("update_drop", 1.0, r"0 \(off\) or > update_cap=2, got 1.0")])
+def test_new_thresholds_are_validated(field: str, value: float, rule: str):
+    with pytest.raises(InputError, match=f"health threshold {field} must be {rule}"):
         HealthThresholds.from_dict({field: value})
