@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.link_paired import _rank, per_round, report
+from bench.link_paired import _rank, median_interval, per_round, report
 from nfabric_cli.ranks.functions import run_function_ranks
 
 
@@ -31,6 +31,16 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     assert row["profile/min(fp32,static) of run medians"] == 1.143
     assert row["profile/powersgd"] == 0.675
     assert "gate: step 4 -> low-bit: measured" in capsys.readouterr().out
+
+
+def test_median_interval_is_the_binomial_order_statistics() -> None:
+    # n = 12: P(B <= 2) = 0.0193 <= 0.05 < P(B <= 3) = 0.073, so [x_(3), x_(10)]
+    assert median_interval([float(x) for x in range(12, 0, -1)]) == (3.0, 10.0)
+    # n = 16: P(B <= 4) = 0.0384, P(B <= 5) = 0.105: [x_(5), x_(12)]; 75 %: [x_(6), x_(11)]
+    assert median_interval([float(x) for x in range(1, 17)]) == (5.0, 12.0)
+    assert median_interval([float(x) for x in range(1, 17)], level=0.75) == (6.0, 11.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 5.0)  # 1 - 2/32 = 0.94
+    assert median_interval([1.0, 2.0, 3.0, 4.0]) is None  # 1 - 2/16 < 0.9
 
 
 @pytest.mark.slow
