@@ -15,8 +15,8 @@ A step's time is the slowest rank's, as in `validate`; an arm's round is the med
 block; each arm's first step (allocation, DDP's bucket rebuild) is left out. The profile arm
 pays for its own probe steps (`--gate measure`, no substrate) where they fall. Printed per
 rate: each arm's median step over all its steps, and per ratio the median over rounds with
-[min, max] and a distribution-free 90 % interval of that median (from 5 rounds; whether a
-median above a goal is a miss or could be the host). profile / min(fp32, static) is also printed on the run's medians: where fp32 and
+[min, max] and a distribution-free interval for that median of at least 90 % confidence
+(with 5 rounds or more; it says whether a median above a goal is a miss or could be the host). profile / min(fp32, static) is also printed on the run's medians: where fp32 and
 static tie, each round's min picks whichever drew the faster block, so the per-round ratio
 reads high by about half a round's spread (transformer over loopback, fp32 and static within
 5 %: 1.068 per round, 1.048 on the medians). The goals are issue 16's: profile <= 1.05 x
@@ -120,21 +120,23 @@ def per_round(times: list[float], rounds: int, block: int) -> list[float]:
     return [statistics.median(times[max(r * block, 1):(r + 1) * block]) for r in range(rounds)]
 
 
-def median_interval(values: list[float], level: float = 0.9) -> tuple[float, float] | None:
-    """A distribution-free `level` confidence interval for the median of `values`: the order
-    statistics [x_(k), x_(n+1-k)] with the largest k for which P(Binomial(n, 1/2) < k) stays
-    within (1 - level) / 2. None when there are too few values (n < 5 at 90 %).
+def median_interval(values: list[float], level: float = 0.9) -> tuple[float, float, float] | None:
+    """A distribution-free confidence interval for the median of `values`, of coverage at
+    least `level`: the order statistics [x_(k), x_(n+1-k)] with the largest k for which
+    P(Binomial(n, 1/2) < k) stays within (1 - level) / 2. Returns (low, high, the coverage
+    it achieves: 1 - 2 P(B < k), above `level` since k is whole), or None when no k qualifies
+    (fewer than 5 values at 90 %).
 
     Why: rounds on this host spread 10-20 %, and the goal (<= 1.05) is a few % wide; the
     interval says whether a median above it is a miss or could be the host."""
     xs, n = sorted(values), len(values)
-    tail, below, k = (1 - level) / 2, 0.0, 0
+    tail, below, k, outside = (1 - level) / 2, 0.0, 0, 0.0
     for j in range(n):
         below += math.comb(n, j) / 2**n  # P(B <= j)
         if below > tail:
             break
-        k = j + 1
-    return (xs[k - 1], xs[n - k]) if k else None
+        k, outside = j + 1, below
+    return (xs[k - 1], xs[n - k], 1 - 2 * outside) if k else None
 
 
 def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
@@ -166,9 +168,10 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
         row[f"{key} range"] = [round(min(vals), 3), round(max(vals), 3)]
         ci = median_interval(vals)
         if ci is not None:
-            row[f"{key} 90% interval"] = [round(ci[0], 3), round(ci[1], 3)]
+            row[f"{key} interval"] = [round(ci[0], 3), round(ci[1], 3), round(ci[2], 3)]
         print(f"  {key:<26} median {med:.3f}  [{min(vals):.3f}, {max(vals):.3f}] over rounds"
-              + (f"; 90 % interval of the median [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""))
+              + (f"; the median in [{ci[0]:.3f}, {ci[1]:.3f}] at {ci[2]:.1%} confidence"
+                 if ci else ""))
     if on_medians is not None:  # the same goal on the run's medians
         row["profile/min(fp32,static) of run medians"] = round(on_medians, 3)
         print(f"  {'profile/min(fp32,static)':<26} {on_medians:.3f} on the run's median steps")

@@ -176,7 +176,8 @@ def summary(cells: list[dict]) -> dict:
         # the guard dropped an update where nothing was injected (a real blow-up beyond
         # `update_drop`: goal 0, the threshold sits above every real one measured)
         "drops_without_fault": sum(a.get("dropped_steps", 0) for c in cells
-                                   for arm, a in c["arms"].items() if "+" not in arm),
+                                   for arm, a in c["arms"].items()
+                                   if not arm.endswith(tuple(f"+{k}" for k in FAULTS))),
         "false_trip_rate": false / steps if steps else 0.0,
         "false_trip_rate_worst_run": worst,
     }

@@ -15,11 +15,12 @@ decision):
   when larger (never up; the default cap, 2, sits above the healthy updates' own spread, so
   an ordinary update passes and a spike does not);
 - ... unless it is beyond ``update_drop * median`` (default 100): then it is dropped (scaled to
-  0, as a non-finite step's is). A held spike still points where the spike points; so far
-  beyond anything the run produced (real blow-ups measured 10-34x), that direction is the
-  fault's, not the data's. On the robustness matrix's injected spikes (one rank x1e3, 130 to
-  3100x the median) dropping moved runs from their clean twin by 0.16 points on average
-  against 0.25 held, and rescued the one cell holding did not (docs/health.md);
+  0, as a non-finite step's is). So far beyond anything the run produced (its own blow-ups
+  measured 10-34x in gradient norm) neither the magnitude nor the direction is evidence of
+  the data: a corrupted rank's values need not point anywhere useful. Dropping costs at most
+  the one step's progress; a hold lets `update_cap` x median through in whatever direction the
+  fault gave. (The benchmark's injected spike, x1e3, keeps its direction, and on a `sign`
+  route the vote is the clean one: there the two rules differ by noise; docs/health.md.)
 - otherwise the step's update norm joins the scope's window (a skipped, non-finite step's
   never does), so the median is always that of healthy, profile-routed updates.
 
@@ -80,7 +81,7 @@ class UpdateGuard:
                 continue
             median = statistics.median(window)
             cap = self.cap * median
-            if self.drop > 0 and norm > self.drop * median:
+            if self.drop > 0 and norm > self.drop * median > 0:
                 out.append(Held(scope, 0.0, norm, 0.0))
             elif norm > cap > 0:
                 out.append(Held(scope, cap / norm, norm, cap))

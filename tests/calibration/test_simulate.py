@@ -41,10 +41,10 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
     return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
 
 
-#: A gradient blow-up on rank 1 at step 2 (after two healthy steps), x1e3: the update guard
-#: drops the step's update on every rank, in the hook as in the simulator, or holds it
-#: (`update_drop` 0); by default the route stays, with `grad_blowup_trips` the scope also falls
-#: back to fp32.
+#: A gradient blow-up on rank 1 at step 2 (after two healthy steps), x1e3: by default the update
+#: guard drops the step's update on every rank, in the hook as in the simulator, and the route
+#: stays; with `grad_blowup_trips` (and `update_drop` 0) the scope falls back to fp32 and the
+#: update is held instead.
 GUARDED = {"window": 4, "min_history": 2}
 SPIKE = (Injection("spike", 2, 1),)
 
@@ -67,12 +67,12 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
     }
 
 
-@pytest.mark.parametrize("guarded", [None, 0, 1], ids=["healthy", "spike-held", "spike-dropped-tripped"])
+@pytest.mark.parametrize("guarded", [None, 0, 1], ids=["healthy", "spike-dropped", "spike-held-tripped"])
 def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | None) -> None:
     world = 2
     health, injections = (None, ())
-    if guarded is not None:  # held: nothing dropped; tripped: the default drop, and a trip
-        health = {**GUARDED, "grad_blowup_trips": guarded, **({} if guarded else {"update_drop": 0})}
+    if guarded is not None:  # 0: the default drop, route kept; 1: held (no drop) and tripped
+        health = {**GUARDED, "grad_blowup_trips": guarded, **({"update_drop": 0} if guarded else {})}
         injections = SPIKE
     real = run_ranks(_real_worker, world, health, injections)
     wl = get_workload("vision")
@@ -81,7 +81,7 @@ def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | None) -> 
     sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,),
                        injections=injections)
     if guarded is not None:  # the same scale-down (and trip), on both sides
-        guard = [e for e in sim.events if e["to"] == ("dropped" if guarded else "held")]
+        guard = [e for e in sim.events if e["to"] == ("held" if guarded else "dropped")]
         assert guard and {e["step"] for e in guard} == {2}
         assert bool([e for e in sim.events if e["to"] == "fp32"]) == bool(guarded)
     for rank in range(world):

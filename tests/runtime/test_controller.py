@@ -172,6 +172,12 @@ def test_guard_window_and_cap_rules():
     (held,) = g.judge({"a": 80.0, "b": 1.0}, held={"a"}, skipped=False)
     assert (held.scope, held.cap, held.factor) == ("a", 8.0, 0.1)
     assert UpdateGuard(["a"], 3, 1, cap=0.0).judge({"a": 9.0}, {"a"}, False) == []
+    # drop: beyond drop x median, factor 0; a zero median is no scale (nothing dropped)
+    g = UpdateGuard(["a", "z"], window=3, min_history=1, cap=2.0, drop=10.0)
+    g.judge({"a": 1.0, "z": 0.0}, held=(), skipped=False)
+    out = g.judge({"a": 11.0, "z": 5.0}, held={"a", "z"}, skipped=False)
+    assert [(h.scope, h.factor, h.dropped) for h in out] == [("a", 0.0, True)]
+    assert [h.factor for h in g.judge({"a": 9.0}, {"a"}, False)] == [pytest.approx(2 / 9)]
 
 
 def test_loss_spike_needs_many_robust_deviations_as_well_as_a_ratio():
@@ -209,7 +215,7 @@ def test_readmission_is_judged_against_the_run_before_the_trip():
 
 @pytest.mark.parametrize(("field", "value", "rule"), [
     ("update_cap", -1.0, ">= 0"), ("loss_spike_z", -0.5, ">= 0"),
-    ("update_drop", 1.0, r"0 \(off\) or > update_cap=2, got 1.0")])
+    ("update_drop", 1.0, r"0 \(off\) or > update_cap=2 \(raise it with update_cap, or 0\), got 1.0")])
 def test_new_thresholds_are_validated(field: str, value: float, rule: str):
     with pytest.raises(InputError, match=f"health threshold {field} must be {rule}"):
         HealthThresholds.from_dict({field: value})

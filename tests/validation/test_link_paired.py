@@ -35,11 +35,12 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
 
 def test_median_interval_is_the_binomial_order_statistics() -> None:
     # n = 12: P(B <= 2) = 0.0193 <= 0.05 < P(B <= 3) = 0.073, so [x_(3), x_(10)]
-    assert median_interval([float(x) for x in range(12, 0, -1)]) == (3.0, 10.0)
+    lo, hi, cover = median_interval([float(x) for x in range(12, 0, -1)])
+    assert (lo, hi) == (3.0, 10.0) and cover == pytest.approx(1 - 2 * 79 / 4096)
     # n = 16: P(B <= 4) = 0.0384, P(B <= 5) = 0.105: [x_(5), x_(12)]; 75 %: [x_(6), x_(11)]
-    assert median_interval([float(x) for x in range(1, 17)]) == (5.0, 12.0)
-    assert median_interval([float(x) for x in range(1, 17)], level=0.75) == (6.0, 11.0)
-    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 5.0)  # 1 - 2/32 = 0.94
+    assert median_interval([float(x) for x in range(1, 17)])[:2] == (5.0, 12.0)
+    assert median_interval([float(x) for x in range(1, 17)], level=0.75)[:2] == (6.0, 11.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (1.0, 5.0, 1 - 2 / 32)
     assert median_interval([1.0, 2.0, 3.0, 4.0]) is None  # 1 - 2/16 < 0.9
 
 
