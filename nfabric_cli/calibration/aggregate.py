@@ -90,6 +90,11 @@ class Aggregator:
         self.efs = [ErrorFeedback() for _ in range(world_size)]
         self._routes: dict[RouteSpec, Route] = {}
 
+    def reset_feedback(self, i: int) -> None:
+        """Forget parameter `i`'s error-feedback residual on every rank (a held update's)."""
+        for ef in self.efs:
+            ef.reset(self.names[i])
+
     def _route(self, spec: RouteSpec) -> Route:
         if spec not in self._routes:
             self._routes[spec] = make_route(spec)

@@ -194,6 +194,8 @@ class SimulatedRanks:
                 self.out_views[i].zero_()
             elif plan.regions[i] in scales:
                 self.out_views[i].mul_(scales[plan.regions[i]])
+                for agg in self.aggregators:  # as the hook: the residual goes with the update
+                    agg.reset_feedback(i)
         if self.optimizer is None:
             return
         mine = set(owned)
