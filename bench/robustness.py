@@ -18,8 +18,8 @@ Printed per cell: each arm's metric and traffic, profile - static and profile - 
 runs where the monitor made things worse than no monitor (more than 0.5 accuracy points or 0.01
 nats, clean and faulted pairs), faults rescued (static+fault outside the profile's tolerance of
 fp32, profile+fault inside), faults not rescued, and the passive false-trip rate of the fp32
-arms (goal <= 1 % of steps), the updates the guard dropped in arms with no fault injected
-(goal 0: `update_drop` must sit above every real blow-up), and the cells where the profile ends within its tolerance of fp32
+arms (goal <= 1 % of steps), the largest gradient-norm blow-up (x its median) in arms with no
+fault injected, and the cells where the profile ends within its tolerance of fp32
 (issue 15: the worst seed must, at the calibrated length and 2x). With `--noise`, each cell also trains fp32 from weights one ulp
 apart (`bench/noise_floor.py`): how far that ends from fp32 is the cell's run-to-run noise,
 and a worse pair is also counted as beyond that noise or not (any perturbation, a trip or a
@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import time
 from pathlib import Path
 
@@ -94,11 +95,20 @@ def run_cell(name: str, seed: int, steps: int, world: int, noise: bool = False,
         cell["arms"][arm] = {
             "metric": res.metric, "traffic": res.traffic_fraction, "trips": len(trips),
             "held_steps": sum(1 for e in res.events if e["to"] == "held"),
-            "dropped_steps": sum(1 for e in res.events if e["to"] == "dropped"),
+            "max_blowup": max_blowup(res.detections),
             "false_trip_steps": len({s for s, _, _ in res.detections}) if arm == "fp32" else None,
             "seconds": time.perf_counter() - t0,
         }
     return cell
+
+
+_BLOWUP = re.compile(r"grad-norm blow-up ([0-9.]+)x median")
+
+
+def max_blowup(detections: list[tuple[int, str, str]]) -> float | None:
+    """The largest gradient-norm blow-up ratio the detectors judged in a run (None: none)."""
+    ratios = [float(m.group(1)) for _, _, why in detections if (m := _BLOWUP.search(why))]
+    return max(ratios, default=None)
 
 
 def better(cell: dict, a: float, b: float) -> float:
@@ -173,11 +183,13 @@ def summary(cells: list[dict]) -> dict:
                           for w in dict.fromkeys(c["workload"] for c in cells)},
         "faults_needing_rescue": sum(len(v["rescued"]) + len(v["not_rescued"]) for v in verdicts),
         "rescued": sum(len(v["rescued"]) for v in verdicts),
-        # the guard dropped an update where nothing was injected (a real blow-up beyond
-        # `update_drop`: goal 0, the threshold sits above every real one measured)
-        "drops_without_fault": sum(a.get("dropped_steps", 0) for c in cells
-                                   for arm, a in c["arms"].items()
-                                   if not arm.endswith(tuple(f"+{k}" for k in FAULTS))),
+        # how large the runs' own blow-ups get (arms with nothing injected): what separates
+        # them from an injected fault, if anything does
+        "max_blowup_without_fault": max((a["max_blowup"] for c in cells
+                                         for arm, a in c["arms"].items()
+                                         if a.get("max_blowup") is not None
+                                         and not arm.endswith(tuple(f"+{k}" for k in FAULTS))),
+                                        default=None),
         "false_trip_rate": false / steps if steps else 0.0,
         "false_trip_rate_worst_run": worst,
     }
@@ -219,8 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
               + ("" if total["worse_beyond_noise"] is None else
                  f"; {total['worse_beyond_noise']} beyond their cell's noise") + "); faults rescued "
               f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
-              f"({total['faults']} injected); updates dropped without a fault "
-              f"{total['drops_without_fault']} (goal 0); passive false trips {total['false_trip_rate']:.2%}"
+              f"({total['faults']} injected); largest blow-up with no fault "
+              f"{total['max_blowup_without_fault']}x median; passive false trips {total['false_trip_rate']:.2%}"
               f" of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)"
               f"; profile within tolerance of fp32 in {total['within_tolerance']} of "
               f"{total['cells']} cells, worst " + ", ".join(

@@ -43,7 +43,7 @@ class StepDecision:
     """What happens to one step's reduced update before the optimizer sees it."""
 
     skip: bool  # zero it on every rank (non-finite)
-    scales: dict[str, float] = field(default_factory=dict)  # scope -> factor (< 1; 0 drops it)
+    scales: dict[str, float] = field(default_factory=dict)  # scope -> factor (< 1)
 
 
 class StepController:
@@ -67,7 +67,7 @@ class StepController:
         self.monitor_enabled = monitor
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
-                                 thresholds.update_cap, thresholds.update_drop)
+                                 thresholds.update_cap)
         if gate not in (True, False, "measure"):
             raise InputError(f"gate: True, False or 'measure', got {gate!r}")
         self.gate = CapacityGate(bindings.meta.get("substrate"), world_size, enabled=bool(gate),
@@ -147,14 +147,10 @@ class StepController:
         self._holding &= scopes  # a scope released by the monitor logs its next hold again
         for h in held:
             self.held.append((step, h.scope, h.factor))
-            kept = "" if self.monitor.forced_fp32(h.scope) else ", route kept"
-            cause = f" for {why[h.scope]}{kept}" if h.scope in why else ""
-            if h.dropped:  # rare by construction: every one is an event
-                self.log({"step": step, "scope": h.scope, "from": "update", "to": "dropped",
-                          "reason": f"update norm {h.norm:.3g} dropped (above {self.guard.drop:g}"
-                                    f" x median of healthy updates){cause}"})
-            elif h.scope not in self._holding:  # one event per hold: its first scale-down
+            if h.scope not in self._holding:  # one event per hold: its first scale-down
                 self._holding.add(h.scope)
+                kept = "" if self.monitor.forced_fp32(h.scope) else ", route kept"
+                cause = f" for {why[h.scope]}{kept}" if h.scope in why else ""
                 self.log({"step": step, "scope": h.scope, "from": "update", "to": "held",
                           "reason": f"update norm {h.norm:.3g} held to {h.cap:.3g} "
                                     f"({self.guard.cap:g} x median of healthy updates){cause}; "

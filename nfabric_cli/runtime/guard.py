@@ -14,13 +14,6 @@ decision):
   holds at least `min_history` norms: the update is scaled down to ``update_cap * median``
   when larger (never up; the default cap, 2, sits above the healthy updates' own spread, so
   an ordinary update passes and a spike does not);
-- ... unless it is beyond ``update_drop * median`` (default 100): then it is dropped (scaled to
-  0, as a non-finite step's is). So far beyond anything the run produced (its own blow-ups
-  measured 10-34x in gradient norm) neither the magnitude nor the direction is evidence of
-  the data: a corrupted rank's values need not point anywhere useful. Dropping costs at most
-  the one step's progress; a hold lets `update_cap` x median through in whatever direction the
-  fault gave. (The benchmark's injected spike, x1e3, keeps its direction, and on a `sign`
-  route the vote is the clean one: there the two rules differ by noise; docs/health.md.)
 - otherwise the step's update norm joins the scope's window (a skipped, non-finite step's
   never does), so the median is always that of healthy, profile-routed updates.
 
@@ -44,20 +37,14 @@ class Held:
     scope: str
     factor: float  # what the update was multiplied by (< 1)
     norm: float  # its norm before
-    cap: float  # the norm it was held to (0: dropped)
-
-    @property
-    def dropped(self) -> bool:
-        return self.factor == 0.0
+    cap: float  # the norm it was held to
 
 
 class UpdateGuard:
     """Per-scope windows of healthy update norms; see the module docstring."""
 
-    def __init__(self, scopes: Iterable[str], window: int, min_history: int, cap: float,
-                 drop: float = 0.0) -> None:
+    def __init__(self, scopes: Iterable[str], window: int, min_history: int, cap: float) -> None:
         self.cap = float(cap)
-        self.drop = float(drop)
         self.min_history = int(min_history)
         self._windows: dict[str, deque[float]] = {s: deque(maxlen=window) for s in scopes}
 
@@ -79,11 +66,8 @@ class UpdateGuard:
                 continue
             if self.cap <= 0 or len(window) < self.min_history:
                 continue
-            median = statistics.median(window)
-            cap = self.cap * median
-            if self.drop > 0 and norm > self.drop * median > 0:
-                out.append(Held(scope, 0.0, norm, 0.0))
-            elif norm > cap > 0:
+            cap = self.cap * statistics.median(window)
+            if norm > cap > 0:
                 out.append(Held(scope, cap / norm, norm, cap))
         return out
 

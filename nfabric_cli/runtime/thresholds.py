@@ -55,11 +55,6 @@ class HealthThresholds:
     healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
     max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
     update_cap: float = 2.0  # a held scope's update norm <= update_cap * its healthy median (0: off)
-    # ... and a held update beyond update_drop * that median is dropped (scaled to 0), not held:
-    # the runs' own blow-ups measured 10-34x (gradient norm), an injected fault (a rank's
-    # gradients x1e3) 130-3100x; so far out the direction is not the data's either, and a drop
-    # costs at most one step (0: never dropped; with update_cap 0 the guard is off, drop too)
-    update_drop: float = 100.0
     # Non-finite steps within `window` steps that trip "all" to fp32; fewer are only skipped
     # (zeroed on every rank, as AMP's GradScaler skips an overflowing step). A lone NaN says
     # nothing about the routes (they never encode one), and falling back for it cost up to
@@ -96,8 +91,6 @@ class HealthThresholds:
             ("healthy_to_readmit", self.healthy_to_readmit >= 1, ">= 1"),
             ("max_trips", self.max_trips >= 1, ">= 1"),
             ("update_cap", self.update_cap >= 0, ">= 0 (0 turns the update guard off)"),
-            ("update_drop", self.update_drop == 0 or self.update_drop > self.update_cap,
-             f"0 (off) or > update_cap={self.update_cap:g} (raise it with update_cap, or 0)"),
             ("nonfinite_repeat", self.nonfinite_repeat >= 1, ">= 1"),
         ]
         for name, ok, requirement in rules:

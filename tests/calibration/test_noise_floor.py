@@ -66,7 +66,7 @@ def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
 
 
 def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
-    from bench.robustness import judge, summary
+    from bench.robustness import judge, max_blowup, summary
 
     def cell(profile: float, faults: bool) -> dict:
         metrics = {"fp32": 0.98, "static": 0.97, "profile": profile}
@@ -85,9 +85,12 @@ def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
     cells = [cell(0.961, faults=False), cell(0.959, faults=False), cell(0.97, faults=True)]
     for c in cells:
         c["workload"] = "vision"
-    cells[0]["arms"]["profile"]["dropped_steps"] = 1  # a real blow-up dropped: counted
-    cells[2]["arms"]["profile+spike"]["dropped_steps"] = 1  # the injected one: not
+    cells[0]["arms"]["fp32"]["max_blowup"] = max_blowup(
+        [(3, "*", "grad-norm blow-up 12.5x median"), (4, "all", "loss spike 3.1x median"),
+         (9, "head.*", "grad-norm blow-up 31.0x median")])
+    cells[2]["arms"]["profile+spike"]["max_blowup"] = 900.0  # injected: not counted
     total = summary(cells)
     assert (total["pairs"], total["faults"], total["within_tolerance"]) == (5, 2, 2)
-    assert total["drops_without_fault"] == 1
+    assert total["max_blowup_without_fault"] == 31.0
+    assert max_blowup([(1, "all", "loss spike 3.1x median")]) is None
     assert abs(total["worst_vs_fp32"]["vision"] - (0.959 - 0.98)) < 1e-12

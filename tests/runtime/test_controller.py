@@ -72,31 +72,6 @@ def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step(trips: 
         assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
 
 
-def test_a_blowup_far_beyond_the_healthy_updates_is_dropped_not_held():
-    """Beyond `update_drop` x the healthy median the update is dropped (factor 0): its
-    direction is the fault's. One event per drop, naming the cause; the window is untouched,
-    and the next blow-up under the threshold is held as before."""
-    c, log = controller(grad_blowup_trips=0, update_drop=20.0)
-    healthy = [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]
-    for u in healthy:
-        step(c, 1.0, 1.0, u)
-    d = step(c, 1.0, 500.0, 21.0)  # just beyond 20 x median 1.0
-    assert d.scales == {"*": 0.0} and not d.skip
-    (ev,) = [e for e in log if e["to"] == "dropped"]
-    assert ev["step"] == 6 and ev["scope"] == "*"
-    assert ev["reason"] == ("update norm 21 dropped (above 20 x median of healthy updates) for "
-                            "grad-norm blow-up 500.0x median, route kept")
-    assert step(c, 1.0, 1.0, 1.0).scales == {}
-    assert step(c, 1.0, 50.0, 19.0).scales == {"*": pytest.approx(1.0 / 19.0)}  # held, not dropped
-    assert [e["to"] for e in log] == ["dropped", "held"]
-    assert [(s, f) for s, _, f in c.held] == [(6, 0.0), (8, pytest.approx(1.0 / 19.0))]
-    assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
-    off, _ = controller(grad_blowup_trips=0, update_drop=0)
-    for u in healthy:
-        step(off, 1.0, 1.0, u)
-    assert step(off, 1.0, 500.0, 1e6).scales == {"*": pytest.approx(1e-6)}  # 0: never dropped
-
-
 def test_every_held_step_is_capped_and_a_smaller_update_is_never_scaled_up():
     c, _ = controller(update_cap=1.5)
     for u in [2.0] * 6:
@@ -172,12 +147,6 @@ def test_guard_window_and_cap_rules():
     (held,) = g.judge({"a": 80.0, "b": 1.0}, held={"a"}, skipped=False)
     assert (held.scope, held.cap, held.factor) == ("a", 8.0, 0.1)
     assert UpdateGuard(["a"], 3, 1, cap=0.0).judge({"a": 9.0}, {"a"}, False) == []
-    # drop: beyond drop x median, factor 0; a zero median is no scale (nothing dropped)
-    g = UpdateGuard(["a", "z"], window=3, min_history=1, cap=2.0, drop=10.0)
-    g.judge({"a": 1.0, "z": 0.0}, held=(), skipped=False)
-    out = g.judge({"a": 11.0, "z": 5.0}, held={"a", "z"}, skipped=False)
-    assert [(h.scope, h.factor, h.dropped) for h in out] == [("a", 0.0, True)]
-    assert [h.factor for h in g.judge({"a": 9.0}, {"a"}, False)] == [pytest.approx(2 / 9)]
 
 
 def test_loss_spike_needs_many_robust_deviations_as_well_as_a_ratio():
@@ -213,9 +182,7 @@ def test_readmission_is_judged_against_the_run_before_the_trip():
     assert m.forced_fp32("a")
 
 
-@pytest.mark.parametrize(("field", "value", "rule"), [
-    ("update_cap", -1.0, ">= 0"), ("loss_spike_z", -0.5, ">= 0"),
-    ("update_drop", 1.0, r"0 \(off\) or > update_cap=2 \(raise it with update_cap, or 0\), got 1.0")])
-def test_new_thresholds_are_validated(field: str, value: float, rule: str):
-    with pytest.raises(InputError, match=f"health threshold {field} must be {rule}"):
+@pytest.mark.parametrize(("field", "value"), [("update_cap", -1.0), ("loss_spike_z", -0.5)])
+def test_new_thresholds_are_validated(field: str, value: float):
+    with pytest.raises(InputError, match=f"health threshold {field} must be >= 0"):
         HealthThresholds.from_dict({field: value})
