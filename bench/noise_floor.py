@@ -44,23 +44,24 @@ from nfabric_cli.validation.seeds import parse_seeds
 from nfabric_cli.workloads.registry import get_workload
 
 
-def nudge_one_ulp(model: torch.nn.Module) -> None:
-    """Move the first trainable weight's first element to the next float toward +inf."""
+def nudge_one_ulp(model: torch.nn.Module, index: int = 0) -> None:
+    """Move element `index` of the first trainable weight to the next float toward +inf
+    (another index: another run one ulp apart)."""
     p = trainable_parameters(model)[0].param
     with torch.no_grad():
         flat = p.view(-1)
-        flat[0] = torch.nextafter(flat[0], torch.tensor(math.inf, dtype=p.dtype))
+        flat[index] = torch.nextafter(flat[index], torch.tensor(math.inf, dtype=p.dtype))
 
 
 @contextlib.contextmanager
-def nudged_builds(workload: Any) -> Iterator[None]:
-    """Within the block, `workload.build_model` returns models nudged by `nudge_one_ulp`
-    (the simulator builds its ranks' models from it)."""
+def nudged_builds(workload: Any, index: int = 0) -> Iterator[None]:
+    """Within the block, `workload.build_model` returns models nudged by `nudge_one_ulp` at
+    `index` (the simulator builds its ranks' models from it)."""
     build = workload.build_model
 
     def nudged(seed: int) -> torch.nn.Module:
         model = build(seed)
-        nudge_one_ulp(model)
+        nudge_one_ulp(model, index)
         return model
 
     workload.build_model = nudged

@@ -21,6 +21,9 @@ def test_ulp_nudge_moves_one_element_by_one_ulp() -> None:
     assert changed == [(0, 0)]
     old, new = before[0].view(-1)[0].item(), after[0].view(-1)[0].item()
     assert new > old and new == torch.nextafter(torch.tensor(old), torch.tensor(math.inf)).item()
+    again = [p.detach().clone() for p in model.parameters()]
+    nudge_one_ulp(model, index=2)  # another element: another run one ulp apart
+    assert [j for j in range(again[0].numel()) if again[0].view(-1)[j] != model[0].weight.view(-1)[j]] == [2]
 
 
 def test_order_needs_a_cap_that_changes_the_buckets() -> None:
@@ -48,7 +51,7 @@ def test_nudged_builds_perturb_inside_the_block_only() -> None:
 
 
 def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
-    from bench.robustness import NOISE, judge
+    from bench.robustness import NOISE, judge, noise_arms
 
     def cell(noise_metric: float) -> dict:
         metrics = {"fp32": 0.9778, "static": 0.9861, "profile": 0.9806,  # profile 0.56 worse
@@ -63,6 +66,14 @@ def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
     assert beyond["worse_beyond_noise"] == ["profile"]
     no_noise = judge({**cell(0.0), "arms": {k: v for k, v in cell(0.0)["arms"].items() if k != NOISE}})
     assert no_noise["worse"] == ["profile"] and no_noise["worse_beyond_noise"] == []
+    # several one-ulp runs (--noise 3): the farthest from fp32 is the noise
+    many = cell(0.9806)
+    many["arms"].update({a: {"metric": m} for a, m in zip(noise_arms(3)[1:], (0.9861, 0.9778),
+                                                           strict=True)})
+    assert noise_arms(3) == [NOISE, NOISE + "1", NOISE + "2"]
+    verdict = judge(many)
+    assert verdict["noise"] == pytest.approx(0.9861 - 0.9778)
+    assert verdict["worse"] == ["profile"] and verdict["worse_beyond_noise"] == []
 
 
 def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
