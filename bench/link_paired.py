@@ -16,7 +16,8 @@ block; each arm's first step (allocation, DDP's bucket rebuild) is left out. The
 pays for its own probe steps (`--gate measure`, no substrate) where they fall. Printed per
 rate: each arm's median step over all its steps, and per ratio the median over rounds with
 [min, max] and a distribution-free interval for that median of at least 90 % confidence
-(with 5 rounds or more; it says whether a median above a goal is a miss or could be the host). profile / min(fp32, static) is also printed on the run's medians: where fp32 and
+(with 5 rounds or more; it says whether a median above a goal is a miss or could be the
+host). profile / min(fp32, static) is also printed on the run's medians: where fp32 and
 static tie, each round's min picks whichever drew the faster block, so the per-round ratio
 reads high by about half a round's spread (transformer over loopback, fp32 and static within
 5 %: 1.068 per round, 1.048 on the medians). The goals are issue 16's: profile <= 1.05 x

@@ -19,13 +19,13 @@ runs where the monitor made things worse than no monitor (more than 0.5 accuracy
 nats, clean and faulted pairs), faults rescued (static+fault outside the profile's tolerance of
 fp32, profile+fault inside), faults not rescued, and the passive false-trip rate of the fp32
 arms (goal <= 1 % of steps), the largest gradient-norm blow-up (x its median) in arms with no
-fault injected, and the cells where the profile ends within its tolerance of fp32
-(issue 15: the worst seed must, at the calibrated length and 2x). With `--noise [N]`, each cell also trains fp32 N times from
-weights one ulp apart (`bench/noise_floor.py`, a different element each time; N = 1 by
-default): the farthest of them from fp32 is the cell's run-to-run noise (one such run is a
-thin estimate: at 4x it read 0.00 in three cells of twelve), and a worse pair is also counted
-as beyond that noise or not (any perturbation, a trip or a
-hold among them, moves a chaotic run that far).
+fault injected, and the cells where the profile ends within its tolerance of fp32 (issue 15:
+the worst seed must, at the calibrated length and 2x). With `--noise [N]`, each cell also
+trains fp32 N times from weights one ulp apart (`bench/noise_floor.py`, a different element
+each time; N = 1 by default): the farthest of them from fp32 is the cell's run-to-run noise
+(one such run is a thin estimate: at 4x it read 0.00 in three cells of twelve), and a worse
+pair is also counted as beyond that noise or not (any perturbation, a trip or a hold among
+them, moves a chaotic run that far).
 
     python -m bench.robustness [--workloads vision,transformer,lm] [--seeds 0,1,2]
                                [--lengths 1,2,4] [--world-sizes 2,4] [--noise [N]]
@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
                  f"; {total['worse_beyond_noise']} beyond their cell's noise") + "); faults rescued "
               f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
               f"({total['faults']} injected); largest blow-up with no fault "
-              f"{total['max_blowup_without_fault']}x median; passive false trips {total['false_trip_rate']:.2%}"
-              f" of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)"
+              f"{total['max_blowup_without_fault']}x median; passive false trips "
+              f"{total['false_trip_rate']:.2%} of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)"
               f"; profile within tolerance of fp32 in {total['within_tolerance']} of "
               f"{total['cells']} cells, worst " + ", ".join(
                   f"{w} {v:+.4f}" for w, v in total["worst_vs_fp32"].items()))

@@ -534,7 +534,8 @@ class FabricState:
                     factor = decision.scales.get(self.controller.region(name))
                     if factor is not None:
                         g.mul_(factor)
-                        self.ef.reset(name)  # its residual holds what was held (guard.py)
+                        self.ef.reset(name)  # its residual holds what was held back
+                        # (a spike's, ~1000x: docs/health.md, "Error feedback leaked ...")
         self._lowbit_keys[self.phase.name] = self._step_keys
         self._clear_step_stats()
         self._advance(step)
