@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from bench.link_paired import _rank, median_interval, per_round, report
+from bench.link_paired import _rank, main, median_interval, per_round, report
 from nfabric_cli.ranks.functions import run_function_ranks
 
 
@@ -23,15 +25,30 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     assert row["profile/min(fp32,static)"] == 1.05
     assert row["profile/min(fp32,static) range"] == [1.0, 1.1]
     assert row["profile/min(fp32,static) of run medians"] == 1.0  # static 0.016, profile 0.016
-    # fp32 and static trade wins: per round 0.011 / 0.010 and 0.016 / 0.014; on the run's
-    # medians profile 0.016 against fp32's 0.014 (static's is 0.016)
+    assert row["min(fp32,static)"] == "static"
+    # fp32 and static trade wins (a per-round min would take 0.010, then 0.014: 1.121). The
+    # min is the arm faster over the run, fp32 (median 0.014 against static's 0.016), in
+    # every round: 0.011 / 0.012 and 0.016 / 0.014
     times["fp32"] = [9.0, 0.012, 0.012, 0.014, 0.014, 0.014]
     row = report(20.0, {"times": times, "probe": []}, 2, 3)
-    assert row["profile/min(fp32,static)"] == 1.121
+    assert row["min(fp32,static)"] == "fp32"
+    assert row["profile/min(fp32,static)"] == round((0.011 / 0.012 + 0.016 / 0.014) / 2, 3)
     assert row["profile/min(fp32,static) of run medians"] == 1.143
     assert row["profile/powersgd"] == 0.675
     assert "gate: step 4 -> low-bit: measured" in capsys.readouterr().out
 
+
+def test_reread_prints_a_saved_runs_report_without_running(tmp_path, monkeypatch, capsys) -> None:
+    times = {"fp32": [9.0] + [0.020] * 5, "static": [9.0] + [0.010] * 5,
+             "profile": [9.0] + [0.011] * 5}
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"config": {"rounds": 2, "block": 3},
+                                 "rates": {"0": {"times": times, "probe": []}}}))
+    monkeypatch.setattr("sys.argv", ["link_paired", "--reread", str(saved)])
+    main()
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert [(r["mbit"], r["profile/min(fp32,static)"], r["min(fp32,static)"]) for r in rows] == [
+        (0.0, 1.1, "static")]
 
 def test_median_interval_is_the_binomial_order_statistics() -> None:
     # n = 12: P(B <= 2) = 0.0193 <= 0.05 < P(B <= 3) = 0.073, so [x_(3), x_(10)]
