@@ -6,8 +6,9 @@ window to the next (static at 200 Mbit/s: 14.0, 17.6, 19.0 ms in three runs of 6
 300 steps 13.9, 17.7, 13.9), which is more than the differences issue 16's goals are about.
 Here the same arms (`validation/arms.py`: plain DDP, static sign, the profile with its monitor
 and gate, PyTorch's PowerSGD and fp16 hooks) train side by side in the same rank processes,
-each on its own model: round by round, every arm runs a block of steps in turn (the order
-rotated each round), its ranks free-running within the block as in `validate`. Load that
+each on its own model: round by round, every arm runs a block of steps in turn (the orders
+of a Williams design, `round_orders`), its ranks free-running within the block as in
+`validate`. Load that
 drifts hits every arm of a round alike, so each round gives one ratio and the rounds give its
 spread.
 
@@ -75,7 +76,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     names = list(cfg["arms"])
     for r in range(cfg["rounds"]):
         block = range(r * cfg["block"], (r + 1) * cfg["block"])
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in round_orders(names, r):
             ddp, arm, opt, sched = arms[name]
             dist.barrier()
             for _, _, seconds in workload_steps(ddp, arm, wl, opt, sched, block, rank, world,
@@ -88,6 +89,25 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return {"times": {n: slowest[i].tolist() for i, n in enumerate(names)}, "probe": probe}
+
+
+def round_orders(names: list[str], r: int) -> list[str]:
+    """Round `r`'s arm order: the rows of a Williams design, in turn. Every arm runs in every
+    position equally often and directly after every other arm equally often (every n rounds
+    for an even number of arms n, every 2n for an odd one).
+
+    Why: an arm's block ran measurably slower or faster depending on which arm ran before it.
+    With the order merely rotated each arm always follows the same one, and the transformer
+    profile at 50 Mbit/s read 1.112 x static after static, 1.047 x with the two swapped
+    (40 rounds each, session 37)."""
+    n = len(names)
+    first = [0]  # 0, 1, n-1, 2, n-2, ...: successive differences cover every nonzero shift
+    for j in range(1, n):
+        first.append((j + 1) // 2 if j % 2 else n - j // 2)
+    rows = [[(k + shift) % n for k in first] for shift in range(n)]
+    if n % 2:  # an odd design needs each row reversed too
+        rows += [row[::-1] for row in rows]
+    return [names[k] for k in rows[r % len(rows)]]
 
 
 def _inner(cfg_path: str) -> None:
