@@ -44,6 +44,14 @@ fp32 over the run, measured 24.73 against 21.97 ms on four steps each and kept f
 run (`bench.link_paired`, profile 1.147x min(fp32, static)); 2.7-2.9 ms of that gap was
 the agreement all-reduce, timed in the low-bit period until session 35.
 
+A close decision stands for less: decided within `close`, it is re-checked after
+`close_recheck` (100) steps, not `recheck_every`, then after 200, 400, ... while the calls stay
+close, on fresh samples each time (a clear gap, or a link that changed, is seen at once). The
+first cycle runs in a run's first steps, the noisiest there are: transformer.v6 at 500 Mbit/s,
+where static was 8 % faster than fp32 over the run, measured low-bit 25.40 against 23.15 ms
+on twelve pairs at step 74 and kept fp32 until step 600 (profile 1.096x static, 40 rounds,
+session 37). A re-check costs at most `close_steps` steps on a path within 15 % of the other.
+
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, any thread hand-offs and the gradient
 norms, and its reduce no longer overlaps backward as fp32's all-reduce does. On vision over
@@ -81,6 +89,7 @@ class _Cycle:
     decision: str | None = None  # the path kept (None: not decided yet)
     reason: str = ""
     pairs: int = 0  # pairs this cycle probes: 0 for `steps`, more once a close call extends it
+    close_calls: int = 0  # decisions in a row taken within `close`: re-checked sooner
 
 
 class MeasuredAdmission:
@@ -90,24 +99,33 @@ class MeasuredAdmission:
     then `path` for this step."""
 
     def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2,
-                 decisive: float = 2.0, close: float = 1.15, close_steps: int = 12) -> None:
+                 decisive: float = 2.0, close: float = 1.15, close_steps: int = 12,
+                 close_recheck: int = 100) -> None:
         if (steps < 1 or recheck_every < 0 or warmup < 0 or not 1 <= close <= decisive
-                or close_steps < steps):
-            raise ValueError("probe steps must be >= 1, recheck_every and warmup >= 0, "
-                             "1 <= close <= decisive, close_steps >= steps")
+                or close_steps < steps or close_recheck < 0):
+            raise ValueError("probe steps must be >= 1, recheck_every, close_recheck and warmup "
+                             ">= 0, 1 <= close <= decisive, close_steps >= steps")
         self.steps, self.recheck_every, self.warmup = steps, recheck_every, warmup
         self.decisive, self.close, self.close_steps = decisive, close, close_steps
+        self.close_recheck = close_recheck
         self._cycles: dict[str, _Cycle] = {}
 
     def _end(self, c: _Cycle) -> int:
         """The phase step (from the cycle's start) its last pair ends at."""
         return self.warmup + 2 * (c.pairs or self.steps)
 
+    def _recheck(self, c: _Cycle) -> int:
+        """Steps a decision stands: `recheck_every`; after a close call `close_recheck`,
+        doubling with each close call in a row, up to `recheck_every`."""
+        if not c.close_calls:
+            return self.recheck_every
+        return min(self.recheck_every, self.close_recheck << (c.close_calls - 1))
+
     def path(self, phase: str) -> tuple[str, bool]:
         """This step's path in `phase` and whether its period is to be timed (one call per
         step of the phase)."""
         c = self._cycles.setdefault(phase, _Cycle())
-        if c.decision is not None and c.seen - c.decided_at >= self.recheck_every:
+        if c.decision is not None and c.seen - c.decided_at >= self._recheck(c):
             c.start = c.seen  # probe again
             c.times, c.decision, c.reason, c.pairs = _no_times(), None, "", 0
         pos = c.seen - c.start
@@ -165,17 +183,19 @@ class MeasuredAdmission:
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
         how = (f"median of {min(low, full)} steps each" if last else
                f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 steps")
-        c.reason = f"measured step: {times} ({how}, mean over ranks)"
+        c.close_calls = c.close_calls + 1 if last and slow < self.close * fast else 0
+        again = f"; close: re-checked in {self._recheck(c)} steps" if c.close_calls else ""
+        c.reason = f"measured step: {times} ({how}, mean over ranks){again}"
         return c.decision, c.reason
 
     def state_dict(self) -> dict[str, Any]:
         return {"cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision, c.reason,
-                                   c.pairs] for phase, c in self._cycles.items()}}
+                                   c.pairs, c.close_calls] for phase, c in self._cycles.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycles = {}
         for phase, row in state.get("cycles", {}).items():
-            start, seen, decided_at, times, decision, reason, *pairs = row  # (older: no pairs)
-            kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}  # (older: no warm-up)
+            start, seen, decided_at, times, decision, reason, *rest = row  # older: no pairs,
+            kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}  # close calls or
             self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason,
-                                         *pairs)
+                                         *rest)  # warm-up times

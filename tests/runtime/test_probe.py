@@ -50,7 +50,7 @@ def test_a_close_call_probes_every_pair_then_keeps_the_faster() -> None:
     # the warm-up steps run low-bit and are timed too (more low-bit samples)
     assert steps == [(LOWBIT, True)] * 2 + [(LOWBIT, True), (FP32, True)] * 3
     assert decided == (LOWBIT, "measured step: low-bit 18.00 ms vs fp32 20.00 ms (median of 3 "
-                               "steps each, mean over ranks)")
+                               "steps each, mean over ranks); close: re-checked in 4 steps")
     assert m.due(PHASE) is None  # decided once
     assert [m.path(PHASE) for _ in range(4)] == [(LOWBIT, False)] * 4  # kept until the recheck
     # the recheck probes again; now low-bit is slower (but not 2x): fp32 is kept
@@ -90,7 +90,7 @@ def test_a_close_call_probes_on_to_twelve_pairs() -> None:
     assert extended == [(10, "close call: low-bit 22.00 ms vs fp32 21.50 ms (median of 4 steps "
                              "each, within 1.15x): probing to 12 pairs")]  # said once, an event
     assert decided == (LOWBIT, "measured step: low-bit 20.00 ms vs fp32 21.50 ms (median of 12 "
-                               "steps each, mean over ranks)")
+                               "steps each, mean over ranks); close: re-checked in 100 steps")
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
     steps, decided = _cycle(m, low=0.025, fp32=0.020)  # 1.25x: four pairs decide
     assert len(steps) == 2 + 2 * 4 and decided[0] == FP32
@@ -104,6 +104,35 @@ def test_a_close_call_probes_on_to_twelve_pairs() -> None:
     m.load_state_dict(older)
     assert m.state_dict()["cycles"][PHASE][-1] == 0 and m.path(PHASE) == (FP32, True)
 
+
+def test_a_close_decision_is_rechecked_sooner_and_a_clear_one_resets_it() -> None:
+    """Decided within 1.15x: re-checked after 100 steps, then 200 while the calls stay close,
+    on fresh samples; a clear gap decides as before and stands `recheck_every` steps."""
+    m = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
+
+    def kept_for(path: str) -> int:
+        n = 0
+        while m.path(PHASE) == (path, False):
+            n += 1
+        return n  # the step after was the re-check's first (timed, low-bit warm-up)
+
+    steps, decided = _cycle(m, low=0.0225, fp32=0.0215)  # 1.05x: twelve pairs, fp32
+    assert len(steps) == 2 + 2 * 12 and decided[0] == FP32
+    assert decided[1].endswith("(median of 12 steps each, mean over ranks); close: re-checked "
+                               "in 100 steps")
+    assert kept_for(FP32) == 100
+    steps, decided = _cycle(m, low=0.0200, fp32=0.0215)  # fresh samples: low-bit, close again
+    assert len(steps) == 2 + 2 * 12 - 1 and decided[0] == LOWBIT  # its warm-up step was taken
+    assert decided[1].endswith("re-checked in 200 steps")
+    resumed = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
+    resumed.load_state_dict(m.state_dict())
+    m = resumed  # a resumed run keeps the shorter re-check
+    assert kept_for(LOWBIT) == 200
+    steps, decided = _cycle(m, low=0.0400, fp32=0.0190)  # 2.1x: decided on one pair
+    assert decided[0] == FP32 and "re-checked" not in decided[1]
+    assert kept_for(FP32) == 500
+    with pytest.raises(ValueError, match="close_recheck"):
+        MeasuredAdmission(close_recheck=-1)
 
 def test_a_decisive_pair_ends_the_probe_early() -> None:
     """On a slow link one fp32 step is many low-bit ones: one pair decides (2x apart); one
