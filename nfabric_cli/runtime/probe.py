@@ -195,7 +195,7 @@ class MeasuredAdmission:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycles = {}
         for phase, row in state.get("cycles", {}).items():
-            start, seen, decided_at, times, decision, reason, *rest = row  # older: no pairs,
-            kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}  # close calls or
-            self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason,
-                                         *rest)  # warm-up times
+            # an older state may lack the trailing fields (pairs, close calls) and warm-up times
+            start, seen, decided_at, times, decision, reason, *rest = row
+            kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}
+            self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason, *rest)
