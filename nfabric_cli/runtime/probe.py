@@ -46,7 +46,10 @@ the agreement all-reduce, timed in the low-bit period until session 35.
 
 A close decision stands for less: decided within `close`, it is re-checked after
 `close_recheck` (100) steps, not `recheck_every`, then after 200, 400, ... while the calls stay
-close, on fresh samples each time (a clear gap, or a link that changed, is seen at once). The
+close, on fresh samples each time, and on `close_steps` pairs from the start: four pairs of a
+noisy stretch can read 1.4x where the paths are within a few per cent, and a decision beyond
+`close` stands the full `recheck_every` (a pair `decisive` times apart still ends it early,
+so a link that changed is seen at once). The
 first cycle runs in a run's first steps, the noisiest there are: transformer.v6 at 500 Mbit/s,
 where static was 8 % faster than fp32 over the run, measured low-bit 25.40 against 23.15 ms
 on twelve pairs at step 74 and kept fp32 until step 600 (profile 1.096x static, 40 rounds,
@@ -126,8 +129,9 @@ class MeasuredAdmission:
         step of the phase)."""
         c = self._cycles.setdefault(phase, _Cycle())
         if c.decision is not None and c.seen - c.decided_at >= self._recheck(c):
-            c.start = c.seen  # probe again
-            c.times, c.decision, c.reason, c.pairs = _no_times(), None, "", 0
+            c.start = c.seen  # probe again; after a close call on `close_steps` pairs at once
+            c.times, c.decision, c.reason = _no_times(), None, ""
+            c.pairs = self.close_steps if c.close_calls else 0
         pos = c.seen - c.start
         c.seen += 1
         if c.decision is not None:
