@@ -124,6 +124,14 @@ def test_a_close_decision_is_rechecked_sooner_and_a_clear_one_resets_it() -> Non
     steps, decided = _cycle(m, low=0.0200, fp32=0.0215)  # fresh samples: low-bit, close again
     assert len(steps) == 2 + 2 * 12 - 1 and decided[0] == LOWBIT  # its warm-up step was taken
     assert decided[1].endswith("re-checked in 200 steps")
+    # a re-check after a close call: one pair 2x apart (a paused sample) does not end it, two do
+    again = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
+    again.load_state_dict(m.state_dict())
+    for _ in range(200):
+        again.path(PHASE)
+    steps, decided = _cycle(again, low=0.0200, fp32=0.0441)
+    assert len(steps) == 2 + 2 * 2 and decided[0] == LOWBIT
+    assert "(fastest of 4 low-bit and 2 fp32 steps" in decided[1]
     resumed = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
     resumed.load_state_dict(m.state_dict())
     m = resumed  # a resumed run keeps the shorter re-check
