@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
               f"({total['faults']} injected); largest blow-up with no fault "
               f"{total['max_blowup_without_fault']}x median; passive false trips "
-              f"{total['false_trip_rate']:.2%} of fp32 steps, worst run {total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)"
+              f"{total['false_trip_rate']:.2%} of fp32 steps, worst run "
+              f"{total['false_trip_rate_worst_run']:.2%} (goal <= 1 %)"
               f"; profile within tolerance of fp32 in {total['within_tolerance']} of "
               f"{total['cells']} cells, worst " + ", ".join(
                   f"{w} {v:+.4f}" for w, v in total["worst_vs_fp32"].items()))

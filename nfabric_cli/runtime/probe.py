@@ -176,20 +176,21 @@ class MeasuredAdmission:
         c = self._cycles[phase]
         last = c.seen - c.start >= self._end(c)
         slow, fast = max(lowbit_s, fp32_s), min(lowbit_s, fp32_s)
+        near = last and slow < self.close * fast  # a close call, on the medians
         low, full = len(c.times[LOWBIT]), len(c.times[FP32])
         # after a close call the paths were within `close`: one paused sample must not end a
         # re-check (a 441 ms fp32 step at 500 Mbit/s did), so the fastest of two a path
         if not last and (slow < self.decisive * fast or (c.close_calls and min(low, full) < 2)):
             return None
         times = f"low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} ms"
-        if last and not c.pairs and self.close_steps > self.steps and slow < self.close * fast:
+        if near and not c.pairs and self.close_steps > self.steps:
             c.pairs = self.close_steps
             return PROBE_ON, (f"close call: {times} (median of {min(low, full)} steps each, "
                               f"within {self.close:g}x): probing to {self.close_steps} pairs")
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
         how = (f"median of {min(low, full)} steps each" if last else
                f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 steps")
-        c.close_calls = c.close_calls + 1 if last and slow < self.close * fast else 0
+        c.close_calls = c.close_calls + 1 if near else 0
         again = f"; close: re-checked in {self._recheck(c)} steps" if c.close_calls else ""
         c.reason = f"measured step: {times} ({how}, mean over ranks){again}"
         return c.decision, c.reason

@@ -146,6 +146,7 @@ def test_a_close_decision_is_rechecked_sooner_and_a_clear_one_resets_it() -> Non
     with pytest.raises(ValueError, match="close_recheck"):
         MeasuredAdmission(close_recheck=-1)
 
+
 def test_a_decisive_pair_ends_the_probe_early() -> None:
     """On a slow link one fp32 step is many low-bit ones: one pair decides (2x apart); one
     pair 1.6x apart, within a fast step's jitter, does not."""

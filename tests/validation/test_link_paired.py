@@ -51,6 +51,7 @@ def test_reread_prints_a_saved_runs_report_without_running(tmp_path, monkeypatch
     assert [(r["mbit"], r["profile/min(fp32,static)"], r["min(fp32,static)"]) for r in rows] == [
         (0.0, 1.1, "static")]
 
+
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_arm_orders_balance_position_and_predecessor(n: int) -> None:
     names = ["fp32", "static", "profile", "powersgd", "fp16"][:n]
@@ -62,6 +63,7 @@ def test_arm_orders_balance_position_and_predecessor(n: int) -> None:
     follows = Counter((row[i], row[i + 1]) for row in rows for i in range(n - 1))
     assert follows == {(a, b): 2 for a in names for b in names if a != b}
     assert round_orders(names, 0) == round_orders(names, 2 * n)
+
 
 def test_median_interval_is_the_binomial_order_statistics() -> None:
     # n = 12: P(B <= 2) = 0.0193 <= 0.05 < P(B <= 3) = 0.073, so [x_(3), x_(10)]
