@@ -46,10 +46,15 @@ the agreement all-reduce, timed in the low-bit period until session 35.
 
 A close decision stands for less: decided within `close`, it is re-checked after
 `close_recheck` (100) steps, not `recheck_every`, then after 200, 400, ... while the calls stay
-close, on fresh samples each time, and on `close_steps` pairs from the start: four pairs of a
-noisy stretch can read 1.4x where the paths are within a few per cent, and a decision beyond
-`close` stands the full `recheck_every` (two pairs `decisive` times apart still end it early,
-so a link that changed is seen; one does not, as one paused sample could). The
+close, on `close_steps` pairs from the start: four pairs of a noisy stretch can read 1.4x where
+the paths are within a few per cent, and a decision beyond `close` stands the full
+`recheck_every` (two pairs `decisive` times apart still end it early, so a link that changed is
+seen; one does not, as one paused sample could). Its medians pool its pairs with the last
+check's (that check was close, or there would be no re-check): twelve pairs of one stretch
+read 1.18x at 1000 Mbit/s (transformer.v6, low-bit 10.94 against fp32 12.92 ms) and kept
+low-bit for 500 steps, where fp32 was 4 % faster over the run; two stretches a hundred steps
+and more apart share less of the host's noise. The pool is two checks deep, so a lasting change
+under 2x takes over at the second re-check. The
 first cycle runs in a run's first steps, the noisiest there are: transformer.v6 at 500 Mbit/s,
 where static was 8 % faster than fp32 over the run, measured low-bit 25.40 against 23.15 ms
 on twelve pairs at step 74 and kept fp32 until step 600 (profile 1.096x static, 40 rounds,
@@ -93,6 +98,8 @@ class _Cycle:
     reason: str = ""
     pairs: int = 0  # pairs this cycle probes: 0 for `steps`, more once a close call extends it
     close_calls: int = 0  # decisions in a row taken within `close`: re-checked sooner
+    # a re-check after a close call: the last check's pair samples, pooled into its medians
+    prior: dict[str, list[float]] = field(default_factory=dict)
 
 
 class MeasuredAdmission:
@@ -129,7 +136,9 @@ class MeasuredAdmission:
         step of the phase)."""
         c = self._cycles.setdefault(phase, _Cycle())
         if c.decision is not None and c.seen - c.decided_at >= self._recheck(c):
-            c.start = c.seen  # probe again; after a close call on `close_steps` pairs at once
+            # probe again; after a close call on `close_steps` pairs at once, pooled with these
+            c.prior = {k: c.times[k] for k in (LOWBIT, FP32)} if c.close_calls else {}
+            c.start = c.seen
             c.times, c.decision, c.reason = _no_times(), None, ""
             c.pairs = self.close_steps if c.close_calls else 0
         pos = c.seen - c.start
@@ -152,9 +161,10 @@ class MeasuredAdmission:
 
     def due(self, phase: str) -> tuple[float, float] | None:
         """(low-bit, fp32) local times when `phase`'s cycle has just probed a pair and is
-        undecided, else None: after the last pair the medians of the pairs' samples, before it
-        each path's fastest sample, the warm-up's included (module docstring). The same on
-        every rank (it depends on step counts only)."""
+        undecided, else None: after the last pair the medians of the pairs' samples (a
+        re-check's pooled with the last check's), before it each path's fastest sample, the
+        warm-up's included (module docstring). The same on every rank (it depends on step
+        counts only)."""
         c = self._cycles.get(phase)
         if c is None or c.decision is not None:
             return None
@@ -165,7 +175,8 @@ class MeasuredAdmission:
         if not low or not full:
             return None
         if pos >= self._end(c):
-            return statistics.median(low), statistics.median(full)
+            return (statistics.median(low + c.prior.get(LOWBIT, [])),
+                    statistics.median(full + c.prior.get(FP32, [])))
         return min(low + c.times[WARMUP]), min(full)
 
     def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
@@ -188,8 +199,11 @@ class MeasuredAdmission:
             return PROBE_ON, (f"close call: {times} (median of {min(low, full)} steps each, "
                               f"within {self.close:g}x): probing to {self.close_steps} pairs")
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
+        pooled = min(map(len, c.prior.values())) if c.prior else 0
         how = (f"median of {min(low, full)} steps each" if last else
                f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 steps")
+        if last and pooled:
+            how += f" and the last check's {pooled}"
         c.close_calls = c.close_calls + 1 if near else 0
         again = f"; close: re-checked in {self._recheck(c)} steps" if c.close_calls else ""
         c.reason = f"measured step: {times} ({how}, mean over ranks){again}"
@@ -197,12 +211,14 @@ class MeasuredAdmission:
 
     def state_dict(self) -> dict[str, Any]:
         return {"cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision, c.reason,
-                                   c.pairs, c.close_calls] for phase, c in self._cycles.items()}}
+                                   c.pairs, c.close_calls, c.prior]
+                           for phase, c in self._cycles.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycles = {}
         for phase, row in state.get("cycles", {}).items():
-            # an older state may lack the trailing fields (pairs, close calls) and warm-up times
+            # an older state may lack the trailing fields (pairs, close calls, the pooled
+            # samples) and warm-up times
             start, seen, decided_at, times, decision, reason, *rest = row
             kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}
             self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason, *rest)
