@@ -8,8 +8,7 @@ one: vision.v5's warm-up and main phase are timed once, not at a slow-path step 
 `warmup` steps as written, then up to `steps` pairs of steps (`close_steps` on a close call,
 below), one on the profile's routes and
 one on plain DDP's fp32 path, each step's period (first bucket to next step's first bucket)
-timed, and after each pair one untimed low-bit step, so that every timed low-bit step follows
-a low-bit one (below, "A low-bit step right after an fp32 one"). After each pair, at the next step's first bucket, the ranks all-reduce each path's
+timed. After each pair, at the next step's first bucket, the ranks all-reduce each path's
 fastest period so far (one small blocking all-reduce, while nothing else is in flight; not
 counted in any period: every timed step starts after such a round, see
 `FabricState._measured_path`) and every rank takes the same
@@ -60,20 +59,6 @@ first cycle runs in a run's first steps, the noisiest there are: transformer.v6 
 where static was 8 % faster than fp32 over the run, measured low-bit 25.40 against 23.15 ms
 on twelve pairs at step 74 and kept fp32 until step 600 (profile 1.096x static, 40 rounds,
 session 37). A re-check costs at most `close_steps` steps on a path within 15 % of the other.
-
-A low-bit step right after an fp32 one runs slower than in a run of low-bit steps, and the
-alternating probe timed only such steps. Over the 40-round sweeps of sessions 37 and 38
-(`bench.link_paired`, 500 and 1000 Mbit/s and loopback, the cycles after each run's first 48
-steps), the probe's low-bit steps took a median 1.05-1.25x (most near 1.17x) static's steps in
-the same round, its fp32 steps 0.93-1.19x (most near 1.05x) the fp32 arm's, and the profile's
-decided low-bit steps 1.00-1.06x static's. So the probe read low-bit about 10 % slower than it
-runs beside fp32: at 500 Mbit/s it kept fp32 from step 174 to 800 on low-bit 22.10 against fp32
-20.74 ms while static was 5 % faster than fp32 over the run (transformer.v6, profile 1.074x
-min(fp32, static), session 38). The untimed low-bit step after each pair removes the low-bit
-side of that switch; it costs one step on the profile's routes per pair, where low-bit is the
-cheap path on a slow link, and on a close call at most 15 % of a step. The timed fp32 step
-still follows a low-bit one (its cost there was about 5 %, and its own settling step would be
-a full fp32 step on a slow link: 230 ms at 20 Mbit/s).
 
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, any thread hand-offs and the gradient
@@ -136,9 +121,8 @@ class MeasuredAdmission:
         self._cycles: dict[str, _Cycle] = {}
 
     def _end(self, c: _Cycle) -> int:
-        """The phase step (from the cycle's start) its last pair ends at: each pair is a timed
-        low-bit step, a timed fp32 step and an untimed low-bit one, the last pair's left out."""
-        return self.warmup + 3 * (c.pairs or self.steps) - 1
+        """The phase step (from the cycle's start) its last pair ends at."""
+        return self.warmup + 2 * (c.pairs or self.steps)
 
     def _recheck(self, c: _Cycle) -> int:
         """Steps a decision stands: `recheck_every`; after a close call `close_recheck`,
@@ -166,8 +150,7 @@ class MeasuredAdmission:
             c.times, c.pairs = _no_times(), 0
         if pos < self.warmup:
             return LOWBIT, True  # more low-bit samples (module docstring)
-        turn = (pos - self.warmup) % 3  # timed low-bit, timed fp32, low-bit to settle after it
-        return (FP32, True) if turn == 1 else (LOWBIT, turn == 0)
+        return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
 
     def record(self, phase: str, path: str, seconds: float) -> None:
         """A timed step's period (measured on this rank), called before the next step's
@@ -186,7 +169,7 @@ class MeasuredAdmission:
         if c is None or c.decision is not None:
             return None
         pos = c.seen - c.start
-        if not self.warmup < pos <= self._end(c) or (pos - self.warmup) % 3 != 2:
+        if not self.warmup < pos <= self._end(c) or (pos - self.warmup) % 2:
             return None
         low, full = c.times[LOWBIT], c.times[FP32]
         if not low or not full:

@@ -47,17 +47,15 @@ def _cycle(m: MeasuredAdmission, low: float, fp32: float) -> tuple[list, tuple |
 def test_a_close_call_probes_every_pair_then_keeps_the_faster() -> None:
     m = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, close_steps=3)
     steps, decided = _cycle(m, low=0.018, fp32=0.020)  # within 2x: all three pairs
-    # the warm-up steps run low-bit and are timed too (more low-bit samples); after each pair
-    # but the last an untimed low-bit step, so that no timed low-bit step follows an fp32 one
-    pair = [(LOWBIT, True), (FP32, True)]
-    assert steps == [(LOWBIT, True)] * 2 + (pair + [(LOWBIT, False)]) * 2 + pair
+    # the warm-up steps run low-bit and are timed too (more low-bit samples)
+    assert steps == [(LOWBIT, True)] * 2 + [(LOWBIT, True), (FP32, True)] * 3
     assert decided == (LOWBIT, "measured step: low-bit 18.00 ms vs fp32 20.00 ms (median of 3 "
                                "steps each, mean over ranks); close: re-checked in 4 steps")
     assert m.due(PHASE) is None  # decided once
     assert [m.path(PHASE) for _ in range(4)] == [(LOWBIT, False)] * 4  # kept until the recheck
     # the recheck probes again; now low-bit is slower (but not 2x): fp32 is kept
     steps, decided = _cycle(m, low=0.025, fp32=0.02)
-    assert len(steps) == 2 + 3 * 3 - 1 and decided[0] == FP32
+    assert len(steps) == 8 and decided[0] == FP32
     assert m.path(PHASE) == (FP32, False)
     # a resumed run continues the same schedule, with the same decision
     again = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, close_steps=3)
@@ -80,23 +78,22 @@ def test_a_close_call_probes_on_to_twelve_pairs() -> None:
                 break
             extended.append((len(steps), decided[1]))
             decided = None
-        if len(steps) == 2 + 3 * 4 + 1:  # mid-extension: resume from a checkpoint
+        if len(steps) == 2 + 2 * 4 + 1:  # mid-extension: resume from a checkpoint
             resumed = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
             resumed.load_state_dict(m.state_dict())
             m = resumed
         path, timed = m.path(PHASE)
         steps.append(path)
-        if timed:
-            m.record(PHASE, path, next(lows) if path == LOWBIT else next(fulls))
+        m.record(PHASE, path, next(lows) if path == LOWBIT else next(fulls))
     # after four pairs the medians were 22.0 vs 21.5 ms (fp32 ahead); twelve say low-bit
-    assert steps == [LOWBIT] * 2 + [LOWBIT, FP32, LOWBIT] * 11 + [LOWBIT, FP32]
-    assert extended == [(13, "close call: low-bit 22.00 ms vs fp32 21.50 ms (median of 4 steps "
+    assert steps == [LOWBIT] * 2 + [LOWBIT, FP32] * 12
+    assert extended == [(10, "close call: low-bit 22.00 ms vs fp32 21.50 ms (median of 4 steps "
                              "each, within 1.15x): probing to 12 pairs")]  # said once, an event
     assert decided == (LOWBIT, "measured step: low-bit 20.00 ms vs fp32 21.50 ms (median of 12 "
                                "steps each, mean over ranks); close: re-checked in 100 steps")
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
     steps, decided = _cycle(m, low=0.025, fp32=0.020)  # 1.25x: four pairs decide
-    assert len(steps) == 2 + 3 * 4 - 1 and decided[0] == FP32
+    assert len(steps) == 2 + 2 * 4 and decided[0] == FP32
     with pytest.raises(ValueError, match="close_steps >= steps"):
         MeasuredAdmission(steps=4, close_steps=3)
     with pytest.raises(ValueError, match="1 <= close <= decisive"):
@@ -120,12 +117,12 @@ def test_a_close_decision_is_rechecked_sooner_and_a_clear_one_resets_it() -> Non
         return n  # the step after was the re-check's first (timed, low-bit warm-up)
 
     steps, decided = _cycle(m, low=0.0225, fp32=0.0215)  # 1.05x: twelve pairs, fp32
-    assert len(steps) == 2 + 3 * 12 - 1 and decided[0] == FP32
+    assert len(steps) == 2 + 2 * 12 and decided[0] == FP32
     assert decided[1].endswith("(median of 12 steps each, mean over ranks); close: re-checked "
                                "in 100 steps")
     assert kept_for(FP32) == 100
     steps, decided = _cycle(m, low=0.0200, fp32=0.0215)  # fresh samples: low-bit, close again
-    assert len(steps) == 2 + 3 * 12 - 2 and decided[0] == LOWBIT  # its warm-up step was taken
+    assert len(steps) == 2 + 2 * 12 - 1 and decided[0] == LOWBIT  # its warm-up step was taken
     assert decided[1].endswith("re-checked in 200 steps")
     # a re-check after a close call: one pair 2x apart (a paused sample) does not end it, two do
     again = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
@@ -133,7 +130,7 @@ def test_a_close_decision_is_rechecked_sooner_and_a_clear_one_resets_it() -> Non
     for _ in range(200):
         again.path(PHASE)
     steps, decided = _cycle(again, low=0.0200, fp32=0.0441)
-    assert len(steps) == 2 + 3 * 2 - 1 and decided[0] == LOWBIT
+    assert len(steps) == 2 + 2 * 2 and decided[0] == LOWBIT
     assert "(fastest of 4 low-bit and 2 fp32 steps" in decided[1]
     resumed = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
     resumed.load_state_dict(m.state_dict())
@@ -143,7 +140,7 @@ def test_a_close_decision_is_rechecked_sooner_and_a_clear_one_resets_it() -> Non
     # beyond close, so it stands the full 500 steps, but a re-check after a close call takes
     # twelve pairs to say so, not four
     steps, decided = _cycle(m, low=0.0300, fp32=0.0215)
-    assert len(steps) == 2 + 3 * 12 - 2 and decided[0] == FP32 and "re-checked" not in decided[1]
+    assert len(steps) == 2 + 2 * 12 - 1 and decided[0] == FP32 and "re-checked" not in decided[1]
     assert "low-bit 25.00 ms vs fp32 21.50 ms (median of 12 steps each and the last check's 12" \
         in decided[1]
     assert kept_for(FP32) == 500
@@ -196,7 +193,7 @@ def test_a_decisive_pair_ends_the_probe_early() -> None:
     assert decided[0] == FP32 and len(steps) == 2
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=0)
     steps, decided = _cycle(m, low=0.0055, fp32=0.0089)  # 1.6x: every pair, then low-bit
-    assert decided[0] == LOWBIT and len(steps) == 3 * 4 - 1
+    assert decided[0] == LOWBIT and len(steps) == 8
 
 
 def test_a_pause_between_steps_does_not_keep_fp32_on_a_slow_link() -> None:
@@ -229,7 +226,6 @@ def test_fastest_before_the_last_pair_medians_after_it() -> None:
         due.append(m.due(PHASE))
         if len(due) < 3:
             assert m.decide(PHASE, *due[-1]) is None  # 2x apart at most: probe on
-            assert m.path(PHASE) == (LOWBIT, False)  # low-bit again before the next timed one
     assert due == [(0.010, 0.020), (0.010, 0.020), (0.012, 0.020)]
     # a run resumed mid-cycle lost its in-flight times: nothing to decide, so it probes again
     fresh = MeasuredAdmission(steps=1, recheck_every=10, warmup=1)
@@ -394,11 +390,10 @@ def test_every_timed_step_starts_after_a_round_and_no_period_holds_it() -> None:
     the fp32 periods still held the skew. Every timed step now starts at a round (an empty
     one where no pair is due) and its period starts after it."""
     for times in run_ranks(_probe_periods, 2):
-        assert times["agreed"] == 2  # at steps 3 and 6: after the pairs ending at 2 and 5
-        # a round every step: before each timed one, and the agreements at 3 and 6 (the
-        # untimed low-bit steps after a pair)
-        assert times["rounds"] == [(s, s in (3, 6)) for s in range(9)]
-        # warm-up step 0; low-bit steps 1, 4, 7 and fp32 steps 2, 5 (8's ends after the run)
+        assert times["agreed"] == 3  # at steps 3, 5, 7: after the pairs ending at 2, 4, 6
+        # one round a step, every step of the cycle being timed; the agreements at 3, 5, 7
+        assert times["rounds"] == [(s, s in (3, 5, 7)) for s in range(9)]
+        # warm-up step 0; low-bit steps 1, 3, 5, 7 and fp32 steps 2, 4, 6 (8's ends after the run)
         assert len(times[WARMUP]) == 1
-        assert len(times[LOWBIT]) == 3 and len(times[FP32]) == 2
+        assert len(times[LOWBIT]) == 4 and len(times[FP32]) == 3
         assert max(times[WARMUP] + times[LOWBIT] + times[FP32]) < 0.5, times
