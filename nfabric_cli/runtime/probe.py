@@ -199,11 +199,10 @@ class MeasuredAdmission:
             return PROBE_ON, (f"close call: {times} (median of {min(low, full)} steps each, "
                               f"within {self.close:g}x): probing to {self.close_steps} pairs")
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
-        pooled = min(map(len, c.prior.values())) if c.prior else 0
         how = (f"median of {min(low, full)} steps each" if last else
                f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 steps")
-        if last and pooled:
-            how += f" and the last check's {pooled}"
+        if last and c.prior:  # the medians pooled the last check's pairs (`due`)
+            how += f" and the last check's {min(map(len, c.prior.values()))}"
         c.close_calls = c.close_calls + 1 if near else 0
         again = f"; close: re-checked in {self._recheck(c)} steps" if c.close_calls else ""
         c.reason = f"measured step: {times} ({how}, mean over ranks){again}"
