@@ -5,10 +5,9 @@ admits every bucket as the profile wrote it, however slow low-bit is on the link
 With ``gate="measure"`` (`attach`, `validate --gate measure`) and no substrate, each phase
 with a low-bit route runs a *probe cycle* (phases that route every parameter alike share
 one: vision.v5's warm-up and main phase are timed once, not at a slow-path step each):
-`warmup` steps as written, then up to `steps` pairs of steps (`close_steps` on a close call,
-below), one on the profile's routes and
-one on plain DDP's fp32 path, each step's period (first bucket to next step's first bucket)
-timed. After each pair, at the next step's first bucket, the ranks all-reduce each path's
+`warmup` steps as written, then up to `steps` pairs of steps (then blocks on a close call,
+below), one on the profile's routes and one on plain DDP's fp32 path, each step's period
+(first bucket to next step's first bucket) timed. After each pair, at the next step's first bucket, the ranks all-reduce each path's
 fastest period so far (one small blocking all-reduce, while nothing else is in flight; not
 counted in any period: every timed step starts after such a round, see
 `FabricState._measured_path`) and every rank takes the same
@@ -35,30 +34,37 @@ A pause in the one fp32 sample of a slow-link pair cannot mislead (fp32 only loo
 there); on a fast link it can make low-bit look 2x faster and keep it, 1.1-1.3x slower there,
 until the re-check.
 
-A close call probes longer: when the `steps`-th pair's medians are within `close` (1.15x),
-the cycle probes on to `close_steps` (12) pairs, an event of its own, and decides on their
-medians (a pair `decisive` times apart on the fastest samples still ends it early). Near the
-crossover a probe step on the slower path costs little (at most 15 % of a step), while four
-samples a path decide badly: transformer.v5 at 500 Mbit/s, where static was 6 % faster than
-fp32 over the run, measured 24.73 against 21.97 ms on four steps each and kept fp32 for the
-run (`bench.link_paired`, profile 1.147x min(fp32, static)); 2.7-2.9 ms of that gap was
-the agreement all-reduce, timed in the low-bit period until session 35.
+A close call probes longer, in blocks: when the `steps`-th pair's medians are within `close`
+(1.15x), the cycle probes on in `close_blocks` (3) pairs of `block` (4) steps a path, an event
+of its own, and decides on the medians of the blocks' samples (two blocks `decisive` times
+apart on the fastest samples still end it early). Near the crossover a probe step on the
+slower path costs little (at most 15 % of a step), while four samples a path decide badly:
+transformer.v5 at 500 Mbit/s, where static was 6 % faster than fp32 over the run, measured
+24.73 against 21.97 ms on four steps each and kept fp32 for the run (`bench.link_paired`,
+profile 1.147x min(fp32, static)). Why blocks: every single-step sample starts at a round with
+the ranks in step, which no step of a run of that path does; over 29 decisions of twelve
+single-step pairs the probe's fp32 median read 0.913x the fp32 arm's steps of the same rounds
+and its low-bit median 0.976x static's, enough to keep the wrong path within a few per cent. A
+block starts at a round and its other steps run on, as a run of the path would. A block's
+sample is the *median* of its steps' periods: a mean let one paused step (the bench's other
+arms, between two of its rounds) make a block 607 ms long and decide fp32 on it.
 
 A close decision stands for less: decided within `close`, it is re-checked after
 `close_recheck` (100) steps, not `recheck_every`, then after 200, 400, ... while the calls stay
-close, on `close_steps` pairs from the start: four pairs of a noisy stretch can read 1.4x where
-the paths are within a few per cent, and a decision beyond `close` stands the full
-`recheck_every` (two pairs `decisive` times apart still end it early, so a link that changed is
-seen; one does not, as one paused sample could). Its medians pool its pairs with the last
-check's (that check was close, or there would be no re-check): twelve pairs of one stretch
-read 1.18x at 1000 Mbit/s (transformer.v6, low-bit 10.94 against fp32 12.92 ms) and kept
-low-bit for 500 steps, where fp32 was 4 % faster over the run; two stretches a hundred steps
-and more apart share less of the host's noise. The pool is two checks deep, so a lasting change
-under 2x takes over at the second re-check. The
+close, on `close_blocks` pairs of blocks from the start (the warm-up steps untimed): four pairs
+of a noisy stretch can read 1.4x where the paths are within a few per cent, and a decision
+beyond `close` stands the full `recheck_every` (two pairs of blocks `decisive` times apart
+still end it early, so a link that changed is seen; one does not, as one paused sample could).
+Its medians pool its blocks with the last check's (that check was close, or there would be no
+re-check): twelve pairs of one stretch read 1.18x at 1000 Mbit/s (transformer.v6, low-bit 10.94
+against fp32 12.92 ms) and kept low-bit for 500 steps, where fp32 was 4 % faster over the run;
+two stretches a hundred steps and more apart share less of the host's noise. The pool is two
+checks deep, so a lasting change under 2x takes over at the second re-check. The
 first cycle runs in a run's first steps, the noisiest there are: transformer.v6 at 500 Mbit/s,
 where static was 8 % faster than fp32 over the run, measured low-bit 25.40 against 23.15 ms
 on twelve pairs at step 74 and kept fp32 until step 600 (profile 1.096x static, 40 rounds,
-session 37). A re-check costs at most `close_steps` steps on a path within 15 % of the other.
+session 37). A re-check costs at most `close_blocks` x `block` steps on a path within 15 % of
+the other.
 
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, any thread hand-offs and the gradient
@@ -69,23 +75,33 @@ unshaped loopback the bucket timings said low-bit 3.4 ms against fp32 5.8 ms whi
 Opt-in, not the default: a decision from wall-clock times differs from run to run, so
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
 simulator stay bit-reproducible without it). Probing costs 1 to `steps` steps on the slower
-path per cycle, up to `close_steps` on a close call (and the `warmup` steps, which run
-low-bit).
+path per cycle, `steps` + `close_blocks` x `block` on a close call (and the `warmup` steps,
+which run low-bit).
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 LOWBIT, FP32 = "low-bit", "fp32"
 PROBE_ON = "probe on"  # `decide`'s verdict when a close call extends the cycle
 WARMUP = "warm-up"  # the low-bit periods of a cycle's warm-up steps
+VERSION = 2  # `state_dict`'s layout: 2 since cycles sample blocks (older cycles probe again)
 
 
 def _no_times() -> dict[str, list[float]]:
     return {LOWBIT: [], FP32: [], WARMUP: []}
+
+
+class ProbeStep(NamedTuple):
+    """A step's path, whether its period is timed, and whether a timed period starts at a
+    round (every single step and every block's first; a block's other steps run on)."""
+
+    path: str
+    timed: bool
+    fresh: bool
 
 
 @dataclass
@@ -96,10 +112,13 @@ class _Cycle:
     times: dict[str, list[float]] = field(default_factory=_no_times)
     decision: str | None = None  # the path kept (None: not decided yet)
     reason: str = ""
-    pairs: int = 0  # pairs this cycle probes: 0 for `steps`, more once a close call extends it
+    # the cycle position its blocks begin at (None: single steps): a close call's or a
+    # re-check after one; its samples are then the blocks' median periods
+    blocks_from: int | None = None
     close_calls: int = 0  # decisions in a row taken within `close`: re-checked sooner
-    # a re-check after a close call: the last check's pair samples, pooled into its medians
+    # a re-check after a close call: the last check's block samples, pooled into its medians
     prior: dict[str, list[float]] = field(default_factory=dict)
+    block: list[float] = field(default_factory=list)  # the periods of the block in progress
 
 
 class MeasuredAdmission:
@@ -109,20 +128,22 @@ class MeasuredAdmission:
     then `path` for this step."""
 
     def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2,
-                 decisive: float = 2.0, close: float = 1.15, close_steps: int = 12,
-                 close_recheck: int = 100) -> None:
+                 decisive: float = 2.0, close: float = 1.15, block: int = 4,
+                 close_blocks: int = 3, close_recheck: int = 100) -> None:
         if (steps < 1 or recheck_every < 0 or warmup < 0 or not 1 <= close <= decisive
-                or close_steps < steps or close_recheck < 0):
-            raise ValueError("probe steps must be >= 1, recheck_every, close_recheck and warmup "
-                             ">= 0, 1 <= close <= decisive, close_steps >= steps")
+                or block < 1 or close_blocks < 1 or close_recheck < 0):
+            raise ValueError("probe steps, block and close_blocks must be >= 1, recheck_every, "
+                             "close_recheck and warmup >= 0, 1 <= close <= decisive")
         self.steps, self.recheck_every, self.warmup = steps, recheck_every, warmup
-        self.decisive, self.close, self.close_steps = decisive, close, close_steps
-        self.close_recheck = close_recheck
+        self.decisive, self.close, self.block = decisive, close, block
+        self.close_blocks, self.close_recheck = close_blocks, close_recheck
         self._cycles: dict[str, _Cycle] = {}
 
     def _end(self, c: _Cycle) -> int:
-        """The phase step (from the cycle's start) its last pair ends at."""
-        return self.warmup + 2 * (c.pairs or self.steps)
+        """The cycle position its last pair ends at."""
+        if c.blocks_from is None:
+            return self.warmup + 2 * self.steps
+        return c.blocks_from + 2 * self.block * self.close_blocks
 
     def _recheck(self, c: _Cycle) -> int:
         """Steps a decision stands: `recheck_every`; after a close call `close_recheck`,
@@ -131,33 +152,53 @@ class MeasuredAdmission:
             return self.recheck_every
         return min(self.recheck_every, self.close_recheck << (c.close_calls - 1))
 
-    def path(self, phase: str) -> tuple[str, bool]:
-        """This step's path in `phase` and whether its period is to be timed (one call per
-        step of the phase)."""
+    def _restart(self, c: _Cycle) -> None:
+        """Begin a cycle at this step: on blocks from the warm-up's end after a close call."""
+        c.start, c.times, c.decision, c.reason = c.seen, _no_times(), None, ""
+        c.blocks_from, c.block = (self.warmup if c.close_calls else None), []
+
+    def path(self, phase: str) -> ProbeStep:
+        """This step's path and how it is timed (one call per step of the phase)."""
         c = self._cycles.setdefault(phase, _Cycle())
         if c.decision is not None and c.seen - c.decided_at >= self._recheck(c):
-            # probe again; after a close call on `close_steps` pairs at once, pooled with these
+            # probe again; after a close call on blocks, pooled with the last check's
             c.prior = {k: c.times[k] for k in (LOWBIT, FP32)} if c.close_calls else {}
-            c.start = c.seen
-            c.times, c.decision, c.reason = _no_times(), None, ""
-            c.pairs = self.close_steps if c.close_calls else 0
+            self._restart(c)
+        elif c.decision is None and c.seen - c.start >= self._end(c):
+            self._restart(c)  # undecided at its end: a resumed cycle lost its times
         pos = c.seen - c.start
         c.seen += 1
         if c.decision is not None:
-            return c.decision, False
-        if pos >= self._end(c):  # undecided: a resumed cycle lost its times; probe again
-            c.start, pos = c.seen - 1, 0
-            c.times, c.pairs = _no_times(), 0
-        if pos < self.warmup:
-            return LOWBIT, True  # more low-bit samples (module docstring)
-        return (LOWBIT if (pos - self.warmup) % 2 == 0 else FP32), True
+            return ProbeStep(c.decision, False, False)
+        if c.blocks_from is not None and pos >= c.blocks_from:
+            k = pos - c.blocks_from
+            return ProbeStep(FP32 if k // self.block % 2 else LOWBIT, True, k % self.block == 0)
+        if pos < self.warmup:  # more low-bit samples (module docstring); none beside blocks
+            timed = c.blocks_from is None
+            return ProbeStep(LOWBIT, timed, timed)
+        return ProbeStep(FP32 if (pos - self.warmup) % 2 else LOWBIT, True, True)
 
     def record(self, phase: str, path: str, seconds: float) -> None:
         """A timed step's period (measured on this rank), called before the next step's
-        `path`: so the recorded step is the cycle's last, and a warm-up one is told apart."""
+        `path`: so the recorded step is the cycle's last, and a warm-up one is told apart. A
+        block's sample is its steps' median period, taken at its last step."""
         c = self._cycles[phase]
-        key = WARMUP if c.seen - 1 - c.start < self.warmup else path
-        c.times[key].append(seconds)
+        pos = c.seen - 1 - c.start
+        if c.blocks_from is None or pos < c.blocks_from:
+            c.times[WARMUP if pos < self.warmup else path].append(seconds)
+            return
+        k = (pos - c.blocks_from) % self.block
+        c.block = [*c.block, seconds] if k else [seconds]  # after a resume: the steps since
+        if k == self.block - 1:
+            c.times[path].append(statistics.median(c.block))
+            c.block = []
+
+    def _paired(self, c: _Cycle, pos: int) -> bool:
+        """Whether a pair (of steps, or of blocks) ended at the step before cycle position
+        `pos`."""
+        first, width = ((self.warmup, 2) if c.blocks_from is None
+                        else (c.blocks_from, 2 * self.block))
+        return first < pos <= self._end(c) and (pos - first) % width == 0
 
     def due(self, phase: str) -> tuple[float, float] | None:
         """(low-bit, fp32) local times when `phase`'s cycle has just probed a pair and is
@@ -166,15 +207,12 @@ class MeasuredAdmission:
         warm-up's included (module docstring). The same on every rank (it depends on step
         counts only)."""
         c = self._cycles.get(phase)
-        if c is None or c.decision is not None:
-            return None
-        pos = c.seen - c.start
-        if not self.warmup < pos <= self._end(c) or (pos - self.warmup) % 2:
+        if c is None or c.decision is not None or not self._paired(c, c.seen - c.start):
             return None
         low, full = c.times[LOWBIT], c.times[FP32]
         if not low or not full:
             return None
-        if pos >= self._end(c):
+        if c.seen - c.start >= self._end(c):
             return (statistics.median(low + c.prior.get(LOWBIT, [])),
                     statistics.median(full + c.prior.get(FP32, [])))
         return min(low + c.times[WARMUP]), min(full)
@@ -182,8 +220,8 @@ class MeasuredAdmission:
     def decide(self, phase: str, lowbit_s: float, fp32_s: float) -> tuple[str, str] | None:
         """Judge agreed times after a pair: (path kept, why) for the event once one path is
         `decisive` times the other or the last pair is in, else None (probe on). A close call
-        at the `steps`-th pair (within `close`) probes on to `close_steps` pairs first, and
-        says so: (`PROBE_ON`, why), an event too."""
+        on single steps (within `close`) probes on in `close_blocks` pairs of blocks first,
+        and says so: (`PROBE_ON`, why), an event too."""
         c = self._cycles[phase]
         last = c.seen - c.start >= self._end(c)
         slow, fast = max(lowbit_s, fp32_s), min(lowbit_s, fp32_s)
@@ -194,14 +232,17 @@ class MeasuredAdmission:
         if not last and (slow < self.decisive * fast or (c.close_calls and min(low, full) < 2)):
             return None
         times = f"low-bit {lowbit_s * 1e3:.2f} ms vs fp32 {fp32_s * 1e3:.2f} ms"
-        if near and not c.pairs and self.close_steps > self.steps:
-            c.pairs = self.close_steps
+        blocks = f"{self.block}-step blocks"
+        if near and c.blocks_from is None:
+            c.blocks_from, c.times = c.seen - c.start, _no_times()
             return PROBE_ON, (f"close call: {times} (median of {min(low, full)} steps each, "
-                              f"within {self.close:g}x): probing to {self.close_steps} pairs")
+                              f"within {self.close:g}x): probing on in {self.close_blocks} "
+                              f"pairs of {blocks}")
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
-        how = (f"median of {min(low, full)} steps each" if last else
-               f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 steps")
-        if last and c.prior:  # the medians pooled the last check's pairs (`due`)
+        what = "steps" if c.blocks_from is None else blocks
+        how = (f"median of {min(low, full)} {what} each" if last else
+               f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 {what}")
+        if last and c.prior:  # the medians pooled the last check's blocks (`due`)
             how += f" and the last check's {min(map(len, c.prior.values()))}"
         c.close_calls = c.close_calls + 1 if near else 0
         again = f"; close: re-checked in {self._recheck(c)} steps" if c.close_calls else ""
@@ -209,15 +250,18 @@ class MeasuredAdmission:
         return c.decision, c.reason
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision, c.reason,
-                                   c.pairs, c.close_calls, c.prior]
+        return {"version": VERSION,
+                "cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision,
+                                   c.reason, c.blocks_from, c.close_calls, c.prior]
                            for phase, c in self._cycles.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._cycles = {}
         for phase, row in state.get("cycles", {}).items():
-            # an older state may lack the trailing fields (pairs, close calls, the pooled
-            # samples) and warm-up times
+            if state.get("version", 1) < VERSION:  # single-step samples: probe again
+                self._cycles[phase] = c = _Cycle(seen=row[1])
+                self._restart(c)
+                continue
             start, seen, decided_at, times, decision, reason, *rest = row
             kept = {**_no_times(), **{k: list(v) for k, v in times.items()}}
             self._cycles[phase] = _Cycle(start, seen, decided_at, kept, decision, reason, *rest)

@@ -321,8 +321,9 @@ class FabricState:
         (one small blocking all-reduce: the worker is idle between steps and every rank
         reaches it at the same step), then ask for this step's path.
 
-        Every timed step starts at such a round, an empty one where no pair is due, and its
-        period starts after it. The round is a barrier: it holds its round trip and the
+        Every timed single step and every block's first step (`probe.py`) starts at such a
+        round, an empty one where no pair is due, and its period starts after it; a block's
+        other steps run on without one. The round is a barrier: it holds its round trip and the
         ranks' skew (2.7-2.9 ms median, 7-8 ms at p90, on transformer's ~22 ms step). Timed in
         the low-bit step after each pair alone, it made low-bit read ~9 % slower than it runs
         and kept fp32 where static was faster; left out of the low-bit periods alone, those
@@ -344,10 +345,10 @@ class FabricState:
             if decided is not None:
                 self._log({"step": self.step, "scope": "step", "from": "probe",
                            "to": decided[0], "reason": decided[1]})
-        path, timed = probe.path(cycle)
+        path, timed, fresh = probe.path(cycle)
         if timed:
-            if due is None:
-                self._probe_round((0.0, 0.0))  # a barrier: this step starts in step too
+            if fresh and due is None:
+                self._probe_round((0.0, 0.0))  # a barrier: this period starts in step too
             self._timing, self._period_start = (cycle, path), time.perf_counter()
         return path
 

@@ -17,17 +17,22 @@ from nfabric_cli.profile.phases import Phase
 from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.inject import Injection
-from nfabric_cli.runtime.probe import FP32, LOWBIT, PROBE_ON, WARMUP, MeasuredAdmission
+from nfabric_cli.runtime.probe import FP32, LOWBIT, PROBE_ON, WARMUP, MeasuredAdmission, ProbeStep
 from tests.distutil import run_ranks
 from tests.runtime.models import make_model, train_steps
 
 PHASE = "all"
+# a timed step that starts at a round (a single step, a block's first), one that runs on in a
+# block, and a step on a decided path
+L, F = ProbeStep(LOWBIT, True, True), ProbeStep(FP32, True, True)
+LB, FB = ProbeStep(LOWBIT, True, False), ProbeStep(FP32, True, False)
+KEPT_LOW, KEPT_FP32 = ProbeStep(LOWBIT, False, False), ProbeStep(FP32, False, False)
 
 
 def _cycle(m: MeasuredAdmission, low: float, fp32: float) -> tuple[list, tuple | None]:
     """One probe cycle as the hook drives it: at each step, judge a finished pair on the
     given times (as if agreed), then take the step's path; the timed ones record their time.
-    Returns the steps' (path, timed) and the decision."""
+    Returns the steps' `ProbeStep`s and the decision."""
     out, decided = [], None
     while decided is None:
         due = m.due(PHASE)
@@ -37,39 +42,55 @@ def _cycle(m: MeasuredAdmission, low: float, fp32: float) -> tuple[list, tuple |
                 decided = None  # a close call extended the cycle
             if decided is not None:
                 break
-        path, timed = m.path(PHASE)
-        out.append((path, timed))
-        if timed:
-            m.record(PHASE, path, low if path == LOWBIT else fp32)
+        step = m.path(PHASE)
+        out.append(step)
+        if step.timed:
+            m.record(PHASE, step.path, low if step.path == LOWBIT else fp32)
     return out, decided
 
 
-def test_a_close_call_probes_every_pair_then_keeps_the_faster() -> None:
-    m = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, close_steps=3)
-    steps, decided = _cycle(m, low=0.018, fp32=0.020)  # within 2x: all three pairs
-    # the warm-up steps run low-bit and are timed too (more low-bit samples)
-    assert steps == [(LOWBIT, True)] * 2 + [(LOWBIT, True), (FP32, True)] * 3
-    assert decided == (LOWBIT, "measured step: low-bit 18.00 ms vs fp32 20.00 ms (median of 3 "
-                               "steps each, mean over ranks); close: re-checked in 4 steps")
+def _kept_for(m: MeasuredAdmission, path: str) -> int:
+    """Steps on a decided `path` until a re-check begins (that step is taken)."""
+    n = 0
+    while (step := m.path(PHASE)) == (path, False, False) and m._cycles[PHASE].decision:
+        n += 1
+    assert m._cycles[PHASE].decision is None, step
+    return n
+
+
+def test_a_close_call_probes_every_pair_then_blocks_then_keeps_the_faster() -> None:
+    m = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, block=2, close_blocks=2)
+    steps, decided = _cycle(m, low=0.018, fp32=0.020)  # within 1.15x: all three pairs, blocks
+    # the warm-up steps run low-bit and are timed too (more low-bit samples); a block's first
+    # step starts at a round, its others run on
+    assert steps == [L] * 2 + [L, F] * 3 + [L, LB, F, FB] * 2
+    assert decided == (LOWBIT, "measured step: low-bit 18.00 ms vs fp32 20.00 ms (median of 2 "
+                               "2-step blocks each, mean over ranks); close: re-checked in 4 "
+                               "steps")
     assert m.due(PHASE) is None  # decided once
-    assert [m.path(PHASE) for _ in range(4)] == [(LOWBIT, False)] * 4  # kept until the recheck
-    # the recheck probes again; now low-bit is slower (but not 2x): fp32 is kept
+    assert [m.path(PHASE) for _ in range(4)] == [KEPT_LOW] * 4  # kept until the recheck
+    # the recheck (after a close call) probes on blocks at once, its warm-up untimed; low-bit
+    # is now 1.25x slower, 1.075x pooled with the last check's blocks: fp32, close again
     steps, decided = _cycle(m, low=0.025, fp32=0.02)
-    assert len(steps) == 8 and decided[0] == FP32
-    assert m.path(PHASE) == (FP32, False)
+    assert steps == [KEPT_LOW] * 2 + [L, LB, F, FB] * 2 and decided[0] == FP32
+    assert "low-bit 21.50 ms vs fp32 20.00 ms (median of 2 2-step blocks each and the last " \
+        "check's 2" in decided[1]
+    assert m.path(PHASE) == KEPT_FP32
     # a resumed run continues the same schedule, with the same decision
-    again = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, close_steps=3)
+    again = MeasuredAdmission(steps=3, recheck_every=4, warmup=2, block=2, close_blocks=2)
     again.load_state_dict(m.state_dict())
-    assert [again.path(PHASE) for _ in range(3)] == [(FP32, False)] * 3
-    assert again.path(PHASE) == (LOWBIT, True)  # the next recheck's warm-up
+    assert [again.path(PHASE) for _ in range(3)] == [KEPT_FP32] * 3
+    assert [again.path(PHASE) for _ in range(3)] == [KEPT_LOW] * 2 + [L]  # the next re-check
 
 
-def test_a_close_call_probes_on_to_twelve_pairs() -> None:
-    """Within 1.15x after the fourth pair: probe on to twelve and decide on their medians; a
-    gap of 1.25x decides after four; a resumed run keeps the extension."""
+def test_a_close_call_probes_on_in_blocks() -> None:
+    """Within 1.15x after the fourth pair: probe on in three pairs of 4-step blocks and decide
+    on the medians of the blocks' median periods; a gap of 1.25x decides after four pairs; a
+    run resumed mid-block keeps the blocks."""
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
-    lows = iter([0.020] * 2 + [0.0215, 0.0230, 0.0225, 0.0205] + [0.0200] * 8)
-    fulls = iter([0.0210, 0.0220, 0.0200, 0.0240] + [0.0215] * 8)
+    blocks = [0.019, 0.0205, 0.0195, 0.5] + [0.0195] * 4 + [0.0210] * 4  # 20.0 (a pause), 19.5, 21
+    lows = iter([0.020] * 2 + [0.0215, 0.0230, 0.0225, 0.0205] + blocks)
+    fulls = iter([0.0210, 0.0220, 0.0200, 0.0240] + [0.0215] * 12)
     steps, decided, extended = [], None, []
     while decided is None:
         due = m.due(PHASE)
@@ -78,96 +99,98 @@ def test_a_close_call_probes_on_to_twelve_pairs() -> None:
                 break
             extended.append((len(steps), decided[1]))
             decided = None
-        if len(steps) == 2 + 2 * 4 + 1:  # mid-extension: resume from a checkpoint
+        if len(steps) == 2 + 2 * 4 + 5:  # mid-block: resume from a checkpoint
             resumed = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
             resumed.load_state_dict(m.state_dict())
             m = resumed
-        path, timed = m.path(PHASE)
-        steps.append(path)
-        m.record(PHASE, path, next(lows) if path == LOWBIT else next(fulls))
-    # after four pairs the medians were 22.0 vs 21.5 ms (fp32 ahead); twelve say low-bit
-    assert steps == [LOWBIT] * 2 + [LOWBIT, FP32] * 12
+        step = m.path(PHASE)
+        steps.append(step)
+        m.record(PHASE, step.path, next(lows) if step.path == LOWBIT else next(fulls))
+    # after four pairs the medians were 22.0 vs 21.5 ms (fp32 ahead); the blocks say low-bit
+    assert steps == [L] * 2 + [L, F] * 4 + ([L] + [LB] * 3 + [F] + [FB] * 3) * 3
     assert extended == [(10, "close call: low-bit 22.00 ms vs fp32 21.50 ms (median of 4 steps "
-                             "each, within 1.15x): probing to 12 pairs")]  # said once, an event
-    assert decided == (LOWBIT, "measured step: low-bit 20.00 ms vs fp32 21.50 ms (median of 12 "
-                               "steps each, mean over ranks); close: re-checked in 100 steps")
+                             "each, within 1.15x): probing on in 3 pairs of 4-step blocks")]
+    assert decided == (LOWBIT, "measured step: low-bit 20.00 ms vs fp32 21.50 ms (median of 3 "
+                               "4-step blocks each, mean over ranks); close: re-checked in 100 "
+                               "steps")
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
     steps, decided = _cycle(m, low=0.025, fp32=0.020)  # 1.25x: four pairs decide
     assert len(steps) == 2 + 2 * 4 and decided[0] == FP32
-    with pytest.raises(ValueError, match="close_steps >= steps"):
-        MeasuredAdmission(steps=4, close_steps=3)
+    with pytest.raises(ValueError, match="block and close_blocks must be >= 1"):
+        MeasuredAdmission(block=0)
     with pytest.raises(ValueError, match="1 <= close <= decisive"):
         MeasuredAdmission(close=2.5)
-    # a state saved before cycles had `pairs` (six fields) loads as not extended
-    older = {"cycles": {PHASE: [0, 3, 0, {LOWBIT: [0.02], FP32: []}, None, ""]}}
+
+
+def test_a_state_saved_before_blocks_probes_again() -> None:
+    """A state from before blocks (no version; its samples single steps, field 6 a count of
+    single-step pairs) is not judged on this schedule: every cycle in it probes again, from
+    the step it was saved at."""
+    older = {"cycles": {"a": [0, 15, 0, {LOWBIT: [0.02], FP32: [0.021]}, None, "", 12],
+                        "b": [0, 40, 34, {LOWBIT: [0.02] * 12, FP32: [0.021] * 12}, FP32,
+                              "close", 12, 1, {LOWBIT: [0.02] * 12, FP32: [0.021] * 12}]}}
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
     m.load_state_dict(older)
-    assert m.state_dict()["cycles"][PHASE][6] == 0 and m.path(PHASE) == (FP32, True)
+    assert m.state_dict() == {"version": 2, "cycles": {
+        name: [seen, seen, 0, {LOWBIT: [], FP32: [], WARMUP: []}, None, "", None, 0, {}]
+        for name, seen in (("a", 15), ("b", 40))}}
+    assert m.path("a") == L and m.path("b") == L  # a new cycle's warm-up
 
 
 def test_a_close_decision_is_rechecked_sooner_and_a_clear_one_resets_it() -> None:
     """Decided within 1.15x: re-checked after 100 steps, then 200 while the calls stay close,
-    on twelve fresh pairs; a clear gap stands `recheck_every` steps."""
+    on three fresh pairs of blocks; a clear gap stands `recheck_every` steps."""
     m = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
-
-    def kept_for(path: str) -> int:
-        n = 0
-        while m.path(PHASE) == (path, False):
-            n += 1
-        return n  # the step after was the re-check's first (timed, low-bit warm-up)
-
-    steps, decided = _cycle(m, low=0.0225, fp32=0.0215)  # 1.05x: twelve pairs, fp32
-    assert len(steps) == 2 + 2 * 12 and decided[0] == FP32
-    assert decided[1].endswith("(median of 12 steps each, mean over ranks); close: re-checked "
-                               "in 100 steps")
-    assert kept_for(FP32) == 100
+    steps, decided = _cycle(m, low=0.0225, fp32=0.0215)  # 1.05x: blocks, then fp32
+    assert len(steps) == 2 + 2 * 4 + 2 * 4 * 3 and decided[0] == FP32
+    assert decided[1].endswith("(median of 3 4-step blocks each, mean over ranks); close: "
+                               "re-checked in 100 steps")
+    assert _kept_for(m, FP32) == 100
     steps, decided = _cycle(m, low=0.0200, fp32=0.0215)  # fresh samples: low-bit, close again
-    assert len(steps) == 2 + 2 * 12 - 1 and decided[0] == LOWBIT  # its warm-up step was taken
+    assert len(steps) == 2 + 2 * 4 * 3 - 1 and decided[0] == LOWBIT  # its warm-up was taken
     assert decided[1].endswith("re-checked in 200 steps")
-    # a re-check after a close call: one pair 2x apart (a paused sample) does not end it, two do
+    # a re-check after a close call: one pair 2x apart (a paused block) does not end it, two do
     again = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
     again.load_state_dict(m.state_dict())
-    for _ in range(200):
-        again.path(PHASE)
+    assert _kept_for(again, LOWBIT) == 200
     steps, decided = _cycle(again, low=0.0200, fp32=0.0441)
-    assert len(steps) == 2 + 2 * 2 and decided[0] == LOWBIT
-    assert "(fastest of 4 low-bit and 2 fp32 steps" in decided[1]
+    assert len(steps) == 2 + 2 * 2 * 4 - 1 and decided[0] == LOWBIT
+    assert "(fastest of 2 low-bit and 2 fp32 4-step blocks" in decided[1]
     resumed = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
     resumed.load_state_dict(m.state_dict())
     m = resumed  # a resumed run keeps the shorter re-check
-    assert kept_for(LOWBIT) == 200
-    # 1.4x on this check's pairs, 1.16x pooled with the last check's (25.0 against 21.5 ms):
+    assert _kept_for(m, LOWBIT) == 200
+    # 1.4x on this check's blocks, 1.16x pooled with the last check's (25.0 against 21.5 ms):
     # beyond close, so it stands the full 500 steps, but a re-check after a close call takes
-    # twelve pairs to say so, not four
+    # three pairs of blocks to say so, not four single-step pairs
     steps, decided = _cycle(m, low=0.0300, fp32=0.0215)
-    assert len(steps) == 2 + 2 * 12 - 1 and decided[0] == FP32 and "re-checked" not in decided[1]
-    assert "low-bit 25.00 ms vs fp32 21.50 ms (median of 12 steps each and the last check's 12" \
-        in decided[1]
-    assert kept_for(FP32) == 500
+    assert len(steps) == 2 + 2 * 4 * 3 - 1 and decided[0] == FP32 and "re-checked" not in decided[1]
+    assert "low-bit 25.00 ms vs fp32 21.50 ms (median of 3 4-step blocks each and the last " \
+        "check's 3" in decided[1]
+    assert _kept_for(m, FP32) == 500
     steps, decided = _cycle(m, low=0.0400, fp32=0.0190)  # 2.1x: still one pair decides
     assert len(steps) == 2 + 2 - 1 and decided[0] == FP32
     with pytest.raises(ValueError, match="close_recheck"):
         MeasuredAdmission(close_recheck=-1)
 
 
-def test_a_recheck_pools_its_pairs_with_the_last_close_check() -> None:
+def test_a_recheck_pools_its_blocks_with_the_last_close_check() -> None:
     """One noisy stretch does not overturn a close call for 500 steps: a re-check's medians
-    pool its twelve pairs with the last check's, and a lasting change takes over at the second
-    re-check. A resumed run keeps the pool; a state saved without one loads with none."""
+    pool its three pairs of blocks with the last check's, and a lasting change takes over at
+    the second re-check. A resumed run keeps the pool; a state saved without one loads with
+    none."""
     m = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
     _, decided = _cycle(m, low=0.0225, fp32=0.0215)  # 1.05x: fp32, close
     assert decided[0] == FP32
-    for _ in range(100):
-        m.path(PHASE)
+    assert _kept_for(m, FP32) == 100
     resumed = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
     resumed.load_state_dict(m.state_dict())  # mid-way through the re-check's warm-up
     # this check alone reads low-bit 1.18x faster (18.2 ms); pooled, 20.35 against 21.5 ms
     _, decided = _cycle(resumed, low=0.0182, fp32=0.0215)
-    assert decided == (LOWBIT, "measured step: low-bit 20.35 ms vs fp32 21.50 ms (median of 12 "
-                               "steps each and the last check's 12, mean over ranks); close: "
-                               "re-checked in 200 steps")
-    for _ in range(200):
-        resumed.path(PHASE)
+    assert decided == (LOWBIT, "measured step: low-bit 20.35 ms vs fp32 21.50 ms (median of 3 "
+                               "4-step blocks each and the last check's 3, mean over ranks); "
+                               "close: re-checked in 200 steps")
+    assert _kept_for(resumed, LOWBIT) == 200
     _, decided = _cycle(resumed, low=0.0182, fp32=0.0215)  # the change lasted: 1.18x pooled too
     assert decided[0] == LOWBIT and "low-bit 18.20 ms" in decided[1]
     assert "re-checked" not in decided[1]  # beyond close: stands recheck_every, pool dropped
@@ -184,10 +207,10 @@ def test_a_decisive_pair_ends_the_probe_early() -> None:
     pair 1.6x apart, within a fast step's jitter, does not."""
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=2)
     steps, decided = _cycle(m, low=0.029, fp32=0.233)
-    assert steps == [(LOWBIT, True)] * 2 + [(LOWBIT, True), (FP32, True)]
+    assert steps == [L] * 2 + [L, F]
     assert decided[0] == LOWBIT and "(fastest of 3 low-bit and 1 fp32 steps" in decided[1]
-    assert [m.path(PHASE) for _ in range(10)] == [(LOWBIT, False)] * 10
-    assert m.path(PHASE) == (LOWBIT, True) and m.due(PHASE) is None  # rechecking: warm-up
+    assert [m.path(PHASE) for _ in range(10)] == [KEPT_LOW] * 10
+    assert m.path(PHASE) == L and m.due(PHASE) is None  # rechecking: warm-up
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=0)
     steps, decided = _cycle(m, low=0.040, fp32=0.019)  # 2.1x the other way
     assert decided[0] == FP32 and len(steps) == 2
@@ -203,11 +226,11 @@ def test_a_pause_between_steps_does_not_keep_fp32_on_a_slow_link() -> None:
     periods and the fastest-sample rule keep low-bit."""
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=2)
     for t in (0.045, 0.030):  # warm-up: the first one slowed by allocation
-        assert m.path(PHASE) == (LOWBIT, True)
+        assert m.path(PHASE) == L
         m.record(PHASE, LOWBIT, t)
-    assert m.path(PHASE) == (LOWBIT, True)
+    assert m.path(PHASE) == L
     m.record(PHASE, LOWBIT, 3.0)  # the pause
-    assert m.path(PHASE) == (FP32, True)
+    assert m.path(PHASE) == F
     m.record(PHASE, FP32, 0.233)
     assert m.due(PHASE) == (0.030, 0.233)
     assert m.decide(PHASE, *m.due(PHASE))[0] == LOWBIT
@@ -219,9 +242,9 @@ def test_fastest_before_the_last_pair_medians_after_it() -> None:
     m = MeasuredAdmission(steps=3, recheck_every=10, warmup=0, decisive=100.0)
     due = []
     for t_low, t_fp in [(0.010, 0.020), (0.500, 0.021), (0.012, 0.019)]:  # one slow outlier
-        assert m.path(PHASE) == (LOWBIT, True)
+        assert m.path(PHASE) == L
         m.record(PHASE, LOWBIT, t_low)
-        assert m.path(PHASE) == (FP32, True)
+        assert m.path(PHASE) == F
         m.record(PHASE, FP32, t_fp)
         due.append(m.due(PHASE))
         if len(due) < 3:
@@ -229,13 +252,13 @@ def test_fastest_before_the_last_pair_medians_after_it() -> None:
     assert due == [(0.010, 0.020), (0.010, 0.020), (0.012, 0.020)]
     # a run resumed mid-cycle lost its in-flight times: nothing to decide, so it probes again
     fresh = MeasuredAdmission(steps=1, recheck_every=10, warmup=1)
-    assert [fresh.path(PHASE) for _ in range(3)] == [(LOWBIT, True), (LOWBIT, True), (FP32, True)]
+    assert [fresh.path(PHASE) for _ in range(3)] == [L, L, F]
     assert fresh.due(PHASE) is None  # no times recorded
-    assert [fresh.path(PHASE) for _ in range(3)] == [(LOWBIT, True), (LOWBIT, True), (FP32, True)]
+    assert [fresh.path(PHASE) for _ in range(3)] == [L, L, F]
     fresh.record(PHASE, LOWBIT, 0.01)
     fresh.record(PHASE, FP32, 0.02)
     assert fresh.due(PHASE) == (0.01, 0.02)
-    with pytest.raises(ValueError, match="probe steps must be >= 1"):
+    with pytest.raises(ValueError, match="probe steps, block and close_blocks must be >= 1"):
         MeasuredAdmission(steps=0)
 
 
@@ -366,9 +389,10 @@ class _NeverDecides(MeasuredAdmission):
         self.agreed = getattr(self, "agreed", 0) + 1
 
 
-def _probe_periods(rank: int, world: int) -> dict:
-    _, ddp, state = _measured(world, 9)
-    probe = state.gate.measured = _NeverDecides(steps=10, recheck_every=100, warmup=1)
+def _probe_periods(rank: int, world: int, probe: MeasuredAdmission | None = None,
+                   steps: int = 9) -> dict:
+    _, ddp, state = _measured(world, steps)
+    probe = state.gate.measured = probe or _NeverDecides(steps=10, recheck_every=100, warmup=1)
     rounds, probe_round = [], state._probe_round
 
     def slow_round(times: tuple[float, float]) -> tuple[float, float]:
@@ -377,10 +401,12 @@ def _probe_periods(rank: int, world: int) -> dict:
         return probe_round(times)
 
     state._probe_round = slow_round
-    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, 9)
+    train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, steps)
     state.close()
     (cycle,) = probe._cycles.values()
-    return {"agreed": probe.agreed, "rounds": rounds, **cycle.times}
+    events = [e["reason"] for e in state.events if e.get("from") == "probe"]
+    return {"agreed": getattr(probe, "agreed", 0), "rounds": rounds, "events": events,
+            **cycle.times}
 
 
 def test_every_timed_step_starts_after_a_round_and_no_period_holds_it() -> None:
@@ -397,3 +423,20 @@ def test_every_timed_step_starts_after_a_round_and_no_period_holds_it() -> None:
         assert len(times[WARMUP]) == 1
         assert len(times[LOWBIT]) == 4 and len(times[FP32]) == 3
         assert max(times[WARMUP] + times[LOWBIT] + times[FP32]) < 0.5, times
+
+
+def test_a_block_starts_at_a_round_and_its_steps_run_on() -> None:
+    """On a close call the probe times blocks: a round before each block's first step only,
+    so its other steps run as a run of that path would (the ranks not held in step). One
+    single-step pair (steps 1-2, after the warm-up step 0) is a close call at any gap here;
+    then a 3-step block on each path (3-5, 6-8) and the decision at step 9."""
+    probe = MeasuredAdmission(steps=1, recheck_every=100, warmup=1, decisive=1e9, close=1e9,
+                              block=3, close_blocks=1)
+    for times in run_ranks(functools.partial(_probe_periods, probe=probe, steps=11), 2):
+        assert times["rounds"] == [(s, s in (3, 9)) for s in (0, 1, 2, 3, 6, 9)]
+        assert times["events"][0].startswith("close call: ")
+        assert "(median of 1 3-step blocks each, mean over ranks)" in times["events"][1]
+        # the blocks' samples (the singles were set aside at the close call); no period
+        # holds a round's second
+        assert len(times[LOWBIT]) == len(times[FP32]) == 1 and not times[WARMUP]
+        assert max(times[LOWBIT] + times[FP32]) < 0.5, times
