@@ -26,11 +26,18 @@ arm). The same ratio on the run's medians is printed too. The goals are issue 16
 1.05 x min(fp32, static) at every rate, and at 20 Mbit/s profile <= 0.8 x PowerSGD and <= 0.08
 x fp32. `--reread F` prints a saved `--json` run's report again without running it.
 
+An arm may run twice, as `static#2` (any arm, any suffix after `#`): a second, identical arm
+on its own model, reported against the first (`static#2/static`). That ratio is the run's own
+floor, what two identical arms read apart. In-process, with no shaping, two identical static
+arms read 0.966-1.021 of each other and two fp32 arms 0.94-1.07 over 40 rounds (session 39):
+as wide as the 5 % the goal allows, so a single run's profile / min(fp32, static) is judged
+beside it.
+
 Needs root for the shaped rates (ip netns, tc); without it they are skipped with the reason,
 and rate 0 (plain loopback, no namespace) still runs.
 
     OMP_NUM_THREADS=1 python -m bench.link_paired [--rates 20,50,100,200,500,1000,0]
-        [--rounds 10] [--block 20] [--arms fp32,static,profile,powersgd,fp16]
+        [--rounds 10] [--block 20] [--arms fp32,static,profile,powersgd,fp16,static#2]
         [--workload vision] [--profile PATH] [--world-size 2] [--gate measure]
 
 Without --profile the workload's hand-written one is used, as in `bench.validate_link`.
@@ -50,6 +57,7 @@ from pathlib import Path
 from bench.validate_link import head_fp32_profile
 
 ARMS = ("fp32", "static", "profile", "powersgd", "fp16")
+MONITOR_SHOWN = 8  # the profile arm's health-monitor events printed per rate
 
 
 def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
@@ -70,7 +78,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     arms = {}
     for name in cfg["arms"]:
         ddp = DistributedDataParallel(wl.build_model(cfg["seed"]))
-        arm = make_arm(name, ddp, ctx)
+        arm = make_arm(base_arm(name), ddp, ctx)
         arms[name] = (ddp, arm, *wl.make_optimizer(ddp.parameters(), steps))
     times: dict[str, list[float]] = {name: [] for name in cfg["arms"]}
     names = list(cfg["arms"])
@@ -82,13 +90,20 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
             for _, _, seconds in workload_steps(ddp, arm, wl, opt, sched, block, rank, world,
                                                 cfg["seed"]):
                 times[name].append(seconds)
-    probe = [e for e in getattr(arms["profile"][1], "events", []) if e.get("from") == "probe"
-             ] if "profile" in arms else []
+    events = getattr(arms["profile"][1], "events", []) if "profile" in arms else []
+    probe = [e for e in events if e.get("from") == "probe"]
+    monitor = [e for e in events if e.get("from") != "probe"]
     for _, arm, _, _ in arms.values():
         arm.close()
     slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"times": {n: slowest[i].tolist() for i, n in enumerate(names)}, "probe": probe}
+    return {"times": {n: slowest[i].tolist() for i, n in enumerate(names)}, "probe": probe,
+            "monitor": monitor}
+
+
+def base_arm(name: str) -> str:
+    """The arm a name runs: `static#2` is a second `static` (the module docstring)."""
+    return name.split("#", 1)[0]
 
 
 def round_orders(names: list[str], r: int) -> list[str]:
@@ -181,6 +196,9 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
         on_medians = overall["profile"] / overall[faster]
     if {"profile", "powersgd"} <= rows.keys():
         ratios["profile/powersgd"] = over("profile", rows["powersgd"])
+    for name in rows:  # a second, identical arm: the run's own floor
+        if base_arm(name) != name and base_arm(name) in rows:
+            ratios[f"{name}/{base_arm(name)}"] = over(name, rows[base_arm(name)])
     title = f"{mbit:g} Mbit/s" if mbit else "loopback, unshaped"
     print(f"\n== {title}: {rounds} rounds of {block} steps per arm, arms interleaved")
     print("median step, ms: " + ", ".join(f"{n} {1e3 * v:.1f}" for n, v in overall.items()))
@@ -202,6 +220,13 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
               f" (min: {faster}, the faster over the run)")
     for event in measured["probe"]:
         print(f"  gate: step {event['step']} -> {event['to']}: {event['reason']}")
+    monitor = measured.get("monitor", [])  # (runs saved before it was kept have none)
+    row["monitor events"] = len(monitor)
+    for event in monitor[:MONITOR_SHOWN]:  # a route the monitor changed costs time too
+        print(f"  monitor: step {event['step']} {event['scope']}: {event['from']} -> "
+              f"{event['to']}: {event.get('reason', '')[:90]}")
+    if len(monitor) > MONITOR_SHOWN:
+        print(f"  monitor: ... {len(monitor) - MONITOR_SHOWN} more events (--json keeps them)")
     return row
 
 
@@ -219,7 +244,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None)
     parser.add_argument("--gate", default="measure", choices=("model", "measure"))
     parser.add_argument("--json", type=Path, default=None,
-                        help="Also write every arm's per-step times and the gate's decisions here.")
+                        help="Also write every arm's per-step times, the gate's decisions and the "
+                        "monitor's events here.")
     parser.add_argument("--reread", type=Path, default=None,
                         help="Print the report of a run saved with --json, without running.")
     args = parser.parse_args()
@@ -242,9 +268,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     from nfabric_cli.ranks.netns import link_available
 
     arms = [a for a in args.arms.split(",") if a]
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or args.rounds < 2 or args.block < 2:
-        sys.exit(f"bad arguments: arms from {', '.join(ARMS)}; --rounds and --block >= 2")
+    unknown = [a for a in arms if base_arm(a) not in ARMS]
+    if unknown or len(set(arms)) < len(arms) or args.rounds < 2 or args.block < 2:
+        sys.exit(f"bad arguments: arms from {', '.join(ARMS)} (a second one as static#2), each "
+                 "once; --rounds and --block >= 2")
     with tempfile.TemporaryDirectory(prefix="nfabric-bench-paired-") as tmp:
         root = Path(tmp)
         profile = args.profile or head_fp32_profile(args.workload, root / "head-fp32.parquet")

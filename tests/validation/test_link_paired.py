@@ -7,7 +7,15 @@ from collections import Counter
 
 import pytest
 
-from bench.link_paired import _rank, main, median_interval, per_round, report, round_orders
+from bench.link_paired import (
+    _rank,
+    base_arm,
+    main,
+    median_interval,
+    per_round,
+    report,
+    round_orders,
+)
 from nfabric_cli.ranks.functions import run_function_ranks
 
 
@@ -37,6 +45,20 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     assert row["profile/min(fp32,static) of run medians"] == 1.143
     assert row["profile/powersgd"] == 0.675
     assert "gate: step 4 -> low-bit: measured" in capsys.readouterr().out
+    # the monitor's route changes are printed too (they cost time on a slow link), the first
+    # eight of them, and counted in the row
+    monitor = [{"step": s, "scope": "head.*", "from": "sign", "to": "fp32", "reason": "spike"}
+               for s in range(10)]
+    row = report(20.0, {"times": times, "probe": [], "monitor": monitor}, 2, 3)
+    out = capsys.readouterr().out
+    assert row["monitor events"] == 10 and "monitor: step 7 head.*: sign -> fp32: spike" in out
+    assert "monitor: step 8" not in out and "monitor: ... 2 more events" in out
+    assert report(20.0, {"times": times, "probe": []}, 2, 3)["monitor events"] == 0  # older
+    # a second static arm is reported against the first: the run's own floor
+    twice = {**times, "static#2": [9.0, 0.011, 0.011, 0.016, 0.016, 0.016]}
+    row = report(20.0, {"times": twice, "probe": []}, 2, 3)
+    assert row["static#2/static"] == 1.05 and row["static#2/static range"] == [1.0, 1.1]
+    assert base_arm("static#2") == "static" and base_arm("fp32") == "fp32"
 
 
 def test_reread_prints_a_saved_runs_report_without_running(tmp_path, monkeypatch, capsys) -> None:
@@ -79,8 +101,11 @@ def test_median_interval_is_the_binomial_order_statistics() -> None:
 @pytest.mark.slow
 def test_every_arm_trains_its_blocks_in_the_same_ranks() -> None:
     cfg = {"workload": "vision", "seed": 0, "profile": "profiles/vision/vision.v5.parquet",
-           "gate": "measure", "arms": ["fp32", "static", "profile"], "rounds": 2, "block": 3}
+           "gate": "measure", "arms": ["fp32", "static", "profile", "static#2"], "rounds": 2,
+           "block": 3}
     out = run_function_ranks(_rank, 2, cfg)
     assert out[0] == out[1]  # the slowest rank's time per step, agreed
-    assert {k: len(v) for k, v in out[0]["times"].items()} == {"fp32": 6, "static": 6, "profile": 6}
+    assert {k: len(v) for k, v in out[0]["times"].items()} == {
+        "fp32": 6, "static": 6, "profile": 6, "static#2": 6}
     assert all(t > 0 for v in out[0]["times"].values() for t in v)
+    assert isinstance(out[0]["monitor"], list)  # the profile arm's other events
