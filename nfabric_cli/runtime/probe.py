@@ -7,10 +7,10 @@ with a low-bit route runs a *probe cycle* (phases that route every parameter ali
 one: vision.v5's warm-up and main phase are timed once, not at a slow-path step each):
 `warmup` steps as written, then up to `steps` pairs of steps (then blocks on a close call,
 below), one on the profile's routes and one on plain DDP's fp32 path, each step's period
-(first bucket to next step's first bucket) timed. After each pair, at the next step's first bucket, the ranks all-reduce each path's
-fastest period so far (one small blocking all-reduce, while nothing else is in flight; not
-counted in any period: every timed step starts after such a round, see
-`FabricState._measured_path`) and every rank takes the same
+(first bucket to next step's first bucket) timed. After each pair, at the next step's first
+bucket, the ranks all-reduce each path's fastest period so far (one small blocking
+all-reduce, while nothing else is in flight; not counted in any period: every timed period
+starts after such a round, see `FabricState._measured_path`) and every rank takes the same
 decision: keep the faster path once one is `decisive` times the
 other (a slow link: one pair, not four, of slow fp32 steps) or after the last pair, else
 probe on. `decisive` is 2: at 1.5 a single step of a 4-8 ms step's ordinary jitter (one fp32

@@ -323,12 +323,13 @@ class FabricState:
 
         Every timed single step and every block's first step (`probe.py`) starts at such a
         round, an empty one where no pair is due, and its period starts after it; a block's
-        other steps run on without one. The round is a barrier: it holds its round trip and the
-        ranks' skew (2.7-2.9 ms median, 7-8 ms at p90, on transformer's ~22 ms step). Timed in
-        the low-bit step after each pair alone, it made low-bit read ~9 % slower than it runs
-        and kept fp32 where static was faster; left out of the low-bit periods alone, those
-        started with the ranks in step while the fp32 ones still held the skew, which favours
-        low-bit by about half of it. Both paths now start in step (docs/capacity.md)."""
+        other steps run on without one. The round is a barrier: it holds its round trip and
+        the ranks' skew (2.7-2.9 ms median, 7-8 ms at p90, on transformer's ~22 ms step).
+        Timed in the low-bit step after each pair alone, it made low-bit read ~9 % slower
+        than it runs and kept fp32 where static was faster; left out of the low-bit periods
+        alone, those started with the ranks in step while the fp32 ones still held the skew,
+        which favours low-bit by about half of it. Both paths now start in step
+        (docs/capacity.md)."""
         probe, phase, now = self.gate.measured, self.phase.name, self._step_started
         if self._timing is not None:
             probe.record(*self._timing, now - self._period_start)
