@@ -26,6 +26,12 @@ arm). The same ratio on the run's medians is printed too. The goals are issue 16
 1.05 x min(fp32, static) at every rate, and at 20 Mbit/s profile <= 0.8 x PowerSGD and <= 0.08
 x fp32. `--reread F` prints a saved `--json` run's report again without running it.
 
+`--repeat N` measures each rate N times, each in fresh rank processes, and prints after the
+runs the median over them of each ratio's per-round median, with [min, max]: from one
+40-round run to the next the same ratio moved by up to 6 % on this host (transformer at
+50 Mbit/s: 1.004, then 1.067, session 38; the same profile 1.053, then 1.011, session 39),
+more than one run's interval says, so a run is one sample of a goal a few per cent wide.
+
 An arm may run twice, as `static#2` (any arm, any suffix after `#`): a second, identical arm
 on its own model, reported against the first (`static#2/static`). That ratio is the run's own
 floor, what two identical arms read apart. In-process, with no shaping, two identical static
@@ -38,7 +44,7 @@ and rate 0 (plain loopback, no namespace) still runs.
 
     OMP_NUM_THREADS=1 python -m bench.link_paired [--rates 20,50,100,200,500,1000,0]
         [--rounds 10] [--block 20] [--arms fp32,static,profile,powersgd,fp16,static#2]
-        [--workload vision] [--profile PATH] [--world-size 2] [--gate measure]
+        [--workload vision] [--profile PATH] [--world-size 2] [--gate measure] [--repeat 1]
 
 Without --profile the workload's hand-written one is used, as in `bench.validate_link`.
 """
@@ -230,6 +236,34 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
     return row
 
 
+def over_runs(rows: list[dict]) -> dict:
+    """One rate's runs (`report`'s rows) as one row: per ratio, the median over the runs of
+    its per-round median, with the runs' own values."""
+    out: dict[str, object] = {"mbit": rows[0]["mbit"], "runs": len(rows)}
+    for key, value in rows[0].items():
+        if isinstance(value, float) and key != "mbit" and all(key in r for r in rows):
+            values = [r[key] for r in rows]
+            out[key] = round(statistics.median(values), 3)
+            out[f"{key} over runs"] = values
+    return out
+
+
+def report_runs(mbit: float, runs: list[dict], rounds: int, block: int) -> dict:
+    """Report each run of a rate, then (several runs) the ratios over the runs."""
+    rows = [report(mbit, measured, rounds, block) for measured in runs]
+    if len(rows) == 1:
+        return rows[0]
+    row = over_runs(rows)
+    title = f"{mbit:g} Mbit/s" if mbit else "loopback, unshaped"
+    print(f"\n== {title}, over {len(rows)} runs (fresh processes): median of the runs' "
+          "per-round medians [min, max]")
+    for key, values in row.items():
+        if key.endswith(" over runs"):
+            name = key[: -len(" over runs")]
+            print(f"  {name:<26} {row[name]:.3f}  [{min(values):.3f}, {max(values):.3f}]")
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inner", help=argparse.SUPPRESS)
@@ -246,6 +280,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None,
                         help="Also write every arm's per-step times, the gate's decisions and the "
                         "monitor's events here.")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="Runs per rate, each in fresh processes (default 1).")
     parser.add_argument("--reread", type=Path, default=None,
                         help="Print the report of a run saved with --json, without running.")
     args = parser.parse_args()
@@ -254,8 +290,9 @@ def main() -> None:
         return
     if args.reread:
         saved = json.loads(args.reread.read_text())
-        summary = [report(float(text), measured, saved["config"]["rounds"],
-                          saved["config"]["block"]) for text, measured in saved["rates"].items()]
+        rounds, block = saved["config"]["rounds"], saved["config"]["block"]
+        summary = [report_runs(float(text), runs if isinstance(runs, list) else [runs], rounds,
+                               block) for text, runs in saved["rates"].items()]
     else:
         summary = run(args)
     print("\nsummary (median over rounds, [min, max]):")
@@ -269,9 +306,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     arms = [a for a in args.arms.split(",") if a]
     unknown = [a for a in arms if base_arm(a) not in ARMS]
-    if unknown or len(set(arms)) < len(arms) or args.rounds < 2 or args.block < 2:
+    if (unknown or len(set(arms)) < len(arms) or args.rounds < 2 or args.block < 2
+            or args.repeat < 1):
         sys.exit(f"bad arguments: arms from {', '.join(ARMS)} (a second one as static#2), each "
-                 "once; --rounds and --block >= 2")
+                 "once; --rounds and --block >= 2, --repeat >= 1")
     with tempfile.TemporaryDirectory(prefix="nfabric-bench-paired-") as tmp:
         root = Path(tmp)
         profile = args.profile or head_fp32_profile(args.workload, root / "head-fp32.parquet")
@@ -285,8 +323,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             if why:  # not root, or no iproute2: the unshaped rate still runs
                 print(f"\n== {mbit:g} Mbit/s skipped: {why}")
                 continue
-            raw[text] = measure(cfg, mbit, root)
-            summary.append(report(mbit, raw[text], args.rounds, args.block))
+            runs = [measure(cfg, mbit, root) for _ in range(args.repeat)]
+            raw[text] = runs[0] if args.repeat == 1 else runs  # (one run: as before)
+            summary.append(report_runs(mbit, runs, args.rounds, args.block))
     if args.json:
         args.json.write_text(json.dumps({"config": cfg, "rates": raw, "summary": summary}))
     return summary

@@ -12,6 +12,7 @@ from bench.link_paired import (
     base_arm,
     main,
     median_interval,
+    over_runs,
     per_round,
     report,
     round_orders,
@@ -72,6 +73,27 @@ def test_reread_prints_a_saved_runs_report_without_running(tmp_path, monkeypatch
     rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert [(r["mbit"], r["profile/min(fp32,static)"], r["min(fp32,static)"]) for r in rows] == [
         (0.0, 1.1, "static")]
+
+
+def test_several_runs_of_a_rate_are_reported_over_the_runs(tmp_path, monkeypatch,
+                                                          capsys) -> None:
+    """`--repeat`: each run is reported, then per ratio the median over the runs of its
+    per-round median, with the runs' values; a saved run of several reads back the same."""
+    rows = [{"mbit": 50.0, "profile/min(fp32,static)": r, "min(fp32,static)": "static",
+             "profile/min(fp32,static) range": [0.9, 1.2]} for r in (1.07, 1.01, 1.03)]
+    assert over_runs(rows) == {"mbit": 50.0, "runs": 3, "profile/min(fp32,static)": 1.03,
+                               "profile/min(fp32,static) over runs": [1.07, 1.01, 1.03]}
+    runs = [{"times": {"fp32": [9.0] + [0.020] * 5, "static": [9.0] + [0.010] * 5,
+                       "profile": [9.0] + [p] * 5}, "probe": []} for p in (0.011, 0.0105)]
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"config": {"rounds": 2, "block": 3}, "rates": {"50": runs}}))
+    monkeypatch.setattr("sys.argv", ["link_paired", "--reread", str(saved)])
+    main()
+    out = capsys.readouterr().out
+    assert "== 50 Mbit/s, over 2 runs (fresh processes)" in out
+    assert "profile/min(fp32,static)   1.075  [1.050, 1.100]" in out
+    (row,) = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    assert row["runs"] == 2 and row["profile/min(fp32,static) over runs"] == [1.1, 1.05]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
