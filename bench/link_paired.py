@@ -59,7 +59,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.validate_link import head_fp32_profile
+from bench.validate_link import head_fp32_profile, values_over_runs
 
 ARMS = ("fp32", "static", "profile", "powersgd", "fp16")
 MONITOR_SHOWN = 8  # the profile arm's health-monitor events printed per rate
@@ -206,8 +206,9 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
     if {"profile", "powersgd"} <= rows.keys():
         ratios["profile/powersgd"] = over("profile", rows["powersgd"])
     for name in rows:  # a second, identical arm: the run's own floor
-        if base_arm(name) != name and base_arm(name) in rows:
-            ratios[f"{name}/{base_arm(name)}"] = over(name, rows[base_arm(name)])
+        base = base_arm(name)
+        if base != name and base in rows:
+            ratios[f"{name}/{base}"] = over(name, rows[base])
     title = _title(mbit)
     print(f"\n== {title}: {rounds} rounds of {block} steps per arm, arms interleaved")
     print("median step, ms: " + ", ".join(f"{n} {1e3 * v:.1f}" for n, v in overall.items()))
@@ -243,9 +244,8 @@ def over_runs(rows: list[dict]) -> dict:
     """One rate's runs (`report`'s rows) as one row: per ratio, the median over the runs of
     its per-round median, with the runs' own values."""
     out: dict[str, object] = {"mbit": rows[0]["mbit"], "runs": len(rows)}
-    for key, value in rows[0].items():
-        if isinstance(value, float) and key != "mbit" and all(key in r for r in rows):
-            values = [r[key] for r in rows]
+    for key, values in values_over_runs(rows).items():
+        if key != "mbit":
             out[key] = round(statistics.median(values), 3)
             out[f"{key} over runs"] = values
     return out

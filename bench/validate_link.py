@@ -90,6 +90,13 @@ def ratios(s: dict) -> dict[str, float]:
     return out
 
 
+def values_over_runs(rows: list[dict]) -> dict[str, list[float]]:
+    """Per key that is a number in every run's row (a ratio), its values over the runs, in run
+    order: what a summary over several runs takes its median and spread from."""
+    return {key: [r[key] for r in rows] for key, value in rows[0].items()
+            if isinstance(value, float) and all(isinstance(r.get(key), float) for r in rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="20,50,100,200,500,1000,0",
@@ -120,11 +127,10 @@ def main() -> None:
           f"{args.runs} run(s): median, and [min, max] over runs")
     for text, runs in results.items():
         row: dict[str, object] = {"mbit": float(text)}
-        for name in runs[0]:
-            vals = sorted(r[name] for r in runs)
+        for name, vals in values_over_runs(runs).items():
             row[name] = round(statistics.median(vals), 3)
             if len(vals) > 1:
-                row[f"{name} range"] = [round(vals[0], 3), round(vals[-1], 3)]
+                row[f"{name} range"] = [round(min(vals), 3), round(max(vals), 3)]
         print(json.dumps(row))
     print(f"reports: {root}")
 

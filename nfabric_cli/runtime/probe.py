@@ -188,7 +188,9 @@ class MeasuredAdmission:
             c.times[WARMUP if pos < self.warmup else path].append(seconds)
             return
         k = (pos - c.blocks_from) % self.block
-        c.block = [*c.block, seconds] if k else [seconds]  # after a resume: the steps since
+        if k == 0:  # a block's first step (after a resume, the block holds the steps since)
+            c.block = []
+        c.block.append(seconds)
         if k == self.block - 1:
             c.times[path].append(statistics.median(c.block))
             c.block = []
