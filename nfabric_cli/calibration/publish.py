@@ -26,7 +26,7 @@ from nfabric_cli.calibration.outcome import Outcome, pick_winner
 from nfabric_cli.calibration.plot import plot_search
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.study import StudyRun
-from nfabric_cli.calibration.workers import COUNTED
+from nfabric_cli.calibration.workers import counted
 from nfabric_cli.profile import write_next_version
 
 PROFILE_KEY = "profile@"
@@ -52,6 +52,7 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
     study = run.study
     while True:
         workers.fail_dead_trials(study, run.worker)
+        seen = counted(study)  # before `build()`, which reads the study more than once
         outcome = build()
         key = profile_key(outcome.trials, run.spec)
         if _recorded(study, key, outcome):
@@ -59,7 +60,7 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
         if not write:
             outcome.note = "--no-write: this worker contributes trials only"
             return outcome
-        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        running = [t for t in seen if t.state == TrialState.RUNNING]
         if running:
             names = sorted({t.user_attrs.get("worker", "?") for t in running})
             outcome.note = (f"{len(running)} trial(s) still running on {', '.join(names)}: the "
@@ -76,10 +77,9 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
         try:
             if _recorded(study, key, outcome):
                 return outcome
-            # a trial that finished since `build()` changes the count: build again
-            finished = study.get_trials(deepcopy=False, states=COUNTED)
-            if len(finished) != outcome.trials or any(t.state == TrialState.RUNNING
-                                                      for t in finished):
+            # a trial that started or finished since `build()` began changes what it saw
+            now = counted(study)
+            if _states(now) != _states(seen) or len(now) != outcome.trials:
                 continue
             _write(run, outcome, out_root)
             study.set_user_attr(key, {"path": str(outcome.path), "png": str(outcome.png),
@@ -87,6 +87,10 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
             return outcome
         finally:
             claim.release()
+
+
+def _states(trials: list[Any]) -> list[tuple[int, TrialState]]:
+    return sorted((t.number, t.state) for t in trials)
 
 
 def _recorded(study: Any, key: str, outcome: Outcome) -> bool:

@@ -407,3 +407,47 @@ def test_an_outcome_counted_before_the_last_trial_finished_is_not_written(
     assert calls == [2, 3] and outcome.path == tmp_path / "out" / "tiny" / "tiny.v1.parquet"
     assert [k for k in run.study.user_attrs if k.startswith("profile@")] == ["profile@3"]
     assert read_profile(outcome.path).meta["provenance"]["trials"] == 3
+
+
+def test_a_trial_that_finishes_while_the_outcome_is_built_is_not_left_out(
+        tmp_path: Path) -> None:
+    """Building the outcome reads the study more than once: the winner from the completed
+    trials, then the count. A trial that another worker finishes between the two reads must
+    not give a profile of the other trials under the full count (CI, stop 39: the profile's
+    routes were not the study's winner's)."""
+    from nfabric_cli.binding.fingerprint import model_fingerprint
+    from nfabric_cli.calibration import run_study
+    from nfabric_cli.calibration.outcome import build_outcome
+    from nfabric_cli.calibration.publish import publish
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    wl = get_workload(TINY)
+    run = run_study(wl, tiny_spec(trials=3), url, "p")
+    study = run.study
+    best = best_admissible(study, run.spec.tolerance)
+    assert best is not None
+    study.enqueue_trial(best.params)
+    late = study.ask(fixed_distributions=best.distributions)  # another worker's, in flight
+    late.set_user_attr("worker", "elsewhere:1")
+    fingerprint = model_fingerprint(wl.build_model(0))
+
+    def build():
+        outcome = build_outcome(run, url, "p", fingerprint)
+        if late.number not in {t.number for t in study.trials
+                               if t.state == TrialState.COMPLETE}:
+            # the other worker finishes its trial, cheaper than any, before the count is read
+            for k in ("key", "metric", "degradation", "row_traffic", "curve"):
+                if k in best.user_attrs:
+                    late.set_user_attr(k, best.user_attrs[k])
+            late.set_user_attr("traffic_fraction", best.user_attrs["traffic_fraction"] / 2)
+            study.tell(late, best.values)
+            outcome.trials += 1
+        return outcome
+
+    outcome = publish(run, build, tmp_path / "out")
+    assert outcome.path is None and "1 trial(s) still running on elsewhere:1" in outcome.note
+    assert not (tmp_path / "out").exists()
+    outcome = publish(run, lambda: build_outcome(run, url, "p", fingerprint), tmp_path / "out")
+    profile = read_profile(outcome.path)
+    assert profile.meta["provenance"]["trials"] == 4
+    assert profile.meta["provenance"]["winner_trial"] == late.number
