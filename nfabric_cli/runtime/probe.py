@@ -66,6 +66,19 @@ on twelve pairs at step 74 and kept fp32 until step 600 (profile 1.096x static, 
 session 37). A re-check costs at most `close_blocks` x `block` steps on a path within 15 % of
 the other.
 
+A re-check's cost: on a clear call it times one step on the slower path, the cost of
+(ratio - 1) steps on the faster one. A decision `ratio` apart therefore stands `recheck_every`
+x (ratio - 1) / (`decisive` - 1) steps, at least `recheck_every` and at most `stretch` (8)
+times it: at the threshold (2x) one probe step costs one step in 500, as before; on
+transformer.v6 at 50 Mbit/s (fp32 130 ms, low-bit 7.7 ms, 17x) the re-check at step 555 cost
+as much as 16 low-bit steps, 2 % of an 800-step run, to confirm what a 17x gap had said.
+And a phase's first cycle starts with the fastest fp32 step of the cycle decided last (plain
+DDP's path is the same in every phase): if its first low-bit steps are `decisive` times
+faster or slower than that, it decides without an fp32 step of its own; otherwise it probes
+as usual. transformer.v6's int8 warm-up and sign main phase are two cycles: the second one's
+fp32 step was the other 130 ms of the three the gate spent at 50 Mbit/s. A re-check always
+times both paths itself.
+
 Why whole steps and not the buckets' own reduce times (what this probed first): a low-bit
 step also pays for the step's statistics round, any thread hand-offs and the gradient
 norms, and its reduce no longer overlaps backward as fp32's all-reduce does. On vision over
@@ -118,7 +131,11 @@ class _Cycle:
     close_calls: int = 0  # decisions in a row taken within `close`: re-checked sooner
     # a re-check after a close call: the last check's block samples, pooled into its medians
     prior: dict[str, list[float]] = field(default_factory=dict)
+    ratio: float = 1.0  # the slower path's time over the faster's, as last decided
     block: list[float] = field(default_factory=list)  # the periods of the block in progress
+    # a new phase's first cycle: the fastest fp32 period of the cycle decided last, if any
+    # (plain DDP's path is the same in every phase; not saved: a resumed cycle times its own)
+    carried: float | None = None
 
 
 class MeasuredAdmission:
@@ -129,15 +146,17 @@ class MeasuredAdmission:
 
     def __init__(self, steps: int = 4, recheck_every: int = 500, warmup: int = 2,
                  decisive: float = 2.0, close: float = 1.15, block: int = 4,
-                 close_blocks: int = 3, close_recheck: int = 100) -> None:
+                 close_blocks: int = 3, close_recheck: int = 100, stretch: float = 8.0) -> None:
         if (steps < 1 or recheck_every < 0 or warmup < 0 or not 1 <= close <= decisive
-                or block < 1 or close_blocks < 1 or close_recheck < 0):
+                or block < 1 or close_blocks < 1 or close_recheck < 0 or stretch < 1):
             raise ValueError("probe steps, block and close_blocks must be >= 1, recheck_every, "
-                             "close_recheck and warmup >= 0, 1 <= close <= decisive")
+                             "close_recheck and warmup >= 0, 1 <= close <= decisive, "
+                             "stretch >= 1")
         self.steps, self.recheck_every, self.warmup = steps, recheck_every, warmup
         self.decisive, self.close, self.block = decisive, close, block
-        self.close_blocks, self.close_recheck = close_blocks, close_recheck
+        self.close_blocks, self.close_recheck, self.stretch = close_blocks, close_recheck, stretch
         self._cycles: dict[str, _Cycle] = {}
+        self._last_fp32: float | None = None  # the fastest fp32 period of the last decision
 
     def _end(self, c: _Cycle) -> int:
         """The cycle position its last pair ends at."""
@@ -146,10 +165,12 @@ class MeasuredAdmission:
         return c.blocks_from + 2 * self.block * self.close_blocks
 
     def _recheck(self, c: _Cycle) -> int:
-        """Steps a decision stands: `recheck_every`; after a close call `close_recheck`,
+        """Steps a decision stands: `recheck_every`, longer the further apart the paths were
+        (module docstring, "A re-check's cost"); after a close call `close_recheck`,
         doubling with each close call in a row, up to `recheck_every`."""
         if not c.close_calls:
-            return self.recheck_every
+            far = (c.ratio - 1) / (self.decisive - 1) if self.decisive > 1 else 1.0
+            return round(self.recheck_every * min(self.stretch, max(1.0, far)))
         return min(self.recheck_every, self.close_recheck << (c.close_calls - 1))
 
     def _restart(self, c: _Cycle) -> None:
@@ -159,7 +180,9 @@ class MeasuredAdmission:
 
     def path(self, phase: str) -> ProbeStep:
         """This step's path and how it is timed (one call per step of the phase)."""
-        c = self._cycles.setdefault(phase, _Cycle())
+        c = self._cycles.get(phase)
+        if c is None:
+            c = self._cycles[phase] = _Cycle(carried=self._last_fp32)
         if c.decision is not None and c.seen - c.decided_at >= self._recheck(c):
             # probe again; after a close call on blocks, pooled with the last check's
             c.prior = {k: c.times[k] for k in (LOWBIT, FP32)} if c.close_calls else {}
@@ -209,7 +232,12 @@ class MeasuredAdmission:
         warm-up's included (module docstring). The same on every rank (it depends on step
         counts only)."""
         c = self._cycles.get(phase)
-        if c is None or c.decision is not None or not self._paired(c, c.seen - c.start):
+        if c is None or c.decision is not None:
+            return None
+        if (c.carried is not None and c.blocks_from is None and c.times[LOWBIT]
+                and c.seen - c.start == self.warmup + 1):  # before its first fp32 step
+            return min(c.times[LOWBIT] + c.times[WARMUP]), c.carried
+        if not self._paired(c, c.seen - c.start):
             return None
         low, full = c.times[LOWBIT], c.times[FP32]
         if not low or not full:
@@ -225,6 +253,7 @@ class MeasuredAdmission:
         on single steps (within `close`) probes on in `close_blocks` pairs of blocks first,
         and says so: (`PROBE_ON`, why), an event too."""
         c = self._cycles[phase]
+        carried, c.carried = c.carried is not None and not c.times[FP32], None  # used once
         last = c.seen - c.start >= self._end(c)
         slow, fast = max(lowbit_s, fp32_s), min(lowbit_s, fp32_s)
         near = last and slow < self.close * fast  # a close call, on the medians
@@ -241,20 +270,27 @@ class MeasuredAdmission:
                               f"within {self.close:g}x): probing on in {self.close_blocks} "
                               f"pairs of {blocks}")
         c.decision, c.decided_at = (LOWBIT if lowbit_s < fp32_s else FP32), c.seen
+        c.ratio = slow / fast if fast > 0 else 1.0
+        if c.times[FP32]:
+            self._last_fp32 = min(c.times[FP32])
         what = "steps" if c.blocks_from is None else blocks
         how = (f"median of {min(low, full)} {what} each" if last else
+               f"fastest of {low + len(c.times[WARMUP])} low-bit {what} and the last "
+               "cycle's fastest fp32 step" if carried else
                f"fastest of {low + len(c.times[WARMUP])} low-bit and {full} fp32 {what}")
         if last and c.prior:  # the medians pooled the last check's blocks (`due`)
             how += f" and the last check's {min(map(len, c.prior.values()))}"
         c.close_calls = c.close_calls + 1 if near else 0
-        again = f"; close: re-checked in {self._recheck(c)} steps" if c.close_calls else ""
+        stands = self._recheck(c)
+        again = (f"; close: re-checked in {stands} steps" if c.close_calls else
+                 f"; re-checked in {stands} steps" if stands != self.recheck_every else "")
         c.reason = f"measured step: {times} ({how}, mean over ranks){again}"
         return c.decision, c.reason
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": VERSION,
                 "cycles": {phase: [c.start, c.seen, c.decided_at, c.times, c.decision,
-                                   c.reason, c.blocks_from, c.close_calls, c.prior]
+                                   c.reason, c.blocks_from, c.close_calls, c.prior, c.ratio]
                            for phase, c in self._cycles.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

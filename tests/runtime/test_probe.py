@@ -132,7 +132,7 @@ def test_a_state_saved_before_blocks_probes_again() -> None:
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
     m.load_state_dict(older)
     assert m.state_dict() == {"version": 2, "cycles": {
-        name: [seen, seen, 0, {LOWBIT: [], FP32: [], WARMUP: []}, None, "", None, 0, {}]
+        name: [seen, seen, 0, {LOWBIT: [], FP32: [], WARMUP: []}, None, "", None, 0, {}, 1.0]
         for name, seen in (("a", 15), ("b", 40))}}
     assert m.path("a") == L and m.path("b") == L  # a new cycle's warm-up
 
@@ -194,12 +194,12 @@ def test_a_recheck_pools_its_blocks_with_the_last_close_check() -> None:
     _, decided = _cycle(resumed, low=0.0182, fp32=0.0215)  # the change lasted: 1.18x pooled too
     assert decided[0] == LOWBIT and "low-bit 18.20 ms" in decided[1]
     assert "re-checked" not in decided[1]  # beyond close: stands recheck_every, pool dropped
-    assert resumed.state_dict()["cycles"][PHASE][-1] != {}
+    assert resumed.state_dict()["cycles"][PHASE][8] != {}
     older = resumed.state_dict()
-    older["cycles"][PHASE] = older["cycles"][PHASE][:-1]  # saved before the pool existed
+    older["cycles"][PHASE] = older["cycles"][PHASE][:-2]  # saved before the pool existed
     again = MeasuredAdmission(steps=4, recheck_every=500, warmup=2, close_recheck=100)
     again.load_state_dict(older)
-    assert again.state_dict()["cycles"][PHASE][-1] == {}
+    assert again.state_dict()["cycles"][PHASE][8:] == [{}, 1.0]
 
 
 def test_a_decisive_pair_ends_the_probe_early() -> None:
@@ -209,7 +209,10 @@ def test_a_decisive_pair_ends_the_probe_early() -> None:
     steps, decided = _cycle(m, low=0.029, fp32=0.233)
     assert steps == [L] * 2 + [L, F]
     assert decided[0] == LOWBIT and "(fastest of 3 low-bit and 1 fp32 steps" in decided[1]
-    assert [m.path(PHASE) for _ in range(10)] == [KEPT_LOW] * 10
+    # 8.0x apart: the next fp32 probe step would cost 7 low-bit steps more, so the decision
+    # stands 7x `recheck_every` (see test_a_clear_decision_stands_longer_the_further_apart)
+    assert decided[1].endswith("; re-checked in 70 steps")
+    assert [m.path(PHASE) for _ in range(70)] == [KEPT_LOW] * 70
     assert m.path(PHASE) == L and m.due(PHASE) is None  # rechecking: warm-up
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=0)
     steps, decided = _cycle(m, low=0.040, fp32=0.019)  # 2.1x the other way
@@ -217,6 +220,55 @@ def test_a_decisive_pair_ends_the_probe_early() -> None:
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=0)
     steps, decided = _cycle(m, low=0.0055, fp32=0.0089)  # 1.6x: every pair, then low-bit
     assert decided[0] == LOWBIT and len(steps) == 8
+
+
+def test_a_clear_decision_stands_longer_the_further_apart() -> None:
+    """A re-check on a slow link times one fp32 step, the cost of (ratio - 1) low-bit steps:
+    a clear decision stands `recheck_every` x (ratio - 1) / (decisive - 1) steps, at least
+    `recheck_every`, at most `stretch` times it; a close one is unchanged."""
+    for low, fp32, stands in ((0.010, 0.021, 110), (0.010, 0.040, 300), (0.010, 0.330, 800),
+                              (0.033, 0.010, 230), (0.0105, 0.010, 25)):
+        m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2, close_recheck=25)
+        _, decided = _cycle(m, low=low, fp32=fp32)
+        assert _kept_for(m, decided[0]) == stands, (low, fp32)
+        assert m._cycles[PHASE].decision is None  # probing again
+    with pytest.raises(ValueError, match="stretch"):
+        MeasuredAdmission(stretch=0.5)
+
+
+def test_a_new_phase_decides_on_the_last_cycles_fp32_time_when_it_is_decisive() -> None:
+    """Plain DDP's path is the same in every phase: a phase's first cycle compares its first
+    low-bit steps with the fastest fp32 step of the cycle decided last, and skips its own fp32
+    step when they are `decisive` apart; otherwise (or on a re-check) it probes as usual."""
+    m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
+    assert _cycle(m, low=0.010, fp32=0.130)[0] == [L] * 3 + [F]  # the first phase: its own
+    steps, decided = _cycle_of(m, "main", low=0.008, fp32=0.140)
+    assert steps == [L] * 3 and decided[0] == LOWBIT  # no fp32 step
+    assert "(fastest of 3 low-bit steps and the last cycle's fastest fp32 step" in decided[1]
+    assert "low-bit 8.00 ms vs fp32 130.00 ms" in decided[1]
+    # not decisive on the carried time: the new phase times its own fp32 step
+    steps, decided = _cycle_of(m, "late", low=0.080, fp32=0.130)
+    assert steps == [L] * 3 + [F] + [L, F] * 3 and decided[0] == LOWBIT
+    assert "fastest of" not in decided[1]  # decided on its own pairs' medians
+    # the fastest fp32 time carried is the last decision's (130 ms at `late`)
+    steps, _ = _cycle_of(m, "later", low=0.050, fp32=0.200)
+    assert steps == [L] * 3
+
+
+def _cycle_of(m: MeasuredAdmission, phase: str, low: float, fp32: float) -> tuple[list, tuple]:
+    """`_cycle` on another phase's cycle."""
+    out, decided = [], None
+    while decided is None:
+        due = m.due(phase)
+        if due is not None:
+            decided = m.decide(phase, *due)
+            if decided is not None:
+                break
+        step = m.path(phase)
+        out.append(step)
+        if step.timed:
+            m.record(phase, step.path, low if step.path == LOWBIT else fp32)
+    return out, decided
 
 
 def test_a_pause_between_steps_does_not_keep_fp32_on_a_slow_link() -> None:

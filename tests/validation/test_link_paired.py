@@ -36,6 +36,13 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     assert row["profile/min(fp32,static) range"] == [1.0, 1.1]
     assert row["profile/min(fp32,static) of run medians"] == 1.0  # static 0.016, profile 0.016
     assert row["min(fp32,static)"] == "static"
+    # the run's total (each arm's first step left out) holds what a median leaves out
+    assert row["profile/min(fp32,static) of run totals"] == round(0.07 / 0.068, 3)
+    times["profile"][2] = 0.200  # a probe's fp32 step on a slow link
+    row = report(20.0, {"times": times, "probe": probe}, 2, 3)
+    assert row["profile/min(fp32,static) of run medians"] == 1.0
+    assert row["profile/min(fp32,static) of run totals"] == round(0.259 / 0.068, 3)
+    times["profile"][2] = 0.011
     # fp32 and static trade wins (a per-round min would take 0.010, then 0.014: 1.121). The
     # min is the arm faster over the run, fp32 (median 0.014 against static's 0.016), in
     # every round: 0.011 / 0.012 and 0.016 / 0.014
