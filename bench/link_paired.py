@@ -22,7 +22,9 @@ host). For profile / min(fp32, static) the min is the arm faster over the whole 
 median step), and each round is divided by that arm's block: a min taken round by round picks,
 where fp32 and static tie, whichever drew the faster block, and reads high by about half a
 round's spread (vision over loopback, session 36: 1.195 per-round min, 1.172 against the faster
-arm). The same ratio on the run's medians is printed too. The goals are issue 16's: profile <=
+arm). The same ratio on the run's medians is printed too, and on the run's total step time,
+which alone holds the probe's steps on the slower path (a median leaves them out: at 50
+Mbit/s three 128 ms fp32 probe steps put the total at 1.115 where the rounds read 1.077). The goals are issue 16's: profile <=
 1.05 x min(fp32, static) at every rate, and at 20 Mbit/s profile <= 0.8 x PowerSGD and <= 0.08
 x fp32. `--reread F` prints a saved `--json` run's report again without running it.
 
