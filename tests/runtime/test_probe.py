@@ -29,23 +29,24 @@ LB, FB = ProbeStep(LOWBIT, True, False), ProbeStep(FP32, True, False)
 KEPT_LOW, KEPT_FP32 = ProbeStep(LOWBIT, False, False), ProbeStep(FP32, False, False)
 
 
-def _cycle(m: MeasuredAdmission, low: float, fp32: float) -> tuple[list, tuple | None]:
+def _cycle(m: MeasuredAdmission, phase: str = PHASE, *, low: float,
+           fp32: float) -> tuple[list, tuple | None]:
     """One probe cycle as the hook drives it: at each step, judge a finished pair on the
     given times (as if agreed), then take the step's path; the timed ones record their time.
     Returns the steps' `ProbeStep`s and the decision."""
     out, decided = [], None
     while decided is None:
-        due = m.due(PHASE)
+        due = m.due(phase)
         if due is not None:
-            decided = m.decide(PHASE, *due)
+            decided = m.decide(phase, *due)
             if decided is not None and decided[0] == PROBE_ON:
                 decided = None  # a close call extended the cycle
             if decided is not None:
                 break
-        step = m.path(PHASE)
+        step = m.path(phase)
         out.append(step)
         if step.timed:
-            m.record(PHASE, step.path, low if step.path == LOWBIT else fp32)
+            m.record(phase, step.path, low if step.path == LOWBIT else fp32)
     return out, decided
 
 
@@ -242,33 +243,17 @@ def test_a_new_phase_decides_on_the_last_cycles_fp32_time_when_it_is_decisive() 
     step when they are `decisive` apart; otherwise (or on a re-check) it probes as usual."""
     m = MeasuredAdmission(steps=4, recheck_every=100, warmup=2)
     assert _cycle(m, low=0.010, fp32=0.130)[0] == [L] * 3 + [F]  # the first phase: its own
-    steps, decided = _cycle_of(m, "main", low=0.008, fp32=0.140)
+    steps, decided = _cycle(m, "main", low=0.008, fp32=0.140)
     assert steps == [L] * 3 and decided[0] == LOWBIT  # no fp32 step
     assert "(fastest of 3 low-bit steps and the last cycle's fastest fp32 step" in decided[1]
     assert "low-bit 8.00 ms vs fp32 130.00 ms" in decided[1]
     # not decisive on the carried time: the new phase times its own fp32 step
-    steps, decided = _cycle_of(m, "late", low=0.080, fp32=0.130)
+    steps, decided = _cycle(m, "late", low=0.080, fp32=0.130)
     assert steps == [L] * 3 + [F] + [L, F] * 3 and decided[0] == LOWBIT
     assert "fastest of" not in decided[1]  # decided on its own pairs' medians
     # the fastest fp32 time carried is the last decision's (130 ms at `late`)
-    steps, _ = _cycle_of(m, "later", low=0.050, fp32=0.200)
+    steps, _ = _cycle(m, "later", low=0.050, fp32=0.200)
     assert steps == [L] * 3
-
-
-def _cycle_of(m: MeasuredAdmission, phase: str, low: float, fp32: float) -> tuple[list, tuple]:
-    """`_cycle` on another phase's cycle."""
-    out, decided = [], None
-    while decided is None:
-        due = m.due(phase)
-        if due is not None:
-            decided = m.decide(phase, *due)
-            if decided is not None:
-                break
-        step = m.path(phase)
-        out.append(step)
-        if step.timed:
-            m.record(phase, step.path, low if step.path == LOWBIT else fp32)
-    return out, decided
 
 
 def test_a_pause_between_steps_does_not_keep_fp32_on_a_slow_link() -> None:
