@@ -26,7 +26,8 @@ arm). The same ratio on the run's medians is printed too, and on the run's total
 which alone holds the probe's steps on the slower path (a median leaves them out: at 50
 Mbit/s three 128 ms fp32 probe steps put the total at 1.115 where the rounds read 1.077).
 The goals are issue 16's: profile <= 1.05 x min(fp32, static) at every rate, and at 20 Mbit/s
-profile <= 0.8 x PowerSGD and <= 0.08 x fp32. `--reread F` prints a saved `--json` run's report again without running it.
+profile <= 0.8 x PowerSGD and <= 0.08 x fp32. `--reread F` prints a saved `--json` run's
+report again without running it.
 
 `--repeat N` measures each rate N times, each in fresh rank processes, and prints after the
 runs the median over them of each ratio's per-round median, with [min, max]: from one
