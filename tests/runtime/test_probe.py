@@ -254,6 +254,11 @@ def test_a_new_phase_decides_on_the_last_cycles_fp32_time_when_it_is_decisive() 
     # the fastest fp32 time carried is the last decision's (130 ms at `late`)
     steps, _ = _cycle(m, "later", low=0.050, fp32=0.200)
     assert steps == [L] * 3
+    # a re-check times fp32 itself (the first phase's, once its 13x decision stood 800 steps;
+    # its first warm-up step went untimed in `_kept_for`)
+    assert _kept_for(m, LOWBIT) == 800
+    steps, decided = _cycle(m, low=0.010, fp32=0.130)
+    assert steps[-1] == F and "fastest of 2 low-bit and 1 fp32 steps" in decided[1]
 
 
 def test_a_pause_between_steps_does_not_keep_fp32_on_a_slow_link() -> None:
