@@ -89,7 +89,7 @@ Opt-in, not the default: a decision from wall-clock times differs from run to ru
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
 simulator stay bit-reproducible without it). Probing costs 1 to `steps` steps on the slower
 path per cycle, `steps` + `close_blocks` x `block` on a close call (and the `warmup` steps,
-which run low-bit).
+which run low-bit), none for a new phase decided on the carried fp32 time.
 """
 
 from __future__ import annotations
