@@ -76,6 +76,7 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
             continue
         try:
             if _recorded(study, key, outcome):
+                claim.release(done=True)
                 return outcome
             # a trial that started or finished since `build()` began changes what it saw
             now = counted(study)
@@ -84,9 +85,10 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
             _write(run, outcome, out_root)
             study.set_user_attr(key, {"path": str(outcome.path), "png": str(outcome.png),
                                       "worker": run.worker.id, "written": time.time()})
+            claim.release(done=True)
             return outcome
         finally:
-            claim.release()
+            claim.release()  # no-op after a release above; else given up, for another to take
 
 
 def _states(trials: list[Any]) -> list[tuple[int, TrialState]]:

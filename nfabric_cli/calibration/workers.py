@@ -8,8 +8,9 @@ agree on, and how they do it with what every Optuna storage offers:
   a lock on the study row, so the count is exact); a surplus trial is dropped untrained.
 - **Claims.** The FP32 reference and each profile write are claimed by creating a study named
   `<study>~<job>`: study names are unique in every storage, so exactly one creation succeeds.
-  The holder refreshes a heartbeat on it; a claim whose holder is gone is taken over as
-  `<job>#2`, `#3`, ...
+  The holder refreshes a heartbeat on it; a claim whose holder is gone, or that its holder
+  gave up, is taken over as `<job>#2`, `#3`, ...; one released with its job done is not, so a
+  worker that read "not done yet" just before the holder stored the result reads it again.
 - **Liveness.** A running trial or claim whose worker is gone is failed or taken over: after
   `GRACE_S` without a heartbeat (`storage.py`: the worker's record and claims beat on every
   storage, the journal file included, which has no heartbeat of Optuna's; RDB storages also
@@ -130,7 +131,7 @@ class Claim:
 
     def try_acquire(self) -> bool:
         """True if this worker now holds the job; False (with `holder` set) if a live
-        worker holds it."""
+        worker holds it or one has done it (`holder["done"]`)."""
         generation = 1
         while True:
             name = self._name(generation)
@@ -149,6 +150,8 @@ class Claim:
             return True
 
     def _free(self, sid: int, record: dict[str, Any]) -> bool:
+        if record.get("done"):
+            return False
         if record.get("released") or stale(record) or self.worker.gone(record):
             return True
         if not record:  # created but never written: its creator died at once
@@ -165,6 +168,8 @@ class Claim:
             except KeyError:
                 return None
             record = self.storage.get_study_user_attrs(sid)
+            if record.get("done"):
+                return None
             if not self._free(sid, record):
                 return record
             generation += 1
@@ -174,9 +179,10 @@ class Claim:
             for key, value in {**self.worker.record(), "seen": time.time()}.items():
                 self.storage.set_study_user_attr(self.held, key, value)
 
-    def release(self) -> None:
+    def release(self, done: bool = False) -> None:
+        """Give the claim up; `done`: its job is finished and stored, nobody takes it over."""
         if self.held is not None:
-            self.storage.set_study_user_attr(self.held, "released", True)
+            self.storage.set_study_user_attr(self.held, "done" if done else "released", True)
             self.held = None
 
 
@@ -246,8 +252,11 @@ class WorkerLog:
                         self.set(job)
                         result = compute()
                         self.study.set_user_attr(job, result)
+                    claim.release(done=True)
                 return result
             holder = claim.holder.get("worker", "another worker")
+            if claim.holder.get("done"):
+                continue  # stored since we read the study: read it again
             if told != holder:
                 told = holder
                 on_wait(holder)

@@ -233,6 +233,47 @@ def test_a_claim_goes_to_one_worker_and_is_taken_over_when_its_holder_dies(
                                                        "s~other#2"]
 
 
+
+def test_a_claim_released_with_its_job_done_is_not_taken_again(tmp_path: Path) -> None:
+    """A worker that read "no reference yet" just before the holder stored it and let go
+    must read it again, not take the claim as `#2` (CI at stop 40 saw `reference#2`)."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="s", storage=url)
+    me = Worker.current()
+    a, b = Claim(study, "job", me), Claim(study, "job", me)
+    assert a.try_acquire()
+    a.release(done=True)
+    assert not b.try_acquire() and b.holder["done"] is True
+    assert Claim(study, "job", me).peek() is None  # nobody holds it: it is done
+    names = [s.study_name for s in optuna.get_all_study_summaries(url)]
+    assert [n for n in names if is_claim(n)] == ["s~job"]
+
+
+def test_shared_reads_the_result_again_when_its_holder_finished_meanwhile(
+        tmp_path: Path, monkeypatch) -> None:
+    """The race itself: the waiter's read of the study misses the result, the holder stores
+    it and lets go, and only then does the waiter try the claim."""
+    import nfabric_cli.calibration.workers as workers
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    study = optuna.create_study(study_name="s", storage=url)
+    me = Worker.current()
+    holder = workers.WorkerLog(study, Worker(me.host, os.getppid(), me.node), 1)
+    waiter = workers.WorkerLog(optuna.load_study(study_name="s", storage=url), me, 1)
+
+    class Late(Claim):
+        def try_acquire(self) -> bool:  # the holder runs its job between read and claim
+            if self.worker == me and "job" not in study.user_attrs:
+                holder.shared("job", lambda: {"by": "holder"}, lambda _: None)
+            return super().try_acquire()
+
+    monkeypatch.setattr(workers, "Claim", Late)
+    waited: list[str] = []
+    result = waiter.shared("job", lambda: {"by": "waiter"}, waited.append)
+    assert result == {"by": "holder"} and waited == []
+    names = [s.study_name for s in optuna.get_all_study_summaries(url)]
+    assert [n for n in names if is_claim(n)] == ["s~job"]
+
 def _cli(tmp_path: Path, *args: str, workload: bool = True):
     from typer.testing import CliRunner
 
