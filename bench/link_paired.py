@@ -41,11 +41,17 @@ floor, what two identical arms read apart: 0.988-1.016 at every shaped rate in o
 run of 40 rounds (1.039 over loopback), 0.977-1.044 over three runs each at 50 and 100 Mbit/s
 (session 39). A profile / min(fp32, static) a few per cent above 1 is judged beside it.
 
+The arm `unprobed` is the profile arm on the model gate: the same routes and monitor, and with
+no substrate every bucket as written, nothing timed. `profile/unprobed` is what the measured
+gate's probing costs, in the same run. At 200 Mbit/s on transformer.v6 it read 0.978 and
+1.033 (two runs), while two runs apart the same ratio, measured-gate run against model-gate
+run, had read 1.03-1.06 at 50 Mbit/s (session 41, docs/validation.md).
+
 Needs root for the shaped rates (ip netns, tc); without it they are skipped with the reason,
 and rate 0 (plain loopback, no namespace) still runs.
 
     OMP_NUM_THREADS=1 python -m bench.link_paired [--rates 20,50,100,200,500,1000,0]
-        [--rounds 10] [--block 20] [--arms fp32,static,profile,powersgd,fp16,static#2]
+        [--rounds 10] [--block 20] [--arms fp32,static,profile,powersgd,fp16,unprobed,static#2]
         [--workload vision] [--profile PATH] [--world-size 2] [--gate measure] [--repeat 1]
 
 Without --profile the workload's hand-written one is used, as in `bench.validate_link`.
@@ -54,6 +60,7 @@ Without --profile the workload's hand-written one is used, as in `bench.validate
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -61,10 +68,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from bench.validate_link import head_fp32_profile, values_over_runs
 
-ARMS = ("fp32", "static", "profile", "powersgd", "fp16")
+ARMS = ("fp32", "static", "profile", "powersgd", "fp16", "unprobed")
+DEFAULT_ARMS = ARMS[:5]
 MONITOR_SHOWN = 8  # the profile arm's health-monitor events printed per rate
 
 
@@ -75,7 +84,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     from torch.nn.parallel import DistributedDataParallel
 
     from nfabric_cli.ranks.loop import workload_steps
-    from nfabric_cli.validation.arms import ArmContext, make_arm
+    from nfabric_cli.validation.arms import ArmContext
     from nfabric_cli.workloads.registry import get_workload
 
     wl = get_workload(cfg["workload"])
@@ -86,7 +95,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     arms = {}
     for name in cfg["arms"]:
         ddp = DistributedDataParallel(wl.build_model(cfg["seed"]))
-        arm = make_arm(base_arm(name), ddp, ctx)
+        arm = _make_arm(name, ddp, ctx)
         arms[name] = (ddp, arm, *wl.make_optimizer(ddp.parameters(), steps))
     times: dict[str, list[float]] = {name: [] for name in cfg["arms"]}
     names = list(cfg["arms"])
@@ -112,6 +121,17 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
 def base_arm(name: str) -> str:
     """The arm a name runs: `static#2` is a second `static` (the module docstring)."""
     return name.split("#", 1)[0]
+
+
+def _make_arm(name: str, ddp: Any, ctx: Any) -> Any:
+    """`validation.arms`' arm for `name`; `unprobed` is the profile arm on the model gate,
+    which without a substrate sends every bucket as written (the module docstring)."""
+    from nfabric_cli.validation.arms import make_arm
+
+    base = base_arm(name)
+    if base == "unprobed":
+        return make_arm("profile", ddp, dataclasses.replace(ctx, measure_gate=False))
+    return make_arm(base, ddp, ctx)
 
 
 def round_orders(names: list[str], r: int) -> list[str]:
@@ -210,6 +230,8 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
         on_total = total["profile"] / total[faster]
     if {"profile", "powersgd"} <= rows.keys():
         ratios["profile/powersgd"] = over("profile", rows["powersgd"])
+    if {"profile", "unprobed"} <= rows.keys():  # what the gate's probing costs, this run
+        ratios["profile/unprobed"] = over("profile", rows["unprobed"])
     for name in rows:  # a second, identical arm: the run's own floor
         base = base_arm(name)
         if base != name and base in rows:
@@ -283,7 +305,7 @@ def main() -> None:
                         help="Mbit/s, comma separated; 0: loopback unshaped")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=20, help="steps per arm per round")
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS))
     parser.add_argument("--workload", default="vision")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)

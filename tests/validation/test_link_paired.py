@@ -67,6 +67,11 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     row = report(20.0, {"times": twice, "probe": []}, 2, 3)
     assert row["static#2/static"] == 1.05 and row["static#2/static range"] == [1.0, 1.1]
     assert base_arm("static#2") == "static" and base_arm("fp32") == "fp32"
+    # the profile arm without the gate's probing, in the same run: what probing costs
+    beside = {**times, "unprobed": [9.0, 0.010, 0.010, 0.016, 0.016, 0.016]}
+    row = report(20.0, {"times": beside, "probe": []}, 2, 3)
+    assert row["profile/unprobed"] == round((0.011 / 0.010 + 1.0) / 2, 3)
+    assert "unprobed/fp32" in row and "unprobed/unprobed" not in row
 
 
 def test_reread_prints_a_saved_runs_report_without_running(tmp_path, monkeypatch, capsys) -> None:
@@ -130,11 +135,11 @@ def test_median_interval_is_the_binomial_order_statistics() -> None:
 @pytest.mark.slow
 def test_every_arm_trains_its_blocks_in_the_same_ranks() -> None:
     cfg = {"workload": "vision", "seed": 0, "profile": "profiles/vision/vision.v5.parquet",
-           "gate": "measure", "arms": ["fp32", "static", "profile", "static#2"], "rounds": 2,
-           "block": 3}
+           "gate": "measure", "arms": ["fp32", "static", "profile", "unprobed", "static#2"],
+           "rounds": 2, "block": 3}
     out = run_function_ranks(_rank, 2, cfg)
     assert out[0] == out[1]  # the slowest rank's time per step, agreed
     assert {k: len(v) for k, v in out[0]["times"].items()} == {
-        "fp32": 6, "static": 6, "profile": 6, "static#2": 6}
+        "fp32": 6, "static": 6, "profile": 6, "unprobed": 6, "static#2": 6}
     assert all(t > 0 for v in out[0]["times"].values() for t in v)
     assert isinstance(out[0]["monitor"], list)  # the profile arm's other events
