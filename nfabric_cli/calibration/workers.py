@@ -243,7 +243,7 @@ class WorkerLog:
         under a claim on `job` the heartbeat keeps alive, and stored, while other workers wait
         (`on_wait(holder)` once per holder). A claim whose holder died is taken over."""
         claim = Claim(self.study, job, self.worker)
-        told = None
+        told, reread = None, False
         while (result := self.study.user_attrs.get(job)) is None:
             if claim.try_acquire():
                 with self.holding(claim):
@@ -255,8 +255,9 @@ class WorkerLog:
                     claim.release(done=True)
                 return result
             holder = claim.holder.get("worker", "another worker")
-            if claim.holder.get("done"):
-                continue  # stored since we read the study: read it again
+            if claim.holder.get("done") and not reread:
+                reread = True  # stored since we read the study: read it again, at once
+                continue  # (once: a done claim whose result is missing is waited on)
             if told != holder:
                 told = holder
                 on_wait(holder)
