@@ -74,9 +74,9 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
         if not claim.try_acquire():
             time.sleep(workers.POLL_S)  # the holder is writing it right now
             continue
+        done = False  # recorded, by this worker or another: the claim is not taken again
         try:
-            if _recorded(study, key, outcome):
-                claim.release(done=True)
+            if done := _recorded(study, key, outcome):
                 return outcome
             # a trial that started or finished since `build()` began changes what it saw
             now = counted(study)
@@ -85,10 +85,10 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
             _write(run, outcome, out_root)
             study.set_user_attr(key, {"path": str(outcome.path), "png": str(outcome.png),
                                       "worker": run.worker.id, "written": time.time()})
-            claim.release(done=True)
+            done = True
             return outcome
         finally:
-            claim.release()  # no-op after a release above; else given up, for another to take
+            claim.release(done=done)
 
 
 def _states(trials: list[Any]) -> list[tuple[int, TrialState]]:

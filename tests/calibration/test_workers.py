@@ -235,7 +235,6 @@ def test_a_claim_goes_to_one_worker_and_is_taken_over_when_its_holder_dies(
                                                        "s~other#2"]
 
 
-
 def test_a_claim_released_with_its_job_done_is_not_taken_again(tmp_path: Path) -> None:
     """A worker that read "no reference yet" just before the holder stored it and let go
     must read it again, not take the claim as `#2` (CI at stop 40 saw `reference#2`)."""
@@ -275,6 +274,7 @@ def test_shared_reads_the_result_again_when_its_holder_finished_meanwhile(
     assert result == {"by": "holder"} and waited == []
     names = [s.study_name for s in optuna.get_all_study_summaries(url)]
     assert [n for n in names if is_claim(n)] == ["s~job"]
+
 
 def _cli(tmp_path: Path, *args: str, workload: bool = True):
     from typer.testing import CliRunner
