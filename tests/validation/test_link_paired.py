@@ -14,7 +14,9 @@ from bench.link_paired import (
     median_interval,
     over_runs,
     per_round,
+    pooled,
     report,
+    report_runs,
     round_orders,
 )
 from nfabric_cli.ranks.functions import run_function_ranks
@@ -106,6 +108,29 @@ def test_several_runs_of_a_rate_are_reported_over_the_runs(tmp_path, monkeypatch
     assert "profile/min(fp32,static)   1.075  [1.050, 1.100]" in out
     (row,) = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     assert row["runs"] == 2 and row["profile/min(fp32,static) over runs"] == [1.1, 1.05]
+    # and their rounds pooled: 1.1, 1.1, 1.05, 1.05 (four rounds: no 90 % interval yet)
+    assert "== 50 Mbit/s, the 2 runs' 4 rounds pooled:" in out
+    assert row["profile/min(fp32,static) pooled"] == 1.075
+    assert row["profile/min(fp32,static) pooled range"] == [1.05, 1.1]
+
+
+def test_pooled_rounds_are_not_the_median_of_the_runs_medians(capsys) -> None:
+    """Three runs whose rounds read 1.0, 1.0 / 1.2, 1.2 / 1.1, 1.3: the runs' medians are
+    1.0, 1.2, 1.2 (their median 1.2), the six rounds' median 1.15. Each run divides by its
+    own faster arm (run 3: fp32, faster than static there)."""
+    def run(p1: float, p2: float, fp32: float = 0.020) -> dict:
+        return {"times": {"fp32": [9.0] + [fp32] * 5, "static": [9.0] + [0.010] * 5,
+                          "profile": [9.0, p1, p1, p2, p2, p2]}, "probe": []}
+
+    runs = [run(0.010, 0.010), run(0.012, 0.012), run(0.0099, 0.0117, fp32=0.009)]
+    assert pooled(runs, 2, 3)["profile/min(fp32,static)"] == pytest.approx(
+        [1.0, 1.0, 1.2, 1.2, 1.1, 1.3])
+    row = report_runs(50.0, runs, 2, 3)
+    assert row["profile/min(fp32,static)"] == 1.2 and row["profile/min(fp32,static) pooled"] == 1.15
+    assert row["profile/min(fp32,static) pooled interval"] == [1.0, 1.3, 0.969]  # n = 6
+    assert "profile/fp32 pooled" in row  # every ratio the runs have
+    out = capsys.readouterr().out
+    assert "profile/min(fp32,static) pooled median 1.150  [1.000, 1.300] over rounds" in out
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
