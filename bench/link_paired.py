@@ -248,15 +248,16 @@ def round_ratios(measured: dict, rounds: int, block: int) -> Ratios:
     return Ratios(ratios, overall, total, faster)
 
 
-def _print_ratio(key: str, vals: list[float], row: dict[str, object], what: str) -> None:
-    """Put one ratio's median, range and interval over `vals` in `row`, and print them."""
+def _print_ratio(key: str, vals: list[float], row: dict[str, object]) -> None:
+    """Put one ratio's median, range and interval over the rounds `vals` in `row`, and print
+    them."""
     med = statistics.median(vals)
     row[key] = round(med, 3)
     row[f"{key} range"] = [round(min(vals), 3), round(max(vals), 3)]
     ci = median_interval(vals)
     if ci is not None:
         row[f"{key} interval"] = [round(ci[0], 3), round(ci[1], 3), round(ci[2], 3)]
-    print(f"  {key:<26} median {med:.3f}  [{min(vals):.3f}, {max(vals):.3f}] {what}"
+    print(f"  {key:<26} median {med:.3f}  [{min(vals):.3f}, {max(vals):.3f}] over rounds"
           + (f"; the median in [{ci[0]:.3f}, {ci[1]:.3f}] at {ci[2]:.1%} confidence"
              if ci else ""))
 
@@ -269,7 +270,7 @@ def report(mbit: float, measured: dict, rounds: int, block: int) -> dict:
     print("median step, ms: " + ", ".join(f"{n} {1e3 * v:.1f}" for n, v in overall.items()))
     row: dict[str, object] = {"mbit": mbit}
     for key, vals in ratios.items():
-        _print_ratio(key, vals, row, "over rounds")
+        _print_ratio(key, vals, row)
     if faster is not None:  # the same goal on the run's medians and totals
         on_medians = overall["profile"] / overall[faster]
         on_total = total["profile"] / total[faster]
@@ -332,7 +333,7 @@ def report_runs(mbit: float, runs: list[dict], rounds: int, block: int) -> dict:
             print(f"  {name:<26} {row[name]:.3f}  [{min(values):.3f}, {max(values):.3f}]")
     print(f"== {title}, the {len(rows)} runs' {len(rows) * rounds} rounds pooled:")
     for key, vals in pooled(runs, rounds, block).items():
-        _print_ratio(f"{key} pooled", vals, row, "over rounds")
+        _print_ratio(f"{key} pooled", vals, row)
     return row
 
 
