@@ -33,8 +33,15 @@ _SNMP = Path("/proc/self/net/snmp")
 
 
 def burst_bytes(mbit: float) -> int:
-    """tbf bucket: 10 ms at the rate, at least 64 KiB (one GSO segment of loopback)."""
-    return max(64 * 1024, int(mbit * 1e6 / 8 * 0.010))
+    """tbf bucket: 1 ms at the rate, at least 64 KiB (one GSO segment of loopback).
+
+    A bucket refills while the link idles and lets its bytes through at loopback speed; a real
+    link serialises every byte at its rate. At 10 ms (until session 42) the bucket held about
+    one fp32 step's traffic at 500 Mbit/s (625 KB against ~800 KB), so fp32 steps after idle
+    low-bit ones passed largely at loopback speed: fp32's step read 14.5 ms there, 19.9 ms
+    with 1 ms (transformer, W = 2), and the measured gate's short fp32 probes read 0.87-0.94x
+    the fp32 arm's steps (docs/validation.md, session 42). Below 52 Mbit/s the floor decides."""
+    return max(64 * 1024, int(mbit * 1e6 / 8 * 0.001))
 
 
 def link_available() -> str | None:
