@@ -31,15 +31,15 @@ def _train_powersgd(rank: int, world_size: int, serial: bool) -> dict:
     state = baselines.powersgd_state(None, meter, rank=2, start_iter=2, seed=0)
     state.serial = serial
     starts: list[tuple[int, int]] = []  # (bucket index, other buckets' reductions in flight)
-    in_flight = [0]
+    futures: list[torch.futures.Future] = []
     hook = state.hook
 
+    # In flight = a hook future not yet done. A counter decremented in a done-callback would
+    # lag: a future reads done() before its callbacks have run (CI saw a 1 there once).
     def recording(inner: object, bucket: dist.GradBucket) -> torch.futures.Future:
-        starts.append((bucket.index(), in_flight[0]))
-        in_flight[0] += 1
-        fut = hook(inner, bucket)
-        fut.add_done_callback(lambda _: in_flight.__setitem__(0, in_flight[0] - 1))
-        return fut
+        starts.append((bucket.index(), sum(not f.done() for f in futures)))
+        futures.append(hook(inner, bucket))
+        return futures[-1]
 
     state.hook = recording
     ddp.register_comm_hook(state, baselines.metered_hook)
