@@ -54,15 +54,17 @@ class Comm:
 
     def scratch(self, key: object, numel: int, dtype: torch.dtype,
                 device: torch.device | str = "cpu") -> torch.Tensor:
-        """A 1-D buffer kept under `key` and handed out again while its size fits: a fresh
-        tensor of tens of MB costs its page faults on every step (measured in
-        bench.collectives: 5-8 ms per 19 MB), a kept one nothing. The caller owns `key`: a
-        buffer may be reused as soon as the same key is asked for again."""
+        """A 1-D buffer of `numel` elements kept under `key`: the front of the kept one while
+        it is large enough, else a new one kept instead. A fresh tensor of tens of MB costs
+        its page faults on every step (measured in bench.collectives: 5-8 ms per 19 MB), a
+        kept one nothing, also when a key's size changes back and forth (a bucket whose
+        route changes with the phase). The caller owns `key`: a buffer may be reused as soon
+        as the same key is asked for again."""
         buf = self._scratch.get(key)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != torch.device(device):
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
             buf = torch.empty(numel, dtype=dtype, device=device)
             self._scratch[key] = buf
-        return buf
+        return buf[:numel]
 
     def _meter(self, kind: str, nbytes: int) -> None:
         self.calls.append((kind, nbytes))

@@ -45,6 +45,14 @@ def _worker(rank: int, world_size: int) -> dict:
             grads[rank].clone(), comm, SEGMENTS, generator=rank_gens(world_size)[rank]
         )
         out[spec] = (result, comm.take())
+    # one Comm for every route, forward then back: its kept buffers are reused at other sizes
+    # (the front of a larger one, stale bytes and all) and must not change a single result
+    shared = Comm()
+    for spec in [*SPECS, *reversed(SPECS)]:
+        result = make_route(spec).reduce(
+            grads[rank].clone(), shared, SEGMENTS, generator=rank_gens(world_size)[rank]
+        )
+        out[spec, "shared"] = out.get((spec, "shared"), []) + [result]
     return out
 
 
@@ -66,5 +74,27 @@ def test_collective_equals_simulation(world_size: int) -> None:
                 assert torch.allclose(got, sim, rtol=1e-6, atol=1e-6), spec
             else:
                 assert torch.equal(got, sim), (spec, rank)
+            assert all(torch.equal(again, got) for again in per_rank[spec, "shared"]), spec
             # the meter counts exactly what the plan predicts for this rank
             assert metered == route.wire_bytes(N, world_size, rank=rank, segments=SEGMENTS), (spec, rank)
+
+
+def _scratch(rank: int, world_size: int) -> dict:
+    comm = Comm()
+    big = comm.scratch("k", 1000, torch.uint8)
+    small = comm.scratch("k", 10, torch.uint8)
+    same = comm.scratch("k", 1000, torch.uint8)
+    bigger = comm.scratch("k", 1001, torch.uint8)
+    return {"big": big.data_ptr(), "small": (small.numel(), small.data_ptr()),
+            "same": same.data_ptr(), "bigger": (bigger.numel(), bigger.data_ptr()),
+            "dtype": comm.scratch("k", 10, torch.float32).dtype,
+            "other": comm.scratch("other", 10, torch.uint8).data_ptr()}
+
+
+def test_scratch_hands_out_the_front_of_a_kept_buffer_until_a_larger_one_is_asked_for() -> None:
+    (got,) = run_ranks(_scratch, 1)
+    assert got["small"] == (10, got["big"])  # the front of the kept buffer: no new pages
+    assert got["same"] == got["big"]
+    assert got["bigger"][0] == 1001 and got["bigger"][1] != got["big"]  # grown: a new one
+    assert got["dtype"] == torch.float32  # another dtype: a new one
+    assert got["other"] not in (got["big"], got["bigger"][1])
