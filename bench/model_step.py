@@ -18,8 +18,8 @@ Fabric arms use a profile with one route for every parameter (`profile init --ro
 substrate, so the capacity gate admits what the profile says. `fabric-sign-measured` has the
 measured gate (`gate="measure"`: whole steps on sign or on plain DDP's path, whichever its
 probe timed faster, `runtime/probe.py`). Its probe runs before the timed rounds, untimed, as
-it would in a run's first steps (a close call probes ~34 steps: the whole of a 24-step bench
-otherwise); the decision and the steps it took are printed. Goals: fabric sign <= 1.0x
+it would in a run's first steps (a close call probes ~34 steps: most of the arm's 40 timed
+steps otherwise); the decision and the steps it took are printed. Goals: fabric sign <= 1.0x
 plain DDP, fabric fp32 <= 1.05x, the measured arm <= 1.05x min(plain, fabric sign).
 
     python -m bench.model_step [--steps 8] [--rounds 5] [--width 3072] [--layers 5] [--json]
@@ -175,6 +175,7 @@ def main() -> None:
         print(f"  {label}: {v['median']:.3f} [{v['range'][0]:.3f}, {v['range'][1]:.3f}]")
     p = res["probe"]
     print(f"the measured arm's probe, untimed: {p['to']} after {p['steps']} steps, {p['reason']}")
+
 
 if __name__ == "__main__":
     main()
