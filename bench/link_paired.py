@@ -47,7 +47,8 @@ The arm `unprobed` is the profile arm on the model gate: the same routes and mon
 no substrate every bucket as written, nothing timed. `profile/unprobed` is what the measured
 gate's probing costs, in the same run. At 50 Mbit/s on transformer.v6 it read 1.008 [0.992,
 1.021] over three runs, where measured-gate runs against model-gate runs had put the gate at
-3-5 % (session 41, docs/validation.md).
+3-5 % (session 41, docs/validation.md). `unprobed/static` is what the monitor costs in time:
+the same routes, with and without it.
 
 Needs root for the shaped rates (ip netns, tc); without it they are skipped with the reason,
 and rate 0 (plain loopback, no namespace) still runs.
@@ -241,6 +242,8 @@ def round_ratios(measured: dict, rounds: int, block: int) -> Ratios:
         ratios["profile/powersgd"] = over("profile", rows["powersgd"])
     if {"profile", "unprobed"} <= rows.keys():  # what the gate's probing costs, this run
         ratios["profile/unprobed"] = over("profile", rows["unprobed"])
+    if {"unprobed", "static"} <= rows.keys():  # what the monitor costs: the same routes
+        ratios["unprobed/static"] = over("unprobed", rows["static"])
     for name in rows:  # a second, identical arm: the run's own floor
         base = base_arm(name)
         if base != name and base in rows:

@@ -74,6 +74,12 @@ def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) 
     row = report(20.0, {"times": beside, "probe": []}, 2, 3)
     assert row["profile/unprobed"] == round((0.011 / 0.010 + 1.0) / 2, 3)
     assert "unprobed/fp32" in row and "unprobed/unprobed" not in row
+    # the same routes with the monitor (unprobed) over static, round by round: what it costs
+    slower = {**times, "unprobed": [9.0, 0.012, 0.012, 0.020, 0.020, 0.020]}
+    row = report(20.0, {"times": slower, "probe": []}, 2, 3)
+    assert row["unprobed/static"] == round((0.012 / 0.010 + 0.020 / 0.016) / 2, 3)
+    alone = {n: t for n, t in slower.items() if n != "static"}
+    assert "unprobed/static" not in report(20.0, {"times": alone, "probe": []}, 2, 3)
 
 
 def test_reread_prints_a_saved_runs_report_without_running(tmp_path, monkeypatch, capsys) -> None:
