@@ -43,8 +43,9 @@ from nfabric_cli.runtime.probe import FP32, LOWBIT
 ARMS = ("compute", "plain", "torch-hook", "fabric-fp32", "fabric-sign", "fabric-int8",
         "fabric-sign-measured", "fp16", "powersgd", "plain-views", "fabric-fp32-views")
 # ratios taken round by round: an arm over the fastest of others in the same round
+# (every arm's ratio to plain DDP is in the arms' table already)
 PAIRS = (("fabric-fp32", ("torch-hook",)), ("fabric-fp32-views", ("plain-views",)),
-         ("fabric-fp32-views", ("plain",)), ("fabric-sign-measured", ("plain", "fabric-sign")))
+         ("fabric-sign-measured", ("plain", "fabric-sign")))
 PROBE_STEPS = 80  # untimed steps the measured arm may take to decide before the rounds
 
 
@@ -133,22 +134,25 @@ def _worker(rank: int, world: int, width: int, layers: int, steps: int, rounds: 
     return {"times": times, "probe": probe}
 
 
+def _same_round(rounds_s: dict[str, list[float]], num: str, dens: tuple[str, ...]) -> dict:
+    """`num`'s round figure over the fastest of `dens` in the same round: the median over
+    rounds and the rounds' [min, max]."""
+    ratios = [t / min(rounds_s[d][i] for d in dens) for i, t in enumerate(rounds_s[num])]
+    return {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+
+
 def run(width: int = 3072, layers: int = 5, steps: int = 8, rounds: int = 5) -> dict:
     per_rank = run_function_ranks(_worker, 2, width, layers, steps, rounds)
     # a round's figure is the slower rank's median step
     rounds_s = {name: [max(r["times"][name][i] for r in per_rank) for i in range(rounds)]
                 for name in per_rank[0]["times"]}
-    plain = rounds_s["plain"]
     arms = {}
     for name, secs in rounds_s.items():
-        ratios = [s / p for s, p in zip(secs, plain, strict=True)]
-        arms[name] = {"ms": 1e3 * statistics.median(secs), "vs_plain": statistics.median(ratios),
-                      "range": [min(ratios), max(ratios)]}
-    paired = {}
-    for num, dens in PAIRS:
-        ratios = [rounds_s[num][i] / min(rounds_s[d][i] for d in dens) for i in range(rounds)]
-        paired[f"{num} / min({', '.join(dens)})" if len(dens) > 1 else f"{num} / {dens[0]}"] = {
-            "median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+        vs = _same_round(rounds_s, name, ("plain",))
+        arms[name] = {"ms": 1e3 * statistics.median(secs), "vs_plain": vs["median"],
+                      "range": vs["range"]}
+    paired = {f"{num} / min({', '.join(dens)})" if len(dens) > 1 else f"{num} / {dens[0]}":
+              _same_round(rounds_s, num, dens) for num, dens in PAIRS}
     return {"params": layers * (width * width + width), "world_size": 2, "rounds": rounds,
             "arms": arms, "probe": per_rank[0]["probe"], "paired": paired}
 

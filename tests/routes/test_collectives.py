@@ -52,7 +52,7 @@ def _worker(rank: int, world_size: int) -> dict:
         result = make_route(spec).reduce(
             grads[rank].clone(), shared, SEGMENTS, generator=rank_gens(world_size)[rank]
         )
-        out[spec, "shared"] = out.get((spec, "shared"), []) + [result]
+        out.setdefault((spec, "shared"), []).append(result)
     return out
 
 
