@@ -145,6 +145,7 @@ class HealthMonitor:
         #: saw, e.g. their false-trip rate on fp32 runs
         self.detections: list[tuple[int, str, str]] = []
         self._nonfinite: list[int] = []  # steps of the non-finite checks within `window`
+        self._spikes: list[int] = []  # steps of the loss spikes within `window`
         self._phase: str | None = None
         self._last_step: int | None = None
 
@@ -204,6 +205,8 @@ class HealthMonitor:
         else:
             verdict, reason = self._judge_all(stats)
         self._detect(stats.step, ALL, verdict, reason)
+        if verdict == _GUARD:  # a lone loss spike: every scope's update held, routes kept
+            verdict = _UNHEALTHY
         events += self._advance(ALL, verdict, reason, stats.step)
         for scope in self._scopes:
             if nonfinite_reason:  # not a healthy check for anyone; "all" carries any trip
@@ -267,9 +270,19 @@ class HealthMonitor:
             floor = self._floor(ALL, t.loss_spike_floor)
             if z > t.loss_spike_z and float(stats.loss) > floor:
                 spread = f" ({z:.0f} robust sd)" if math.isfinite(z) else ""
-                return _TRIP, f"loss spike {ratio:.1f}x median{spread}"
+                return self._spike(stats.step, f"loss spike {ratio:.1f}x median{spread}")
             return _UNHEALTHY, ""
         return (_UNHEALTHY, "") if ratio > t.loss_readmit else (_HEALTHY, "")
+
+    def _spike(self, step: int, reason: str) -> tuple[str, str]:
+        """A loss spike trips once `loss_spike_repeat` of them fall within `window` steps;
+        fewer are held in place by the guard (with no guard, every one trips)."""
+        t = self.thresholds
+        self._spikes = [s for s in self._spikes if s > step - t.window] + [step]
+        n = len(self._spikes)
+        if n >= t.loss_spike_repeat or t.update_cap <= 0:
+            return _TRIP, reason if t.loss_spike_repeat == 1 else f"{reason} ({n} in {t.window} steps)"
+        return _GUARD, reason
 
     def _judge_scope(self, scope: str, stats: StepStats) -> tuple[str, str]:
         """Grad norm against its windowed median, then sign agreement; worst verdict wins."""
@@ -387,6 +400,7 @@ class HealthMonitor:
             "early_norms": {s: list(self._early[s]) for s in self._scopes},
             "events": [e.to_dict() for e in self._events],
             "nonfinite_steps": list(self._nonfinite),
+            "loss_spike_steps": list(self._spikes),
             "phase": self._phase,
             "last_step": self._last_step,
         }
@@ -409,6 +423,7 @@ class HealthMonitor:
         self._events = [HealthEvent(e["step"], e["scope"], e["from"], e["to"], e["reason"])
                         for e in state["events"]]
         self._nonfinite = list(state.get("nonfinite_steps", []))
+        self._spikes = list(state.get("loss_spike_steps", []))
         self._phase, self._last_step = state["phase"], state["last_step"]
 
     def state(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 from nfabric_cli.errors import InputError
 
 _INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips",
-               "grad_blowup_trips", "nonfinite_repeat")
+               "grad_blowup_trips", "nonfinite_repeat", "loss_spike_repeat")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,10 @@ class HealthThresholds:
     # 0.8 points against the same run without the monitor (bench/robustness.py); a repeat
     # may be a route's doing, so it falls back. 1: every non-finite step trips.
     nonfinite_repeat: int = 2
+    # Loss spikes within `window` steps that trip every scope to fp32; fewer are held in place
+    # (the guard holds every scope's update that step, the routes stay), as a gradient-norm
+    # blow-up is. 1: every loss spike trips.
+    loss_spike_repeat: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -92,6 +96,7 @@ class HealthThresholds:
             ("max_trips", self.max_trips >= 1, ">= 1"),
             ("update_cap", self.update_cap >= 0, ">= 0 (0 turns the update guard off)"),
             ("nonfinite_repeat", self.nonfinite_repeat >= 1, ">= 1"),
+            ("loss_spike_repeat", self.loss_spike_repeat >= 1, ">= 1"),
         ]
         for name, ok, requirement in rules:
             if not ok:

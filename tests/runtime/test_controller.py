@@ -186,3 +186,18 @@ def test_readmission_is_judged_against_the_run_before_the_trip():
 def test_new_thresholds_are_validated(field: str, value: float):
     with pytest.raises(InputError, match=f"health threshold {field} must be >= 0"):
         HealthThresholds.from_dict({field: value})
+
+
+def test_a_lone_loss_spike_under_loss_spike_repeat_holds_every_scope_and_keeps_the_route():
+    """`loss_spike_repeat` 2: the spike's own update is held to the healthy median, with an
+    event that says why and that the route is kept; the next update passes untouched."""
+    c, log = controller(loss_spike_repeat=2)
+    for u in [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]:
+        step(c, 1.0, 1.0, u)
+    d = step(c, 5.0, 1.0, 4.0)
+    assert d.scales == {"*": pytest.approx(1.0 / 4.0, rel=1e-12)}
+    assert c.effective("body.weight").name == "sign"
+    (held,) = [e for e in log if e["to"] == "held"]
+    assert "for loss spike 5.0x median" in held["reason"] and "route kept" in held["reason"]
+    assert not [e for e in log if e["to"] == "fp32"]
+    assert step(c, 1.0, 1.0, 1.0).scales == {}

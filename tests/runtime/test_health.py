@@ -385,3 +385,36 @@ def test_with_the_update_guard_off_a_blowup_trips():
     m = make_monitor(grad_blowup_trips=0, update_cap=0.0)
     assert as_tuples(feed(m, [1, 1, 1, 20])) == [
         (3, "a", "sign", "fp32", "grad-norm blow-up 20.0x median")]
+
+
+def test_with_loss_spike_repeat_a_lone_spike_is_guarded_and_a_repeat_trips():
+    """`loss_spike_repeat` 2: a lone loss spike is a detection under "all" (the controller's
+    guard holds every scope's update) but no trip, and its loss joins the window; a second
+    within `window` steps trips every scope, counted in the reason; the count survives a
+    checkpoint; spikes further apart are each held; with the guard off every spike trips."""
+    def losses(m: HealthMonitor, values: list[float], start: int = 0) -> list[HealthEvent]:
+        out = []
+        for i, loss in enumerate(values):
+            out += m.check(StepStats(start + i, loss, False, {"a": 1.0, "b": 1.0}))
+        return out
+
+    m = make_monitor(loss_spike_repeat=2)  # window 5, min_history 3
+    assert losses(m, [1.0] * 5 + [4.2]) == []
+    assert m.detections == [(5, "all", "loss spike 4.2x median")]
+    assert not m.forced_fp32("a") and m.state_dict()["loss_window"][-1] == 4.2
+    again = make_monitor(loss_spike_repeat=2)
+    again.load_state_dict(json.loads(json.dumps(m.state_dict())))
+    for mon in (m, again):
+        events = losses(mon, [1.0, 4.4], start=6)
+        assert as_tuples(events) == [
+            (7, "all", "int8+sign", "fp32", "loss spike 4.4x median (2 in 5 steps)")]
+        assert mon.effective_route("a") == mon.effective_route("b") == "fp32"
+
+    m = make_monitor(loss_spike_repeat=2)  # steps 5 and 10: not within 5 steps
+    assert losses(m, [1.0] * 5 + [4.2] + [1.0] * 4 + [4.0]) == []
+    assert [s for s, _, _ in m.detections] == [5, 10]
+    m = make_monitor(loss_spike_repeat=2, update_cap=0.0)  # nothing would hold it
+    assert as_tuples(losses(m, [1.0] * 5 + [4.2])) == [
+        (5, "all", "int8+sign", "fp32", "loss spike 4.2x median (1 in 5 steps)")]
+    with pytest.raises(InputError, match="loss_spike_repeat must be >= 1"):
+        HealthThresholds(loss_spike_repeat=0)
