@@ -147,6 +147,11 @@ def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_prove
     assert cell["metric"] == alone.metric
     # the profile says where it was proven, and what confirmation cost
     profile = read_profile(out.path)
+    # ... and the published profile is what was proven: compiled as a user compiles it, it
+    # trains the cell to the same metric
+    published = compile_profile(profile, wl.build_model(seed), world_size=2, total_steps=steps)
+    again = simulate_run(wl, published, 2, steps, seed, (steps,), processes=1)
+    assert again.metric == cell["metric"]
     proven = profile.meta["proven"]
     assert proven["seeds"] == [0, 1] and proven["steps"] == [40, 80]
     assert proven["world_size"] == 2 and len(proven["cells"]) == 4
