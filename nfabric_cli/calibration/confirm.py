@@ -25,6 +25,7 @@ from nfabric_cli.calibration.choice import (
     config_of,
     reference_job,
 )
+from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
 
@@ -79,7 +80,7 @@ def run_cell(cal: Calibrator, config: Config, cell: Cell, label: str) -> dict[st
                           steps, seed, (steps,), None, cal.sink.step, processes=cal.processes)
     out = {"metric": result.metric, "traffic_fraction": result.traffic_fraction,
            "steps_run": result.steps_run, "wall_s": round(time.perf_counter() - start, 2),
-           "worker": cal.worker.id}
+           "worker": cal.worker.id, KEY: code_fingerprint()}
     cal.sink.trial_finished({"number": None, "kind": label, "state": "COMPLETE",
                              "traffic_fraction": out["traffic_fraction"], "metric": out["metric"],
                              "note": f"metric {out['metric']:.4f}, traffic "

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
 from nfabric_cli.profile.target import degradation, within_tolerance
 
 #: Most tolerances of excess an out-of-tolerance trial is charged (keeps values finite).
@@ -103,3 +104,4 @@ def store_result(trial: Any, record: dict[str, Any], result: Any) -> None:
     trial.set_user_attr("row_traffic", {f"{r}@{p}": v for (r, p), v in result.row_traffic.items()})
     trial.set_user_attr("fallbacks", fallbacks(result.events))
     trial.set_user_attr("skipped_steps", len(result.skipped_steps))
+    trial.set_user_attr(KEY, code_fingerprint())

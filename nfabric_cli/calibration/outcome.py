@@ -25,6 +25,7 @@ from nfabric_cli.calibration.choice import (
     robust_winner,
     verdicts,
 )
+from nfabric_cli.calibration.codeprint import code_fingerprint, foreign_results
 from nfabric_cli.calibration.confirm import confirmation_cost
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param
 from nfabric_cli.calibration.storage import redact
@@ -156,6 +157,10 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
                     "train_steps_spent": spent},
             reference_metric=reference,
             data_fingerprint=wl.data_fingerprint(),
+            code_fingerprint=code_fingerprint(),
+            # stored results other code trained (a resumed study): their metrics are in this
+            # record, and this code may not replay them
+            foreign_results=len(foreign_results(run.study)),
             winner_trial=best["trial"],
             sensitivity=run.extra.get("sensitivity", {}),
             confirmation=None if confirmation is None else confirmation["cost"],

@@ -32,6 +32,7 @@ from optuna.trial import TrialState
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.calibration.codeprint import KEY, code_fingerprint, foreign_results
 from nfabric_cli.calibration.confirm import confirm
 from nfabric_cli.calibration.objective import (
     DEFAULT_INTERMEDIATE,
@@ -174,7 +175,8 @@ class Calibrator:
         worker waits for it (a claim whose holder died is taken over)."""
         assert self.log is not None  # run_study sets it
         return self.log.shared(
-            "reference", lambda: {**self.run_reference(), "worker": self.worker.id},
+            "reference", lambda: {**self.run_reference(), "worker": self.worker.id,
+                                  KEY: code_fingerprint()},
             lambda holder: self.sink.note(f"waiting for the FP32 reference: {holder} is running it"))
 
     def run_reference(self) -> dict[str, Any]:
@@ -299,7 +301,8 @@ class Calibrator:
         if config.all_fp32():
             attrs = {"traffic_fraction": 1.0, "metric": self.reference["metric"],
                      "degradation": 0.0, "curve": self.reference["curve"], "row_traffic": {},
-                     "fallbacks": 0, "skipped_steps": 0, "reused_from": "reference"}
+                     "fallbacks": 0, "skipped_steps": 0, "reused_from": "reference",
+                     KEY: self.reference.get(KEY)}
         else:
             key = config.key()
             same = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -309,7 +312,7 @@ class Calibrator:
             src = same[0].user_attrs
             attrs = {k: src[k] for k in ("traffic_fraction", "metric", "degradation", "curve",
                                          "checkpoints", "row_traffic", "fallbacks",
-                                         "skipped_steps") if k in src}
+                                         "skipped_steps", KEY) if k in src}
             attrs["reused_from"] = same[0].number
         for k, v in attrs.items():
             trial.set_user_attr(k, v)
@@ -367,6 +370,12 @@ def run_study(
         study.sampler = make_sampler(spec, offset)
         fail_dead_trials(study, worker)  # a killed run's trial: failed, its sweep re-queued
         calibrator.reference = reference = calibrator.reference_for(study)
+        if resumed and (foreign := foreign_results(study)):
+            calibrator.sink.note(
+                f"study {name}: {len(foreign)} stored result(s) ({', '.join(foreign[:4])}"
+                f"{', ...' if len(foreign) > 4 else ''}) were trained by other nfabric code; "
+                "a profile from this study records their metrics, which this code may not "
+                "replay: a new --study retrains everything")
         before = finished_by(study, worker)
         calibrator.after_trial(study)
         if budget_reached(study, spec.trials, worker):

@@ -208,3 +208,55 @@ def test_the_bound_rule_asks_for_margin_the_worst_rule_does_not() -> None:
     assert robust_winner(study, bound, True, ref).user_attrs["key"] == "wide"
     with pytest.raises(InputError, match="confirm.rule: one of worst, bound"):
         tiny_spec(confirm={"rule": "median"})
+
+
+def test_a_study_resumed_by_other_code_names_the_results_it_did_not_train(
+        tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Every stored result carries the fingerprint of the code that trained it; resumed by
+    other code (here: another package tree), the study says which results that code did not
+    train, and the profile's provenance counts them. A fresh study counts none."""
+    from nfabric_cli.calibration import codeprint
+    from nfabric_cli.calibration.study import ProgressSink
+
+    class Notes(ProgressSink):
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+
+        def note(self, message: str) -> None:
+            self.notes.append(message)
+
+    wl, url = get_workload(TINY), f"sqlite:///{tmp_path}/s.db"
+    spec = tiny_spec(trials=4, steps=20, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "steps": [20]})
+    sink = Notes()
+    run, out = calibrate(wl, spec, url, "s", tmp_path / "out", sink=sink, processes=1)
+    here = codeprint.code_fingerprint()
+    assert len(here) == 16 and codeprint.foreign_results(run.study) == []
+    prov = read_profile(out.path).meta["provenance"]
+    assert prov["code_fingerprint"] == here and prov["foreign_results"] == 0
+    assert not [n for n in sink.notes if "other nfabric code" in n]
+    stored = [k for k in run.study.user_attrs if k.startswith(("reference", "confirm/"))]
+    assert "reference" in stored and any(k.startswith("confirm/") for k in stored)
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.py").write_text("x = 1\n")
+    monkeypatch.setattr(codeprint, "_PACKAGE", other)
+    codeprint.code_fingerprint.cache_clear()
+    try:
+        assert codeprint.code_fingerprint() != here
+        sink = Notes()
+        spec2 = tiny_spec(trials=5, steps=20, eval_every=10, tolerance=0.05,
+                          confirm={"seeds": [1], "steps": [20]})
+        run2, out2 = calibrate(wl, spec2, url, "s", tmp_path / "out", sink=sink, processes=1)
+        foreign = codeprint.foreign_results(run2.study)
+        done = [t for t in run2.study.trials if "metric" in t.user_attrs
+                and t.state == optuna.trial.TrialState.COMPLETE]
+        # the four trials and every stored run of the first pass; not the fifth trial
+        assert len(foreign) == len(stored) + len(done) - 1, foreign
+        [note] = [n for n in sink.notes if "other nfabric code" in n]
+        assert note.startswith(f"study s: {len(foreign)} stored result(s) (") \
+            and "a new --study retrains everything" in note
+        assert read_profile(out2.path).meta["provenance"]["foreign_results"] == len(foreign)
+    finally:
+        codeprint.code_fingerprint.cache_clear()
