@@ -16,7 +16,8 @@ trip ``"all"`` (fewer only keep a scope in probation from counting the step as h
 Trips: repeated non-finite steps and loss spikes (above `loss_spike` times the median *and*
 `loss_spike_z` robust standard deviations above it *and* `loss_spike_floor` times the run's
 early loss, so the noise of small-batch losses near zero does not count) trip ``"all"``
-(every scope on FP32);
+(every scope on FP32; with `loss_spike_repeat` > 1 fewer spikes than that within `window`
+steps are guarded in place, as a blow-up is);
 a gradient-norm blow-up (above `grad_blowup` times the median *and* `grad_blowup_floor` times
 the scope's early norm: late in a run, converged, single hard batches jump 10-17x a median
 that has fallen tenfold) is a detection handled in place: the controller's update guard holds
@@ -252,12 +253,9 @@ class HealthMonitor:
     def _judge_nonfinite(self, step: int, reason: str) -> tuple[str, str]:
         """A trip once `nonfinite_repeat` non-finite steps fall within `window` steps; a lone
         one is unhealthy only (the caller zeroes its update either way)."""
-        t = self.thresholds
-        self._nonfinite = [s for s in self._nonfinite if s > step - t.window] + [step]
-        n = len(self._nonfinite)
-        if n < t.nonfinite_repeat:
-            return _UNHEALTHY, ""
-        return _TRIP, reason if t.nonfinite_repeat == 1 else f"{reason} ({n} in {t.window} steps)"
+        self._nonfinite, trips, why = self._repeat(self._nonfinite, step,
+                                                   self.thresholds.nonfinite_repeat, reason)
+        return (_TRIP, why) if trips else (_UNHEALTHY, "")
 
     def _judge_all(self, stats: StepStats) -> tuple[str, str]:
         """Loss against its windowed median (a finite step without a loss is healthy)."""
@@ -278,11 +276,17 @@ class HealthMonitor:
         """A loss spike trips once `loss_spike_repeat` of them fall within `window` steps;
         fewer are held in place by the guard (with no guard, every one trips)."""
         t = self.thresholds
-        self._spikes = [s for s in self._spikes if s > step - t.window] + [step]
-        n = len(self._spikes)
-        if n >= t.loss_spike_repeat or t.update_cap <= 0:
-            return _TRIP, reason if t.loss_spike_repeat == 1 else f"{reason} ({n} in {t.window} steps)"
-        return _GUARD, reason
+        self._spikes, trips, why = self._repeat(self._spikes, step, t.loss_spike_repeat, reason)
+        return (_TRIP, why) if trips or t.update_cap <= 0 else (_GUARD, reason)
+
+    def _repeat(self, steps: list[int], step: int, need: int,
+                reason: str) -> tuple[list[int], bool, str]:
+        """`steps` within `window` of `step`, with it; whether they are `need` or more; the
+        reason, with their count where more than one is needed."""
+        window = self.thresholds.window
+        steps = [s for s in steps if s > step - window] + [step]
+        counted = reason if need == 1 else f"{reason} ({len(steps)} in {window} steps)"
+        return steps, len(steps) >= need, counted
 
     def _judge_scope(self, scope: str, stats: StepStats) -> tuple[str, str]:
         """Grad norm against its windowed median, then sign agreement; worst verdict wins."""
