@@ -38,7 +38,8 @@ def foreign_results(study: optuna.Study) -> list[str]:
     """The study's stored results that other code trained (or code from before fingerprints):
     "trial N" per completed trial, the job name per stored run."""
     here = code_fingerprint()
-    out = [f"trial {t.number}" for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    out = [f"trial {t.number}" for t in done
            if "metric" in t.user_attrs and t.user_attrs.get(KEY) != here]
     attrs: dict[str, Any] = study.user_attrs
     out += [job for job, value in sorted(attrs.items())

@@ -141,7 +141,7 @@ class HealthMonitor:
         # the floors': the run's first `window` healthy losses (under "all") and norms per scope
         self._early: dict[str, list[float]] = {s: [] for s in [ALL, *scopes]}
         self._events: list[HealthEvent] = []
-        #: (step, scope, reason) of every detection judged (a trip signal, or a blow-up guarded
+        #: (step, scope, reason) of every detection judged (a trip signal, or one guarded
         #: in place), acted on or not (a scope on fp32, one already held): what the detectors
         #: saw, e.g. their false-trip rate on fp32 runs
         self.detections: list[tuple[int, str, str]] = []
@@ -221,10 +221,10 @@ class HealthMonitor:
 
         # The windows hold healthy steps only: a non-finite step's values, and a held scope's
         # (a trip's own spike, the steps until re-admission), never enter them, so
-        # re-admission is judged against the run as it was before the trip. A blow-up guarded
-        # in place does enter its window, as one value of `window` (the median barely moves);
-        # a lasting new scale then becomes the median within half a window, and stops being
-        # held, instead of being held for good.
+        # re-admission is judged against the run as it was before the trip. A detection guarded
+        # in place (a blow-up, a lone loss spike) does enter its window, as one value of
+        # `window` (the median barely moves); a lasting new scale then becomes the median
+        # within half a window, and stops being held, instead of being held for good.
         if not nonfinite_reason:
             whole = self._holds[ALL].status == "ok"
             if stats.loss is not None and whole:
