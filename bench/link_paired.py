@@ -212,6 +212,11 @@ def _title(mbit: float) -> str:
     return f"{mbit:g} Mbit/s" if mbit else "loopback, unshaped"
 
 
+#: Arm over arm, each round, where both ran: against PowerSGD (the issue's goal), what the
+#: measured gate's probing costs (`profile/unprobed`) and what the monitor costs
+#: (`unprobed/static`: the same routes, with and without it).
+PAIRS = (("profile", "powersgd"), ("profile", "unprobed"), ("unprobed", "static"))
+
 class Ratios(NamedTuple):
     """One run's ratios per round, and what the goal's "min" was read from."""
 
@@ -238,12 +243,9 @@ def round_ratios(measured: dict, rounds: int, block: int) -> Ratios:
     if {"profile", "static", "fp32"} <= rows.keys():
         faster = min(("fp32", "static"), key=overall.__getitem__)  # over the whole run
         ratios["profile/min(fp32,static)"] = over("profile", rows[faster])
-    if {"profile", "powersgd"} <= rows.keys():
-        ratios["profile/powersgd"] = over("profile", rows["powersgd"])
-    if {"profile", "unprobed"} <= rows.keys():  # what the gate's probing costs, this run
-        ratios["profile/unprobed"] = over("profile", rows["unprobed"])
-    if {"unprobed", "static"} <= rows.keys():  # what the monitor costs: the same routes
-        ratios["unprobed/static"] = over("unprobed", rows["static"])
+    for num, den in PAIRS:
+        if {num, den} <= rows.keys():
+            ratios[f"{num}/{den}"] = over(num, rows[den])
     for name in rows:  # a second, identical arm: the run's own floor
         base = base_arm(name)
         if base != name and base in rows:

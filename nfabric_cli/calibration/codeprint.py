@@ -18,10 +18,9 @@ import optuna
 from optuna.trial import TrialState
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-#: The user attribute that holds it, on trials and on the study's stored runs.
+#: The user attribute that holds it, on trials and in the study's stored runs (the FP32
+#: references, confirmation cells: every stored dict with a "metric").
 KEY = "code"
-#: Study user attributes that hold a run's result (the FP32 references, confirmation cells).
-_RUNS = ("reference", "reference/", "confirm/")
 
 
 @functools.lru_cache(maxsize=1)
@@ -43,6 +42,5 @@ def foreign_results(study: optuna.Study) -> list[str]:
            if "metric" in t.user_attrs and t.user_attrs.get(KEY) != here]
     attrs: dict[str, Any] = study.user_attrs
     out += [job for job, value in sorted(attrs.items())
-            if job.startswith(_RUNS) and isinstance(value, dict) and "metric" in value
-            and value.get(KEY) != here]
+            if isinstance(value, dict) and "metric" in value and value.get(KEY) != here]
     return out

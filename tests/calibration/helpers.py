@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from nfabric_cli.calibration.spec import CalibrationSpec, parse_spec
+from nfabric_cli.calibration.study import ProgressSink
 
 
 def tiny_spec_dict(**top: Any) -> dict[str, Any]:
@@ -60,3 +61,13 @@ def _value(v: Any) -> str:
     if isinstance(v, list):
         return "[" + ", ".join(_value(x) for x in v) + "]"
     return repr(v)
+
+
+class Notes(ProgressSink):
+    """A sink that keeps the study's notes (`notes`), for tests that read what it said."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)

@@ -31,7 +31,7 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.profile.proven import outside_proven, proven_range
 from nfabric_cli.workloads.registry import get_workload
-from tests.calibration.helpers import TINY, tiny_spec
+from tests.calibration.helpers import TINY, Notes, tiny_spec
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -216,14 +216,6 @@ def test_a_study_resumed_by_other_code_names_the_results_it_did_not_train(
     other code (here: another package tree), the study says which results that code did not
     train, and the profile's provenance counts them. A fresh study counts none."""
     from nfabric_cli.calibration import codeprint
-    from nfabric_cli.calibration.study import ProgressSink
-
-    class Notes(ProgressSink):
-        def __init__(self) -> None:
-            self.notes: list[str] = []
-
-        def note(self, message: str) -> None:
-            self.notes.append(message)
 
     wl, url = get_workload(TINY), f"sqlite:///{tmp_path}/s.db"
     spec = tiny_spec(trials=4, steps=20, eval_every=10, tolerance=0.05,

@@ -28,7 +28,7 @@ from nfabric_cli.calibration.storage import open_storage
 from nfabric_cli.calibration.workers import Claim, Worker, is_claim
 from nfabric_cli.profile import read_profile
 from nfabric_cli.workloads.registry import get_workload
-from tests.calibration.helpers import TINY, tiny_spec, tiny_spec_dict, toml_text
+from tests.calibration.helpers import TINY, Notes, tiny_spec, tiny_spec_dict, toml_text
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET = 10
@@ -371,7 +371,7 @@ def test_a_worker_waits_for_a_live_reference_holder_and_takes_over_when_it_stops
         tmp_path: Path) -> None:
     import threading
 
-    from nfabric_cli.calibration import ProgressSink, run_study
+    from nfabric_cli.calibration import run_study
 
     url = f"sqlite:///{tmp_path}/s.db"
     study = optuna.create_study(study_name="w", storage=url)
@@ -382,15 +382,11 @@ def test_a_worker_waits_for_a_live_reference_holder_and_takes_over_when_it_stops
     other = Worker(me.host, os.getppid(), me.node)  # a live process of this machine
     held = Claim(study, "reference", other)
     assert held.try_acquire()
-    notes: list[str] = []
-
-    class Notes(ProgressSink):
-        def note(self, message: str) -> None:
-            notes.append(message)
-
+    sink = Notes()
+    notes = sink.notes
     done: list = []
     thread = threading.Thread(target=lambda: done.append(
-        run_study(get_workload(TINY), tiny_spec(trials=2), url, "w", Notes())))
+        run_study(get_workload(TINY), tiny_spec(trials=2), url, "w", sink)))
     thread.start()
     deadline = time.monotonic() + 60
     while not notes and time.monotonic() < deadline:
