@@ -6,7 +6,8 @@ failed 7 of 16 real runs on other seeds and lengths (issue 15), the lm profile b
 at seed 1 against a tolerance of 0.05. So, when the spec names confirmation seeds or lengths
 (``[confirm]``), the leading admissible trials (by traffic, at most ``candidates``) are trained
 again on every *cell* of the grid, seeds (the spec's and ``confirm.seeds``) times lengths (its
-``steps`` and ``confirm.steps``), each against an FP32 reference trained on the same cell.
+``steps`` and ``confirm.steps``) at the search's world size and at each of
+``confirm.world_sizes``, each against an FP32 reference trained on the same cell.
 
 The default rule (`confirm.rule = "worst"`) is `validate --seeds`' rule, the worst cell: a
 candidate holds when every cell is within tolerance of that cell's reference; cells are
@@ -30,8 +31,6 @@ from optuna.trial import FrozenTrial, TrialState
 from nfabric_cli.calibration.space import Config, routing_key, suggest
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.profile.target import degradation, prediction_bound, within_tolerance
-
-Cell = tuple[int, int]  # (seed, steps)
 
 
 def config_of(trial: FrozenTrial, spec: CalibrationSpec) -> Config:
@@ -83,17 +82,24 @@ def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
     return admissible(study, spec.tolerance)[:spec.confirm_candidates]
 
 
-def reference_job(cell: Cell) -> str:
-    return f"reference/s{cell[0]}/n{cell[1]}"
+def _cell_path(cell: tuple[int, ...]) -> str:
+    """`s<seed>/n<steps>`, and `/w<W>` for a world size other than the search's: cells at
+    the search's own keep the names studies stored before world sizes were confirmed."""
+    world = cell[2] if len(cell) > 2 else None
+    return f"s{cell[0]}/n{cell[1]}" + ("" if world is None else f"/w{world}")
 
 
-def cell_job(config_key: str, cell: Cell) -> str:
+def reference_job(cell: tuple[int, ...]) -> str:
+    return f"reference/{_cell_path(cell)}"
+
+
+def cell_job(config_key: str, cell: tuple[int, ...]) -> str:
     """The job name (and user-attribute key) of one configuration's run on one cell."""
     digest = hashlib.sha256(config_key.encode()).hexdigest()[:12]
-    return f"confirm/{digest}/s{cell[0]}/n{cell[1]}"
+    return f"confirm/{digest}/{_cell_path(cell)}"
 
 
-def cell_verdict(attrs: dict[str, Any], key: str, cell: Cell, spec: CalibrationSpec,
+def cell_verdict(attrs: dict[str, Any], key: str, cell: tuple[int, ...], spec: CalibrationSpec,
                  higher_is_better: bool) -> dict[str, Any] | None:
     """One candidate's stored result on one cell against that cell's reference; None when
     either run is not stored yet."""
@@ -101,7 +107,8 @@ def cell_verdict(attrs: dict[str, Any], key: str, cell: Cell, spec: CalibrationS
     if ref is None or run is None:
         return None
     d = degradation(run["metric"], ref["metric"], higher_is_better)
-    return {"seed": cell[0], "steps": cell[1], "metric": run["metric"],
+    world = cell[2] if len(cell) > 2 and cell[2] is not None else spec.world_size
+    return {"seed": cell[0], "steps": cell[1], "world_size": world, "metric": run["metric"],
             "reference": ref["metric"], "degradation": d,
             "traffic_fraction": run["traffic_fraction"],
             "within": within_tolerance(d, spec.tolerance)}
@@ -115,7 +122,8 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
     rule a candidate fails at its first cell outside tolerance (later cells are not trained);
     under `bound` it needs every cell, and holds when the bound is within tolerance."""
     worst_rule = spec.confirm_rule == "worst"
-    own = {"seed": spec.seed, "steps": spec.steps, "metric": t.user_attrs["metric"],
+    own = {"seed": spec.seed, "steps": spec.steps, "world_size": spec.world_size,
+           "metric": t.user_attrs["metric"],
            "reference": reference["metric"], "degradation": t.user_attrs["degradation"],
            "traffic_fraction": t.user_attrs["traffic_fraction"], "within": True}
     cells, status = [own], "holds"

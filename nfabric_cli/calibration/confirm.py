@@ -17,7 +17,6 @@ from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
 from nfabric_cli.calibration.choice import (
-    Cell,
     candidate_verdict,
     candidates,
     cell_job,
@@ -28,6 +27,7 @@ from nfabric_cli.calibration.choice import (
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
+from nfabric_cli.calibration.spec import Cell
 
 if TYPE_CHECKING:
     from nfabric_cli.calibration.study import Calibrator
@@ -44,15 +44,15 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
     for trial in candidates(study, spec):
         key, config = trial.user_attrs["key"], config_of(trial, spec)
         for cell in cells:
-            _shared(cal, reference_job(cell), fp32_config(spec), cell,
-                    f"reference seed {cell[0]}, {cell[1]} steps")
-            label = f"confirm trial {trial.number} seed {cell[0]}, {cell[1]} steps"
+            where = _where(cell)
+            _shared(cal, reference_job(cell), fp32_config(spec), cell, f"reference {where}")
+            label = f"confirm trial {trial.number} {where}"
             _shared(cal, cell_job(key, cell), config, cell, label)
             verdict = cell_verdict(study.user_attrs, key, cell, spec, higher)
             assert verdict is not None  # both jobs are stored now
             if spec.confirm_rule == "worst" and not verdict["within"]:
-                cal.sink.note(f"trial {trial.number} fails on seed {cell[0]} at {cell[1]} "
-                              f"steps: degradation {verdict['degradation']:+.4f}")
+                cal.sink.note(f"trial {trial.number} fails on {where}: degradation "
+                              f"{verdict['degradation']:+.4f}")
                 break
         else:
             mine = candidate_verdict(trial, study.user_attrs, spec, higher, cal.reference)
@@ -65,6 +65,12 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
                           f"{mine['worst_degradation']:+.4f}, bound {bound}")
 
 
+def _where(cell: Cell) -> str:
+    """'seed 1, 600 steps', and ', world size 2' where it is not the search's."""
+    world = "" if cell.world_size is None else f", world size {cell.world_size}"
+    return f"seed {cell.seed}, {cell.steps} steps{world}"
+
+
 def _shared(cal: Calibrator, job: str, config: Config, cell: Cell, label: str) -> dict[str, Any]:
     assert cal.log is not None  # run_study sets it
     return cal.log.shared(job, lambda: run_cell(cal, config, cell, label),
@@ -72,11 +78,11 @@ def _shared(cal: Calibrator, job: str, config: Config, cell: Cell, label: str) -
 
 
 def run_cell(cal: Calibrator, config: Config, cell: Cell, label: str) -> dict[str, Any]:
-    """`config` trained on one cell (seed, steps), evaluated once, at its end."""
-    seed, steps = cell
+    """`config` trained on one cell (seed, steps, world size), evaluated once, at its end."""
+    seed, steps, world = cell.seed, cell.steps, cell.world_size or cal.spec.world_size
     cal.sink.trial_started(None, label, steps)
     start = time.perf_counter()
-    result = simulate_run(cal.workload, cal.bindings_for(config, steps), cal.spec.world_size,
+    result = simulate_run(cal.workload, cal.bindings_for(config, steps, world), world,
                           steps, seed, (steps,), None, cal.sink.step, processes=cal.processes)
     out = {"metric": result.metric, "traffic_fraction": result.traffic_fraction,
            "steps_run": result.steps_run, "wall_s": round(time.perf_counter() - start, 2),

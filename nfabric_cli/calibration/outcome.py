@@ -185,7 +185,9 @@ def _confirmation(run: StudyRun) -> dict[str, Any] | None:
     cells = run.spec.confirm_cells()
     if not cells:
         return None
-    return {"cells": [list(c) for c in cells], "rule": run.spec.confirm_rule,
+    home = run.spec.world_size
+    return {"cells": [[c.seed, c.steps, c.world_size or home] for c in cells],
+            "rule": run.spec.confirm_rule,
             "candidates": verdicts(run.study, run.spec, run.workload.higher_is_better,
                                    run.reference),
             "cost": confirmation_cost(run.study.user_attrs)}
@@ -194,16 +196,19 @@ def _confirmation(run: StudyRun) -> dict[str, Any] | None:
 def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | None
             ) -> dict[str, Any]:
     """Where the winner was shown within tolerance: every cell it ran on (the search's own,
-    and the confirmation grid's), in the simulator at the spec's world size."""
+    and the confirmation grid's), in the simulator, at the spec's world size and the grid's
+    others (`world_sizes`; `world_size` stays the search's, as profiles before it read)."""
     spec = run.spec
     mine = (candidate_verdict(winner, {}, spec, run.workload.higher_is_better, run.reference)
             if confirmation is None  # no grid: the search's own cell alone
             else next(v for v in confirmation["candidates"] if v["trial"] == winner.number))
-    cells = [{k: c[k] for k in ("seed", "steps", "metric", "reference", "degradation")}
+    cells = [{k: c[k] for k in ("seed", "steps", "world_size", "metric", "reference",
+                                "degradation")}
              for c in mine["cells"]]
     return {"seeds": sorted({c["seed"] for c in cells}),
             "steps": sorted({c["steps"] for c in cells}),
-            "world_size": spec.world_size, "simulated": True,
+            "world_size": spec.world_size,
+            "world_sizes": sorted({c["world_size"] for c in cells}), "simulated": True,
             "rule": ("the 95 % prediction bound for one more seed within tolerance"
                      if spec.confirm_rule == "bound" and confirmation is not None
                      else "every cell within tolerance of its own fp32 reference"),

@@ -39,8 +39,11 @@ def profile_key(trials: int, spec: CalibrationSpec | None = None) -> str:
     key = f"{PROFILE_KEY}{trials}"
     if spec is None or not spec.confirm_cells():
         return key
-    setting = json.dumps([spec.confirm_seeds, spec.confirm_steps, spec.confirm_candidates,
-                          spec.confirm_rule])
+    fields: list[Any] = [spec.confirm_seeds, spec.confirm_steps, spec.confirm_candidates,
+                         spec.confirm_rule]
+    if spec.confirm_world_sizes:  # (appended only when set: earlier studies keep their names)
+        fields.append(spec.confirm_world_sizes)
+    setting = json.dumps(fields)
     return f"{key}+confirm-{hashlib.sha256(setting.encode()).hexdigest()[:10]}"
 
 

@@ -24,6 +24,7 @@ Example::
     [confirm]            # the winner must also hold on these seeds and lengths (choice.py)
     seeds = [1, 2]
     steps = [240]
+    world_sizes = [2]    # and at these world sizes besides the search's
     candidates = 3
 """
 
@@ -34,7 +35,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nfabric_cli.calibration.hyperband import HyperbandShape
 from nfabric_cli.calibration.spec_values import (
@@ -73,13 +74,22 @@ _TOP_KEYS = {
 NOT_IN_SEARCH_KEY: tuple[str, ...] = (
     "trials", "sampler", "pruner",
     "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
-    "confirm_seeds", "confirm_steps", "confirm_candidates", "confirm_rule",
+    "confirm_seeds", "confirm_steps", "confirm_world_sizes", "confirm_candidates", "confirm_rule",
 )
-_CONFIRM_KEYS = {"seeds", "steps", "candidates", "rule"}
+_CONFIRM_KEYS = {"seeds", "steps", "world_sizes", "candidates", "rule"}
 CONFIRM_RULES: tuple[str, ...] = ("worst", "bound")
 MAX_CONFIRM_CELLS = 64
 _PHASE_KEYS = {"boundaries"}
 _ROUTE_KEYS = {"tau", "error_feedback", "reducer", "rounding", "sign_mode"}
+
+
+class Cell(NamedTuple):
+    """One confirmation run's setting (`choice.py`): seed, length, and the world size when it
+    is not the search's own (None)."""
+
+    seed: int
+    steps: int
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -106,9 +116,11 @@ class CalibrationSpec:
     hyperband_brackets: int | None = None
     health: dict[str, Any] = field(default_factory=dict)
     substrate: dict[str, Any] = field(default_factory=dict)  # a Substrate's dict; {}: none
-    # confirmation (choice.py): the leading candidates retrained on these seeds and lengths
+    # confirmation (choice.py): the leading candidates retrained on these seeds and lengths,
+    # at the search's world size and these others
     confirm_seeds: tuple[int, ...] = ()
     confirm_steps: tuple[int, ...] = ()
+    confirm_world_sizes: tuple[int, ...] = ()
     confirm_candidates: int = 3
     confirm_rule: str = "worst"  # "worst" cell, or the 95 % prediction "bound" for a new seed
 
@@ -116,12 +128,16 @@ class CalibrationSpec:
     def phases(self) -> tuple[str, ...]:
         return tuple(phase_names(len(self.boundaries) + 1))
 
-    def confirm_cells(self) -> list[tuple[int, int]]:
-        """The confirmation grid (`choice.py`): every seed times every length, as (seed,
-        steps), less the search's own cell."""
+    def confirm_cells(self) -> list[Cell]:
+        """The confirmation grid (`choice.py`): every seed times every length at the search's
+        world size, less the search's own cell, then the whole grid at each other world size
+        of `confirm_world_sizes` (a cell's `world_size` None: the search's). A grid that is
+        only other world sizes also confirms at the search's seed and length."""
         seeds = list(dict.fromkeys([self.seed, *self.confirm_seeds]))
         lengths = list(dict.fromkeys([self.steps, *self.confirm_steps]))
-        return [(s, n) for s in seeds for n in lengths if (s, n) != (self.seed, self.steps)]
+        others = [w for w in dict.fromkeys(self.confirm_world_sizes) if w != self.world_size]
+        home = [Cell(s, n) for s in seeds for n in lengths if (s, n) != (self.seed, self.steps)]
+        return home + [Cell(s, n, w) for w in others for s in seeds for n in lengths]
 
     def checkpoints(self) -> tuple[int, ...]:
         """Steps after which a trial evaluates (the last one is always `steps`)."""
@@ -229,6 +245,7 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
         substrate=substrate_dict(data.get("substrate")),
         confirm_seeds=ints(confirm.get("seeds", []), "confirm.seeds"),
         confirm_steps=ints(confirm.get("steps", []), "confirm.steps"),
+        confirm_world_sizes=ints(confirm.get("world_sizes", []), "confirm.world_sizes"),
         confirm_candidates=typed(confirm.get("candidates", 3), int, "confirm.candidates"),
         confirm_rule=typed(confirm.get("rule", "worst"), str, "confirm.rule"),
         **kw,
@@ -286,6 +303,9 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
     if any(not 1 <= n <= MAX_STEPS for n in spec.confirm_steps):
         raise InputError(f"confirm.steps must each be in [1, {MAX_STEPS}], got "
                          f"{list(spec.confirm_steps)}")
+    if any(not 2 <= w <= MAX_WORLD_SIZE for w in spec.confirm_world_sizes):
+        raise InputError(f"confirm.world_sizes must each be in [2, {MAX_WORLD_SIZE}], got "
+                         f"{list(spec.confirm_world_sizes)}")
     if spec.confirm_rule not in CONFIRM_RULES:
         raise InputError(f"confirm.rule: one of {', '.join(CONFIRM_RULES)}, got "
                          f"{spec.confirm_rule!r}")
@@ -293,7 +313,7 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
         raise InputError(f"confirm.candidates must be in [1, 100], got {spec.confirm_candidates}")
     cells = len(spec.confirm_cells())
     if cells > MAX_CONFIRM_CELLS:
-        raise InputError(f"confirm: {cells} cells (seeds x lengths) is more than "
+        raise InputError(f"confirm: {cells} cells (seeds x lengths x world sizes) is more than "
                          f"{MAX_CONFIRM_CELLS}")
     previous = 0.0
     for i, b in enumerate(spec.boundaries):

@@ -126,14 +126,17 @@ class Calibrator:
         self.log: WorkerLog | None = None
 
     # -- building blocks -------------------------------------------------------------------
-    def bindings_for(self, config: Config, steps: int | None = None) -> Bindings:
-        """`config` compiled for the search's world size, over `steps` (default the spec's)."""
-        meta: dict[str, Any] = {"world_size": self.spec.world_size, "health": self.health}
+    def bindings_for(self, config: Config, steps: int | None = None,
+                     world_size: int | None = None) -> Bindings:
+        """`config` compiled over `steps` (default the spec's) for `world_size` (default the
+        search's; a confirmation cell may name another)."""
+        world = world_size or self.spec.world_size
+        meta: dict[str, Any] = {"world_size": world, "health": self.health}
         if self.spec.substrate:
             meta["substrate"] = self.spec.substrate
         profile = config_profile(self.spec, config, meta)
         return compile_profile(
-            profile, self.model, world_size=self.spec.world_size, bucket_cap_mb=None,
+            profile, self.model, world_size=world, bucket_cap_mb=None,
             total_steps=steps or self.spec.steps,
         )
 

@@ -76,6 +76,9 @@ def calibrate_cmd(
                                       "also hold at (300,600; 'none'; overrides [confirm] "
                                       "steps). Each seed x length is a cell: see "
                                       "docs/calibration.md, 'Confirmation'."),
+    confirm_world_sizes: str = typer.Option(None, "--confirm-world-sizes", help="World sizes "
+                                            "they must also hold at, besides --world-size "
+                                            "(2,8; 'none'; overrides [confirm] world_sizes)."),
     confirm_rule: str = typer.Option(None, "--confirm-rule", help="worst (every cell within "
                                      "tolerance, validate's rule) or bound (the 95 % "
                                      "prediction bound for one more seed within it)."),
@@ -120,6 +123,7 @@ def calibrate_cmd(
                    world_size=world_size, trials=trials, seed=seed, tolerance=tolerance,
                    confirm_seeds=_unless_none(confirm_seeds, _seeds),
                    confirm_steps=_unless_none(confirm_steps, _lengths),
+                   confirm_world_sizes=_unless_none(confirm_world_sizes, _world_sizes),
                    confirm_rule=confirm_rule)
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
@@ -166,11 +170,19 @@ def _seeds(text: str) -> list[int]:
 
 
 def _lengths(text: str) -> list[int]:
+    return _int_list(text, "--confirm-steps", "lengths like 300,600")
+
+
+def _world_sizes(text: str) -> list[int]:
+    return _int_list(text, "--confirm-world-sizes", "world sizes like 2,8")
+
+
+def _int_list(text: str, flag: str, example: str) -> list[int]:
+    """Comma-separated integers, first occurrence kept; the spec checks their range."""
     try:
         return list(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
     except ValueError:
-        raise InputError(f"--confirm-steps: expected lengths like 300,600 or none, got "
-                         f"{text!r}") from None
+        raise InputError(f"{flag}: expected {example} or none, got {text!r}") from None
 
 
 def _status(storage: str | None, study: str, as_json: bool) -> None:
@@ -256,16 +268,23 @@ def _confirmation(doc: dict[str, Any]) -> Table:
     table = Table(title=f"confirmation ({doc['rule']} rule): {len(doc['cells']) + 1} cells, "
                         f"{cost['runs']} runs, {cost['train_steps']:,} steps, "
                         f"{cost['wall_s'] / 60:.1f} min")
-    last = "cells: seed/steps degradation"
+    home = doc["candidates"][0]["cells"][0].get("world_size") if doc["candidates"] else None
+    last = "cells: seed/steps[/world size] degradation"
     for col in ("trial", "traffic", "status", "worst", "mean", "bound95", last):
         table.add_column(col, justify="left" if col == last else "right")
     for v in doc["candidates"]:
-        cells = ", ".join(f"{c['seed']}/{c['steps']} {c['degradation']:+.4f}" for c in v["cells"])
+        cells = ", ".join(f"{_cell_label(c, home)} {c['degradation']:+.4f}" for c in v["cells"])
         bound = "-" if v.get("bound95") is None else f"{v['bound95']:+.4f}"
         table.add_row(str(v["trial"]), f"{v['traffic_fraction']:.4f}", v["status"],
                       f"{v['worst_degradation']:+.4f}", f"{v['mean_degradation']:+.4f}", bound,
                       cells)
     return table
+
+
+def _cell_label(cell: dict[str, Any], home: int | None) -> str:
+    """seed/steps, with /W where the cell ran at a world size other than the search's."""
+    world = cell.get("world_size")
+    return f"{cell['seed']}/{cell['steps']}" + ("" if world in (None, home) else f"/w{world}")
 
 
 def _pareto(front: list[dict[str, Any]]) -> Table:

@@ -1,6 +1,6 @@
 """Where a profile was proven, and whether a run lies outside it.
 
-`nfabric calibrate` records in `meta["proven"]` the seeds, run lengths and world size its
+`nfabric calibrate` records in `meta["proven"]` the seeds, run lengths and world sizes its
 winner was shown within tolerance on (the search's own run and every confirmation cell,
 `calibration/choice.py`). A profile calibrated before that record existed was proven on its
 provenance's one seed at its budget's one length. A hand-written profile (`profile init`) has
@@ -10,7 +10,8 @@ low-bit candidate held (``{"fp32": true}``: it is the reference, there is nothin
 Outside that range a profile may still be right, but nothing measured says so: `validate`
 reports it beside its verdict and `attach` warns, so the user knows which claims were tested.
 Lengths count as covered between the shortest and the longest proven (phases are fractions
-of the run); seeds only where proven; world size only where proven.
+of the run); seeds and world sizes only where proven (a profile written before
+`world_sizes` was recorded names its one `world_size`).
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from typing import Any
 class ProvenRange:
     seeds: tuple[int, ...]
     steps: tuple[int, ...]
-    world_size: int | None
+    world_sizes: tuple[int, ...]  # (): not recorded
     recorded: bool  # False: read from an older profile's provenance (one seed, one length)
 
     def describe(self) -> str:
         seeds = ", ".join(str(s) for s in self.seeds)
         steps = ", ".join(str(n) for n in self.steps)
-        ws = "" if self.world_size is None else f", world size {self.world_size}"
+        plural = "s" if len(self.world_sizes) > 1 else ""
+        ws = (f", world size{plural} {', '.join(map(str, self.world_sizes))}"
+              if self.world_sizes else "")
         how = "" if self.recorded else " (calibrated before confirmation was recorded)"
         return (f"seed{'s' if len(self.seeds) > 1 else ''} {seeds} at {steps} steps{ws}"
                 f"{how}")
@@ -41,15 +44,18 @@ def proven_range(meta: dict[str, Any]) -> ProvenRange | None:
     if isinstance(proven, dict) and proven.get("fp32"):
         return None
     if isinstance(proven, dict) and proven.get("seeds") and proven.get("steps"):
+        worlds = proven.get("world_sizes") or (
+            [proven["world_size"]] if proven.get("world_size") is not None else [])
         return ProvenRange(tuple(int(s) for s in proven["seeds"]),
                            tuple(int(n) for n in proven["steps"]),
-                           proven.get("world_size"), True)
+                           tuple(int(w) for w in worlds), True)
     prov = meta.get("provenance") or {}
     budget = prov.get("budget") or {}
     if prov.get("source") != "calibrate" or prov.get("seed") is None or not budget.get("steps"):
         return None
-    return ProvenRange((int(prov["seed"]),), (int(budget["steps"]),), meta.get("world_size"),
-                       False)
+    world = meta.get("world_size")
+    return ProvenRange((int(prov["seed"]),), (int(budget["steps"]),),
+                       () if world is None else (int(world),), False)
 
 
 def outside_proven(meta: dict[str, Any], *, seeds: list[int] | None = None,
@@ -65,7 +71,7 @@ def outside_proven(meta: dict[str, Any], *, seeds: list[int] | None = None,
         out.append(f"seed{'s' if len(new) > 1 else ''} {', '.join(map(str, new))}")
     if steps is not None and not min(rng.steps) <= steps <= max(rng.steps):
         out.append(f"{steps} steps")
-    if world_size is not None and rng.world_size is not None and world_size != rng.world_size:
+    if world_size is not None and rng.world_sizes and world_size not in rng.world_sizes:
         out.append(f"world size {world_size}")
     if not out:
         return []

@@ -38,8 +38,21 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 def test_the_grid_is_seeds_times_lengths_less_the_searchs_own_cell() -> None:
     spec = tiny_spec(steps=40, eval_every=10, confirm={"seeds": [1, 2], "steps": [80, 40]})
-    assert spec.confirm_cells() == [(0, 80), (1, 40), (1, 80), (2, 40), (2, 80)]
+    assert spec.confirm_cells() == [(0, 80, None), (1, 40, None), (1, 80, None), (2, 40, None),
+                                    (2, 80, None)]
     assert tiny_spec().confirm_cells() == []  # no [confirm]: the search's winner, as before
+    # other world sizes: the whole grid again at each, the search's own cell included (the
+    # search's world size, 2, listed again adds nothing)
+    spec = tiny_spec(steps=40, eval_every=10, confirm={"seeds": [1], "world_sizes": [4, 2, 3]})
+    assert spec.confirm_cells() == [(1, 40, None), (0, 40, 4), (1, 40, 4), (0, 40, 3),
+                                    (1, 40, 3)]
+    assert tiny_spec(confirm={"world_sizes": [4]}).confirm_cells() == [(0, 6, 4)]
+    # a cell at the search's world size keeps the job name studies stored before world sizes
+    assert reference_job((1, 40, None)) == reference_job((1, 40)) == "reference/s1/n40"
+    assert cell_job("k", (1, 40, 4)) == cell_job("k", (1, 40)) + "/w4"
+    assert tiny_spec(confirm={"world_sizes": [4]}).search_key() == tiny_spec().search_key()
+    with pytest.raises(InputError, match=r"confirm.world_sizes must each be in \[2, 64\], got \[1\]"):
+        tiny_spec(confirm={"world_sizes": [1]})
     with pytest.raises(InputError, match="confirm.seeds must be >= 0"):
         tiny_spec(confirm={"seeds": [-1]})
     with pytest.raises(InputError, match=r"unknown key\(s\) in \[confirm\]: seed"):
@@ -168,6 +181,34 @@ def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_prove
     run2, out2 = calibrate(wl, spec, url, "s", tmp_path / "out", processes=1)
     assert out2.best["trial"] == out.best["trial"] and out2.path == out.path
     assert out2.best["confirmation"]["cost"] == conf["cost"]
+
+
+def test_calibrate_confirms_at_other_world_sizes_and_records_them(tmp_path) -> None:  # noqa: ANN001
+    """`confirm.world_sizes`: the winner is retrained at each other world size (a real run
+    there), and the profile is proven, and checked, at each."""
+    wl = get_workload(TINY)
+    spec = tiny_spec(trials=4, steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "world_sizes": [3]})
+    run, out = calibrate(wl, spec, f"sqlite:///{tmp_path}/s.db", "s", tmp_path / "out",
+                         processes=1)
+    conf = out.best["confirmation"]
+    assert conf["cells"] == [[1, 40, 2], [0, 40, 3], [1, 40, 3]]
+    held = next(v for v in conf["candidates"] if v["trial"] == out.best["trial"])
+    assert held["status"] == "holds"
+    assert [(c["seed"], c["world_size"]) for c in held["cells"]] == [(0, 2), (1, 2), (0, 3),
+                                                                       (1, 3)]
+    # the three-rank cell is a three-rank run of the published profile
+    profile = read_profile(out.path)
+    cell = held["cells"][3]
+    published = compile_profile(profile, wl.build_model(1), world_size=3, total_steps=40)
+    assert simulate_run(wl, published, 3, 40, 1, (40,), processes=1).metric == cell["metric"]
+    two = compile_profile(profile, wl.build_model(1), world_size=2, total_steps=40)
+    assert simulate_run(wl, two, 2, 40, 1, (40,), processes=1).metric == held["cells"][1]["metric"]
+    proven = profile.meta["proven"]
+    assert proven["world_size"] == 2 and proven["world_sizes"] == [2, 3]
+    assert outside_proven(profile.meta, seeds=[0, 1], steps=40, world_size=3) == []
+    [line] = outside_proven(profile.meta, seeds=[1], steps=40, world_size=4)
+    assert "seeds 0, 1 at 40 steps, world sizes 2, 3; outside that range here: world size 4" in line
 
 
 def test_profiles_from_before_confirmation_were_proven_on_their_one_seed_and_length() -> None:

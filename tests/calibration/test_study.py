@@ -302,6 +302,9 @@ def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
         (["--sampler", "nsga2", "--pruner", "hyperband"], "cannot prune"),
         (["--processes", "0"], "--processes must be >= 1, got 0"),
         (["--workload", "vision"], "and --workload 'vision'"),
+        (["--confirm-world-sizes", "1"], "confirm.world_sizes must each be in [2, 64], got [1]"),
+        (["--confirm-world-sizes", "two"], "--confirm-world-sizes: expected world sizes like"),
+        (["--confirm-steps", "3x"], "--confirm-steps: expected lengths like 300,600 or none"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
