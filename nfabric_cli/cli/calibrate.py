@@ -269,7 +269,7 @@ def _confirmation(doc: dict[str, Any]) -> Table:
                         f"{cost['runs']} runs, {cost['train_steps']:,} steps, "
                         f"{cost['wall_s'] / 60:.1f} min")
     home = doc["candidates"][0]["cells"][0].get("world_size") if doc["candidates"] else None
-    last = "cells: seed/steps[/world size] degradation"
+    last = "cells: seed/steps degradation (/wN: at N ranks)"
     for col in ("trial", "traffic", "status", "worst", "mean", "bound95", last):
         table.add_column(col, justify="left" if col == last else "right")
     for v in doc["candidates"]:
