@@ -25,7 +25,10 @@ trains fp32 N times from weights one ulp apart (`bench/noise_floor.py`, a differ
 each time; N = 1 by default): the farthest of them from fp32 is the cell's run-to-run noise
 (one such run is a thin estimate: at 4x it read 0.00 in three cells of twelve), and a worse
 pair is also counted as beyond that noise or not (any perturbation, a trip or a hold among
-them, moves a chaotic run that far).
+them, moves a chaotic run that far). It also trains `static` N times from those nudged
+weights (`static+ulp`...): how far the monitor-less low-bit run lands from itself is the null
+for a profile-static pair (a hold or a trip perturbs *that* trajectory, and low-bit runs may
+be more or less chaotic than fp32's), so a worse pair is counted beyond static's noise too.
 
     python -m bench.robustness [--workloads vision,transformer,lm] [--seeds 0,1,2]
                                [--lengths 1,2,4] [--world-sizes 2,4] [--noise [N]]
@@ -60,11 +63,19 @@ WORSE = {True: 0.005, False: 0.01}
 #: from fp32 is the cell's run-to-run noise, which any perturbation (a trip, a hold) may cost.
 #: With `--noise N` the further runs are NOISE + "1", ... (another element nudged each time).
 NOISE = "fp32+ulp"
+#: `--noise`: the profile's routes without the monitor, from the same nudged weights.
+STATIC_NOISE = "static+ulp"
 
 
-def noise_arms(n: int) -> list[str]:
-    """The names of `n` one-ulp fp32 arms; the k-th nudges element k."""
-    return [NOISE + (str(k) if k else "") for k in range(n)]
+def noise_arms(n: int, base: str = NOISE) -> list[str]:
+    """The names of `n` one-ulp arms of `base`; the k-th nudges element k."""
+    return [base + (str(k) if k else "") for k in range(n)]
+
+
+def _spread(m: dict[str, float], base: str, of: str) -> float | None:
+    """How far the one-ulp arms named `base`... land from arm `of` at most (None: none)."""
+    gaps = [abs(v - m[of]) for a, v in m.items() if a.startswith(base)]
+    return max(gaps) if gaps else None
 
 
 def calibrated_steps(name: str) -> int:
@@ -92,9 +103,13 @@ def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
     cell: dict = {"workload": name, "seed": seed, "steps": steps, "world_size": world,
                   "higher_is_better": bool(target["higher_is_better"]),
                   "tolerance": float(target["tolerance"]), "arms": {}}
-    nudges = {arm: k for k, arm in enumerate(noise_arms(int(noise)))}
-    for arm in nudges:  # the cell's run-to-run noise: fp32 from weights one ulp apart
-        arms[arm] = (reference, False, ())
+    nudges = {}
+    for base, routes in ((NOISE, reference), (STATIC_NOISE, bindings)):
+        # the cell's run-to-run noise: fp32, and the routes without the monitor, from
+        # weights one ulp apart
+        for k, arm in enumerate(noise_arms(int(noise), base)):
+            nudges[arm] = k
+            arms[arm] = (routes, False, ())
     for arm, (b, monitor, inj) in arms.items():
         t0 = time.perf_counter()
         with nudged_builds(workload, nudges[arm]) if arm in nudges else contextlib.nullcontext():
@@ -134,10 +149,11 @@ def judge(cell: dict) -> dict:
     """The cell's verdicts: monitor worse than none (per pair), faults rescued or not."""
     m = {arm: v["metric"] for arm, v in cell["arms"].items()}
     worse = WORSE[cell["higher_is_better"]]
-    spread = [abs(m[a] - m["fp32"]) for a in m if a.startswith(NOISE)]
-    noise = max(spread) if spread else None
-    out = {"worse": [], "worse_beyond_noise": [], "rescued": [], "not_rescued": [],
-           "noise": noise, "pairs": 0, "vs_fp32": better(cell, m["profile"], m["fp32"])}
+    noise = _spread(m, NOISE, "fp32")
+    static_noise = _spread(m, STATIC_NOISE, "static")
+    out = {"worse": [], "worse_beyond_noise": [], "worse_beyond_static_noise": [],
+           "rescued": [], "not_rescued": [], "noise": noise, "static_noise": static_noise,
+           "pairs": 0, "vs_fp32": better(cell, m["profile"], m["fp32"])}
     out["within"] = _within(cell, out["vs_fp32"])
     for suffix in ("", *(f"+{k}" for k in FAULTS if f"profile+{k}" in m)):
         out["pairs"] += 1
@@ -146,6 +162,8 @@ def judge(cell: dict) -> dict:
             out["worse"].append("profile" + suffix)
             if noise is not None and -gap > noise:
                 out["worse_beyond_noise"].append("profile" + suffix)
+            if static_noise is not None and -gap > static_noise:
+                out["worse_beyond_static_noise"].append("profile" + suffix)
         if suffix:
             static_ok = _within(cell, better(cell, m["static" + suffix], m["fp32"]))
             profile_ok = _within(cell, better(cell, m["profile" + suffix], m["fp32"]))
@@ -165,9 +183,12 @@ def show(cell: dict) -> None:
           f"  profile-fp32 {v['vs_fp32']:+.4f}"
           f"  (+ is better)  passive false trips {ft:.2%}"
           + (f"  noise {v['noise']:.4f}" if v["noise"] is not None else "")
+          + (f", static's {v['static_noise']:.4f}" if v["static_noise"] is not None else "")
           + (f"  WORSE: {', '.join(v['worse'])}" if v["worse"] else "")
-          + (f" (beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'})"
-             if v["worse"] and v["noise"] is not None else "")
+          + (f" (beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'}"
+             + ("" if v["static_noise"] is None else
+                f"; beyond static's: {', '.join(v['worse_beyond_static_noise']) or 'none'}")
+             + ")" if v["worse"] and v["noise"] is not None else "")
           + ("" if v["within"] else "  OUTSIDE tolerance of fp32")
           + (f"  rescued: {', '.join(v['rescued'])}" if v["rescued"] else "")
           + (f"  NOT rescued: {', '.join(v['not_rescued'])}" if v["not_rescued"] else ""),
@@ -185,6 +206,9 @@ def summary(cells: list[dict]) -> dict:
         "worse": sum(len(v["worse"]) for v in verdicts),
         "worse_beyond_noise": (sum(len(v["worse_beyond_noise"]) for v in verdicts)
                                if all(NOISE in c["arms"] for c in cells) else None),
+        "worse_beyond_static_noise": (
+            sum(len(v["worse_beyond_static_noise"]) for v in verdicts)
+            if all(STATIC_NOISE in c["arms"] for c in cells) else None),
         "faults": sum(v["pairs"] - 1 for v in verdicts),
         "within_tolerance": sum(v["within"] for v in verdicts),
         # per workload: accuracy and val_loss differences are not one scale
@@ -212,8 +236,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lengths", default="1,2,4", help="multiples of the calibrated length")
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--noise", type=int, nargs="?", const=1, default=0, metavar="N",
-                        help="also run fp32 N times (default 1) from weights one ulp apart: "
-                             "each cell's noise is the farthest of them from fp32")
+                        help="also run fp32 and static N times each (default 1) from "
+                             "weights one ulp apart: each cell's noise is the farthest of "
+                             "them from fp32 (from static: the pairs' own null)")
     parser.add_argument("--faults", default=",".join(FAULTS),
                         help="faults injected, each in its own static and profile arm; "
                              "'none': the clean arms only")
@@ -242,7 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\nsummary over {total['cells']} cells: monitor worse than no monitor in "
               f"{total['worse']} of {total['pairs']} paired runs (goal 0"
               + ("" if total["worse_beyond_noise"] is None else
-                 f"; {total['worse_beyond_noise']} beyond their cell's noise") + "); faults rescued "
+                 f"; {total['worse_beyond_noise']} beyond their cell's noise")
+              + ("" if total["worse_beyond_static_noise"] is None else
+                 f", {total['worse_beyond_static_noise']} beyond static's own")
+              + "); faults rescued "
               f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
               f"({total['faults']} injected); largest blow-up with no fault "
               f"{total['max_blowup_without_fault']}x median; passive false trips "

@@ -51,7 +51,7 @@ def test_nudged_builds_perturb_inside_the_block_only() -> None:
 
 
 def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
-    from bench.robustness import NOISE, judge, noise_arms
+    from bench.robustness import NOISE, STATIC_NOISE, judge, noise_arms
 
     def cell(noise_metric: float) -> dict:
         metrics = {"fp32": 0.9778, "static": 0.9861, "profile": 0.9806,  # profile 0.56 worse
@@ -74,6 +74,14 @@ def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
     verdict = judge(many)
     assert verdict["noise"] == pytest.approx(0.9861 - 0.9778)
     assert verdict["worse"] == ["profile"] and verdict["worse_beyond_noise"] == []
+    # static from the nudged weights: the pair's own null, judged apart from fp32's
+    assert verdict["static_noise"] is None and verdict["worse_beyond_static_noise"] == []
+    own = cell(0.9861)  # within fp32's noise ...
+    own["arms"].update({STATIC_NOISE: {"metric": 0.9833}, STATIC_NOISE + "1": {"metric": 0.9889}})
+    assert noise_arms(2, STATIC_NOISE) == [STATIC_NOISE, STATIC_NOISE + "1"]
+    verdict = judge(own)  # ... but static moves only 0.28 points from one ulp
+    assert verdict["static_noise"] == pytest.approx(0.0028, abs=1e-9)
+    assert verdict["worse_beyond_noise"] == [] and verdict["worse_beyond_static_noise"] == ["profile"]
 
 
 def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
