@@ -94,7 +94,8 @@ def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
     bindings = compile_profile(profile, model, world_size=world, total_steps=steps)
     reference = compile_profile(on_route(profile, "fp32"), model, world_size=world, total_steps=steps)
     at = int(0.4 * steps)
-    arms = {"fp32": (reference, True, ()), "static": (bindings, False, ()),
+    # fp32: the detectors judge every step (`passive`) and act on nothing: plain fp32 DDP
+    arms = {"fp32": (reference, "passive", ()), "static": (bindings, False, ()),
             "profile": (bindings, True, ())}
     for kind in faults:
         inj = (Injection(kind, at, 1),)
@@ -114,7 +115,8 @@ def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
         t0 = time.perf_counter()
         with nudged_builds(workload, nudges[arm]) if arm in nudges else contextlib.nullcontext():
             res = simulate_run(workload, b, world, steps, seed, checkpoints=(steps,),
-                               monitor=monitor, injections=inj)
+                               monitor=bool(monitor), injections=inj,
+                               passive=monitor == "passive")
         trips = [e for e in res.events if e["to"] == "fp32"]
         cell["arms"][arm] = {
             "metric": res.metric, "traffic": res.traffic_fraction, "trips": len(trips),

@@ -81,6 +81,7 @@ class SimulatedDDP:
         monitor: bool = True,
         processes: int | None = None,
         injections: Sequence[Injection] = (),
+        passive: bool = False,
     ) -> None:
         self.workload = workload
         self.bindings = bindings
@@ -95,7 +96,8 @@ class SimulatedDDP:
         )
         self.events: list[dict[str, Any]] = []
         self.controller = StepController(bindings, self.total_steps, world_size,
-                                         self.events.append, monitor=monitor)
+                                         self.events.append, monitor=monitor,
+                                         passive=passive)
         self.scopes = self.controller.scopes
         self.monitor, self.gate = self.controller.monitor, self.controller.gate
         self.skipped_steps = self.controller.skipped_steps
@@ -193,7 +195,8 @@ class SimulatedDDP:
 
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)
-        self.ranks.step(step, plan, decide, measure=self.controller.monitor_enabled)
+        measure = self.controller.acting and self.phase.name not in self.controller.direct_phases
+        self.ranks.step(step, plan, decide, measure=measure)
         self.controller.advance(step)
 
     def evaluate(self) -> float:
@@ -212,12 +215,15 @@ def simulate_run(
     monitor: bool = True,
     processes: int | None = None,
     injections: Sequence[Injection] = (),
+    passive: bool = False,
 ) -> SimResult:
     """Train `steps` simulated DDP steps; evaluate after each step in `checkpoints`.
 
     The global RNG is forked and seeded, so a run depends only on its arguments (not on
     `processes`, the number of processes computing the ranks' gradients; default one per
     CPU, at most W). `injections`: nan / spike faults, as `validate --inject` puts them.
+    `passive` (benchmarks): the monitor's detectors judge every step and nothing acts on
+    them (`SimResult.detections` lists what they said).
     """
     marks = set(checkpoints)
     curve: list[tuple[int, float]] = []
@@ -226,7 +232,7 @@ def simulate_run(
     with torch.random.fork_rng(devices=[]), one_thread(), deferred_sigint() as interrupt:
         torch.manual_seed(seed)
         sim = SimulatedDDP(workload, bindings, world_size, steps, seed, monitor, processes,
-                           injections)
+                           injections, passive)
         try:
             while sim.step < steps:
                 interrupt.check()  # Ctrl-C stops the run here, between steps

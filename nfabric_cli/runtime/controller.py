@@ -10,6 +10,12 @@ both drive one of these, so calibration predicts exactly what the runtime decide
   scale-downs (`runtime/guard.py`) and whether the step is skipped (non-finite);
 - `advance(step)`: count the step and enter the next phase.
 
+A phase that routes every parameter on fp32 goes out as plain DDP (`direct_phases`; the hook's
+`FabricState._fp32_direct`): nothing is judged, held or skipped on its steps, and the
+simulator, driving the same rule, trains such a phase (a calibration's fp32 reference is one)
+as `validate`'s fp32 arm trains. `passive` (benchmarks only) runs the detectors on every step
+and acts on nothing: what they would say of a plain run.
+
 Events are dicts (step, scope, from, to, reason) handed to `log` in the order they happen.
 """
 
@@ -58,6 +64,8 @@ class StepController:
         *,
         monitor: bool = True,
         gate: bool | str = True,
+        direct_fp32: bool = True,
+        passive: bool = False,
     ) -> None:
         self.bindings = bindings
         self.total_steps = max(1, int(total_steps))
@@ -65,6 +73,13 @@ class StepController:
         self.scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
         thresholds = HealthThresholds.from_dict(bindings.meta.get("health") or {})
         self.monitor_enabled = monitor
+        self.passive = passive
+        # phases sent as plain DDP (see the module doc); `direct_fp32` False: every phase
+        # through the hook's worker (a recorded trace needs it)
+        self.direct_phases = frozenset(
+            p.name for p in bindings.phases
+            if direct_fp32 and all(b.routes[p.name].name == "fp32"
+                                   for b in bindings.params.values()))
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
                                  thresholds.update_cap)
@@ -84,13 +99,18 @@ class StepController:
         """`name`'s route now: the profile's, or fp32 while the monitor holds its region."""
         pb = self.bindings.params[name]
         spec = pb.routes[self.phase.name]
-        if spec.lowbit and self.monitor_enabled and self.monitor.forced_fp32(pb.regions[self.phase.name]):
+        if spec.lowbit and self.acting and self.monitor.forced_fp32(pb.regions[self.phase.name]):
             return FP32
         return spec
 
+    @property
+    def acting(self) -> bool:
+        """Whether the monitor's verdicts change routes and updates (on, and not passive)."""
+        return self.monitor_enabled and not self.passive
+
     def forced(self) -> frozenset[str]:
         """The scopes the monitor holds on fp32 now."""
-        if not self.monitor_enabled:
+        if not self.acting:
             return frozenset()
         return frozenset(s for s in self.scopes if self.monitor.forced_fp32(s))
 
@@ -109,7 +129,10 @@ class StepController:
     ) -> StepDecision:
         """Judge step `step` from agreed numbers: the ranks' mean loss, whether anything was
         not finite, each scope's gradient norm (before the reduce) and sign agreement, and
-        each parameter's norm of the reduced update (identical on every rank)."""
+        each parameter's norm of the reduced update (identical on every rank). A step of a
+        direct phase is plain DDP's: nothing is judged, held or skipped (unless passive)."""
+        if self.phase.name in self.direct_phases and not self.passive:
+            return StepDecision(False)
         if self.monitor_enabled:
             # Held: routed on fp32 for this step (held before it), tripped by it, or any scope
             # a detector fired on (one on an fp32 route too: its raw spike must not pass).
@@ -121,13 +144,14 @@ class StepController:
             why = {scope: reason for _, scope, reason in self.monitor.detections[seen:]}
             if ALL in why:
                 why = {**dict.fromkeys(self.scopes, why.pop(ALL)), **why}
-            held = self._guard(step, update_norms, nonfinite,
-                               routed_fp32 | self.forced() | set(why), why)
+            held = [] if self.passive else self._guard(
+                step, update_norms, nonfinite, routed_fp32 | self.forced() | set(why), why)
         else:
             held = []
-        if nonfinite:
+        skip = nonfinite and not self.passive
+        if skip:
             self.record_skip(step)
-        return StepDecision(nonfinite, {h.scope: h.factor for h in held})
+        return StepDecision(skip, {h.scope: h.factor for h in held})
 
     def record_skip(self, step: int) -> None:
         """Step `step`'s update is neutralised on every rank (non-finite)."""

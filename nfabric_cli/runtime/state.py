@@ -123,15 +123,15 @@ class FabricState:
         self._names = {id(tp.param): tp.name for tp in params}
         self.device = params[0].param.device if params else torch.device("cpu")
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
-                                         monitor=monitor, gate=gate)
+                                         monitor=monitor, gate=gate,
+                                         direct_fp32=direct_fp32 and trace is None)
         self._scopes = self.controller.scopes
         # every parameter's route, per phase (bindings order): what the sets below read
         routing = {p.name: tuple(b.routes[p.name] for b in bindings.params.values())
                    for p in bindings.phases}
-        # Phases with every parameter on plain fp32 take plain DDP's direct path.
-        self._fp32_phases = {
-            name for name, specs in routing.items()
-            if direct_fp32 and trace is None and all(s.name == "fp32" for s in specs)}
+        # Phases with every parameter on plain fp32 take plain DDP's direct path (the
+        # controller's rule, which the simulator drives too).
+        self._fp32_phases = self.controller.direct_phases
         # phases with a low-bit route somewhere: the only ones the measured gate probes
         self._lowbit_phases = {name for name, specs in routing.items()
                                if any(s.lowbit for s in specs)}

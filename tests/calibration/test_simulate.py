@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli.binding import compile_profile
+from nfabric_cli.binding import compile_profile, on_route
 from nfabric_cli.calibration.simulate import SimulatedDDP, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.traffic import step_bytes
@@ -25,9 +25,11 @@ from tests.distutil import run_ranks
 STEPS, SEED = 4, 3
 
 
-def _bindings(model, world: int, health: dict | None = None, norms: str = "type:GroupNorm"):
+def _bindings(model, world: int, health: dict | None = None, norms: str = "type:GroupNorm",
+              fp32: bool = False):
     """warmup (first step): int8+EF head, fp32 rest; then head int8+EF, norms ternary+EF, rest
-    sign+EF; int8 with stochastic rounding (the hook and the simulator draw the same noise)."""
+    sign+EF; int8 with stochastic rounding (the hook and the simulator draw the same noise).
+    `fp32`: the same profile with every route fp32 (plain DDP's path in the hook)."""
     spec = tiny_spec(world_size=world, steps=STEPS, eval_every=2, health=health or {},
                      regions=[
                          {"name": "head", "selector": "head.*", "routes": ["fp32", "int8"]},
@@ -38,6 +40,8 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
     config = Config((("int8", "fp32", "fp32"), ("int8", "ternary", "sign")), (0.25,), 0.4, True,
                     rounding="stochastic")
     profile = config_profile(spec, config, {"world_size": world, "health": spec.health})
+    if fp32:
+        profile = on_route(profile, "fp32")
     return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
 
 
@@ -49,12 +53,12 @@ SPIKE = (Injection("spike", 2, 1),)
 
 
 def _real_worker(rank: int, world: int, health: dict | None = None,
-                 injections: tuple = ()) -> dict:
+                 injections: tuple = (), fp32: bool = False) -> dict:
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     ddp = DDP(model)
-    state = attach_with(ddp, _bindings(model, world, health), total_steps=STEPS, seed=SEED,
-                        injections=injections)
+    state = attach_with(ddp, _bindings(model, world, health, fp32=fp32), total_steps=STEPS,
+                        seed=SEED, injections=injections)
     opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
     train_workload(ddp, state, wl, opt, sched, STEPS, rank, world, SEED)
     state.close()
@@ -66,19 +70,22 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
     }
 
 
-@pytest.mark.parametrize("guarded", [None, 0, 1], ids=["healthy", "spike-held", "spike-tripped"])
-def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | None) -> None:
+@pytest.mark.parametrize("guarded", [None, 0, 1, "fp32"],
+                         ids=["healthy", "spike-held", "spike-tripped", "all-fp32-spike"])
+def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | None) -> None:
     world = 2
-    health, injections = (None, ())
+    health, injections, fp32 = (None, (), guarded == "fp32")
     if guarded is not None:
-        health, injections = {**GUARDED, "grad_blowup_trips": guarded}, SPIKE
-    real = run_ranks(_real_worker, world, health, injections)
+        health, injections = {**GUARDED, "grad_blowup_trips": int(fp32 or guarded)}, SPIKE
+    real = run_ranks(_real_worker, world, health, injections, fp32)
     wl = get_workload("vision")
     model = wl.build_model(SEED)
-    bindings = _bindings(model, world, health)
+    bindings = _bindings(model, world, health, fp32=fp32)
     sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,),
                        injections=injections)
-    if guarded is not None:  # the same scale-down (and trip), on both sides
+    if fp32:  # every route fp32: plain DDP's step in the hook, so nothing is held in either
+        assert sim.events == [] and sim.detections == []
+    elif guarded is not None:  # the same scale-down (and trip), on both sides
         held = [e for e in sim.events if e["to"] == "held"]
         assert held and {e["step"] for e in held} == {2}
         assert bool([e for e in sim.events if e["to"] == "fp32"]) == bool(guarded)

@@ -27,13 +27,14 @@ class Net(nn.Module):
         self.head = nn.Linear(4, 2)
 
 
-def controller(**health) -> tuple[StepController, list[dict]]:
+def controller(route: str = "sign", passive: bool = False,
+               **health) -> tuple[StepController, list[dict]]:
     model = Net()
-    profile = static_profile(model, "sign", world_size=2)
+    profile = static_profile(model, route, world_size=2)
     bindings = compile_profile(profile, model, world_size=2, total_steps=100)
     bindings.meta["health"] = {**HEALTH, **health}
     log: list[dict] = []
-    return StepController(bindings, 100, 2, log.append), log
+    return StepController(bindings, 100, 2, log.append, passive=passive), log
 
 
 def step(c: StepController, loss: float, grad: float, update: float, nonfinite: bool = False):
@@ -136,6 +137,29 @@ def test_scopes_on_fp32_and_the_monitor_switched_off_are_never_scaled():
     for u in [1.0] * 6:
         step(c, 1.0, 1.0, u)
     assert step(c, 1.0, 50.0, 30.0).scales == {}
+
+
+def test_an_all_fp32_phase_is_plain_ddp_and_passive_detectors_act_on_nothing():
+    """A phase with every parameter on fp32 goes out as plain DDP in the hook: nothing is
+    judged, held or skipped there, in the simulator either. Passive (benchmarks): the
+    detectors judge and nothing acts."""
+    c, log = controller(route="fp32")
+    assert c.direct_phases == {"all"}  # static_profile: one phase
+    for u in [1.0] * 6:
+        step(c, 1.0, 1.0, u)
+    assert step(c, 1.0, 50.0, 30.0).scales == {}  # a blow-up passes, as in plain DDP
+    assert step(c, math.nan, math.nan, math.nan, nonfinite=True).skip is False
+    assert log == [] and c.monitor.detections == [] and c.skipped_steps == []
+    p, plog = controller(passive=True)  # sign routes: the monitor would hold and trip
+    for u in [1.0] * 6:
+        step(p, 1.0, 1.0, u)
+    d = step(p, 1.0, 50.0, 30.0)
+    assert d.scales == {} and not d.skip
+    assert [why for _, _, why in p.monitor.detections] == ["grad-norm blow-up 50.0x median"]
+    assert [e["to"] for e in plog] == ["fp32"]  # the trip it would make, logged ...
+    assert p.forced() == frozenset()  # ... and acted on nowhere
+    assert all(p.effective(n).name == "sign" for n in p.bindings.params)
+    assert step(p, math.nan, math.nan, math.nan, nonfinite=True).skip is False
 
 
 def test_guard_window_and_cap_rules():
