@@ -29,7 +29,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from nfabric_cli.calibration.space import Config, routing_key, suggest
-from nfabric_cli.calibration.spec import CalibrationSpec
+from nfabric_cli.calibration.spec import CalibrationSpec, Cell
 from nfabric_cli.profile.target import degradation, prediction_bound, within_tolerance
 
 
@@ -85,8 +85,8 @@ def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
 def _cell_path(cell: tuple[int, ...]) -> str:
     """`s<seed>/n<steps>`, and `/w<W>` for a world size other than the search's: cells at
     the search's own keep the names studies stored before world sizes were confirmed."""
-    world = cell[2] if len(cell) > 2 else None
-    return f"s{cell[0]}/n{cell[1]}" + ("" if world is None else f"/w{world}")
+    c = Cell(*cell)
+    return f"s{c.seed}/n{c.steps}" + ("" if c.world_size is None else f"/w{c.world_size}")
 
 
 def reference_job(cell: tuple[int, ...]) -> str:
@@ -107,8 +107,9 @@ def cell_verdict(attrs: dict[str, Any], key: str, cell: tuple[int, ...], spec: C
     if ref is None or run is None:
         return None
     d = degradation(run["metric"], ref["metric"], higher_is_better)
-    world = cell[2] if len(cell) > 2 and cell[2] is not None else spec.world_size
-    return {"seed": cell[0], "steps": cell[1], "world_size": world, "metric": run["metric"],
+    c = Cell(*cell)
+    return {"seed": c.seed, "steps": c.steps, "world_size": c.ranks(spec.world_size),
+            "metric": run["metric"],
             "reference": ref["metric"], "degradation": d,
             "traffic_fraction": run["traffic_fraction"],
             "within": within_tolerance(d, spec.tolerance)}

@@ -79,7 +79,7 @@ def _shared(cal: Calibrator, job: str, config: Config, cell: Cell, label: str) -
 
 def run_cell(cal: Calibrator, config: Config, cell: Cell, label: str) -> dict[str, Any]:
     """`config` trained on one cell (seed, steps, world size), evaluated once, at its end."""
-    seed, steps, world = cell.seed, cell.steps, cell.world_size or cal.spec.world_size
+    seed, steps, world = cell.seed, cell.steps, cell.ranks(cal.spec.world_size)
     cal.sink.trial_started(None, label, steps)
     start = time.perf_counter()
     result = simulate_run(cal.workload, cal.bindings_for(config, steps, world), world,

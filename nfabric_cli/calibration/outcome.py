@@ -186,7 +186,7 @@ def _confirmation(run: StudyRun) -> dict[str, Any] | None:
     if not cells:
         return None
     home = run.spec.world_size
-    return {"cells": [[c.seed, c.steps, c.world_size or home] for c in cells],
+    return {"cells": [[c.seed, c.steps, c.ranks(home)] for c in cells],
             "rule": run.spec.confirm_rule,
             "candidates": verdicts(run.study, run.spec, run.workload.higher_is_better,
                                    run.reference),

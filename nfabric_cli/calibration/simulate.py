@@ -195,7 +195,7 @@ class SimulatedDDP:
 
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)
-        measure = self.controller.acting and self.phase.name not in self.controller.direct_phases
+        measure = self.controller.acting and not self.controller.plain
         self.ranks.step(step, plan, decide, measure=measure)
         self.controller.advance(step)
 

@@ -91,6 +91,10 @@ class Cell(NamedTuple):
     steps: int
     world_size: int | None = None
 
+    def ranks(self, home: int) -> int:
+        """The world size it runs at, `home` being the search's."""
+        return self.world_size or home
+
 
 @dataclass(frozen=True)
 class CalibrationSpec:

@@ -104,6 +104,11 @@ class StepController:
         return spec
 
     @property
+    def plain(self) -> bool:
+        """Whether this step goes out as plain DDP: its phase is a direct one."""
+        return self.phase.name in self.direct_phases
+
+    @property
     def acting(self) -> bool:
         """Whether the monitor's verdicts change routes and updates (on, and not passive)."""
         return self.monitor_enabled and not self.passive
@@ -131,7 +136,7 @@ class StepController:
         not finite, each scope's gradient norm (before the reduce) and sign agreement, and
         each parameter's norm of the reduced update (identical on every rank). A step of a
         direct phase is plain DDP's: nothing is judged, held or skipped (unless passive)."""
-        if self.phase.name in self.direct_phases and not self.passive:
+        if self.plain and not self.passive:
             return StepDecision(False)
         if self.monitor_enabled:
             # Held: routed on fp32 for this step (held before it), tripped by it, or any scope

@@ -129,9 +129,6 @@ class FabricState:
         # every parameter's route, per phase (bindings order): what the sets below read
         routing = {p.name: tuple(b.routes[p.name] for b in bindings.params.values())
                    for p in bindings.phases}
-        # Phases with every parameter on plain fp32 take plain DDP's direct path (the
-        # controller's rule, which the simulator drives too).
-        self._fp32_phases = self.controller.direct_phases
         # phases with a low-bit route somewhere: the only ones the measured gate probes
         self._lowbit_phases = {name for name, specs in routing.items()
                                if any(s.lowbit for s in specs)}
@@ -273,7 +270,9 @@ class FabricState:
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()
-        if self.phase.name in self._fp32_phases or self._direct_step:
+        # a phase with every parameter on fp32 takes plain DDP's direct path (the
+        # controller's rule, which the simulator drives too)
+        if self.controller.plain or self._direct_step:
             return self._fp32_direct(buffer, is_last)
         names = [self._names[id(p)] for p in params]
         fut: torch.futures.Future = torch.futures.Future()
@@ -334,7 +333,7 @@ class FabricState:
         if self._timing is not None:
             probe.record(*self._timing, now - self._period_start)
         self._timing = None
-        if phase in self._fp32_phases:
+        if self.controller.plain:
             return FP32_PATH
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
             return LOWBIT_PATH
