@@ -41,10 +41,14 @@ PER_GROUP_ELEMS = 50_000
 @dataclass(frozen=True)
 class StepRoutes:
     """One step's decisions, per parameter (in the simulator's parameter order): the health
-    scope it reports to and the route it takes (fp32 where the monitor or the gate says so)."""
+    scope it reports to and the route it takes (fp32 where the monitor or the gate says so).
+    `plain`: the step goes out as plain DDP (an all-fp32 phase), so a non-finite value is
+    neither zeroed before the reduce nor neutralised after it: it reaches the optimizer, as
+    there."""
 
     regions: tuple[str, ...]
     specs: tuple[RouteSpec, ...]
+    plain: bool = False
 
 
 def shard(

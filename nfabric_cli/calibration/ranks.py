@@ -6,7 +6,8 @@ gradient with the ops a DDP rank runs, and draws from its own RNG stream (every 
 from ``manual_seed(seed)``, as a real rank seeded that way does), so a rank's gradient is
 bit-identical however many processes compute them. The gradients are then aggregated with the
 step's routes (`aggregate.py`), which is bit-identical however the parameters are split, a
-step with a non-finite loss or gradient on any rank is neutralised (zero gradients), the
+step with a non-finite loss or gradient on any rank is neutralised (zero gradients; not in
+an all-fp32 phase, which is plain DDP's and sums the NaN into every update, as DDP does), the
 caller's decision on the step (`decide`: the step controller's scale-downs of held scopes, from
 the ranks' statistics and the aggregate's norms) is applied, and the optimizer and scheduler
 step. Everything runs with one intra-op thread, as each real rank does (`validation/worker.py`):
@@ -69,8 +70,8 @@ JOIN_TIMEOUT_S = 5.0
 class RanksStep:
     """One step of every simulated rank: loss, the gradient norm of each parameter (the hook's
     health statistics, taken before non-finite values are zeroed), whether any of them was
-    not finite (the step was then neutralised: zero gradients on every rank), and the sign
-    agreement."""
+    not finite (the step was then neutralised, unless plain: zero gradients on every rank),
+    and the sign agreement."""
 
     losses: list[float]
     norms: list[list[float]]
@@ -153,8 +154,8 @@ class SimulatedRanks:
     def _rank_gradient(self, step: int, rank: int) -> tuple[float, list[float]]:
         """Rank `rank`'s gradient of step `step` into its buffer; returns its loss and the
         gradient norm of each parameter, and marks the rank in `bad` if any is not finite.
-        A non-finite gradient is zeroed after its norm is taken (NaN never reaches a codec;
-        the step is neutralised anyway)."""
+        A non-finite gradient is zeroed later, before the reduce, unless the step is plain
+        DDP's (`_neutralise_inputs`)."""
         saved = torch.get_rng_state()
         torch.set_rng_state(self.rng[rank])
         try:
@@ -177,9 +178,18 @@ class SimulatedRanks:
         value = float(loss.detach())
         finite = _finite(value, norms)
         self.bad[rank] = not finite
-        if not all(math.isfinite(n) for n in norms):
-            self.buffers[rank].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         return value, norms
+
+    def _neutralise_inputs(self, owned: Sequence[int], plan: StepRoutes) -> None:
+        """Zero the non-finite values of the owned parameters' gradients, rank by rank, before
+        they are reduced (NaN never reaches a codec; the step is neutralised anyway), as the
+        hook does before it encodes. A plain step (`plan.plain`) keeps them: plain DDP sums
+        them into every rank's update."""
+        if plan.plain:
+            return
+        for rank in torch.nonzero(self.bad).flatten().tolist():
+            for i in owned:
+                self.views[rank][i].nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
     def _norms(self, owned: Sequence[int]) -> dict[int, float]:
         return {i: float(torch.linalg.vector_norm(self.out_views[i])) for i in owned}
@@ -187,10 +197,11 @@ class SimulatedRanks:
     def _update(self, owned: Sequence[int], nonfinite: bool, plan: StepRoutes,
                 scales: Mapping[str, float]) -> None:
         """The optimizer (and scheduler) step on the parameters `owned`, from the aggregate
-        scaled by the decision's `scales` (per scope); a neutralised step updates from zero
-        gradients, as every real rank then does."""
+        scaled by the decision's `scales` (per scope); a neutralised step (non-finite, not
+        plain) updates from zero gradients, as every real rank then does."""
+        neutralise = nonfinite and not plan.plain
         for i in owned:
-            if nonfinite:
+            if neutralise:
                 self.out_views[i].zero_()
             elif plan.regions[i] in scales:
                 self.out_views[i].mul_(scales[plan.regions[i]])
@@ -214,6 +225,7 @@ class SimulatedRanks:
         if not self.conns:
             with one_thread():
                 done = [self._rank_gradient(step, r) for r in range(self.world_size)]
+                self._neutralise_inputs(self.shards[0], plan)
                 agree = self.aggregators[0].run(step, plan, self.views, self.out_views)
                 nonfinite = bool(self.bad.any())
                 owned = self.shards[0]
@@ -349,6 +361,7 @@ class SimulatedRanks:
                 continue
             owned = self.shards[p]
             try:
+                self._neutralise_inputs(owned, plans[number])
                 agree = self.aggregators[p].run(step, plans[number], self.views, self.out_views)
                 updates = self._norms(owned) if measure else {}
             except Exception as exc:  # noqa: BLE001

@@ -164,6 +164,7 @@ class SimulatedDDP:
             self._plans[key] = StepRoutes(
                 tuple(self.bindings.params[n].regions[phase] for n in self.names),
                 tuple(routes(n) for n in self.names),
+                plain=self.controller.plain,
             )
             self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes)
         return self._plans[key], key
