@@ -42,6 +42,13 @@ class BucketSlot:
     numel: int
 
 
+def cap_text(bucket_cap_mb: float | None) -> str:
+    """A bucket cap as messages name it."""
+    if bucket_cap_mb is None:
+        return "DDP's default bucket cap (25 MB, 1 MB first bucket)"
+    return f"bucket cap {bucket_cap_mb:g} MB"
+
+
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     """(first bucket bytes, bucket bytes) exactly as the installed DDP derives them.
 

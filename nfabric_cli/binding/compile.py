@@ -115,7 +115,7 @@ def compile_profile(
     profile: OperatingProfile,
     model: nn.Module,
     world_size: int | None = None,
-    bucket_cap_mb: float | None = 25.0,
+    bucket_cap_mb: float | None = None,
     total_steps: int | None = None,
     substrate: Any = None,
     find_unused_parameters: bool = False,
@@ -124,7 +124,9 @@ def compile_profile(
     """Bind `profile` to `model` (see module doc).
 
     - `world_size`: ranks to model bytes and verdicts for (default: the profile's, else 2).
-    - `bucket_cap_mb`: what the runtime passes to DDP (None: DDP's default; see `bucket_caps`).
+    - `bucket_cap_mb`: what the runtime passes to DDP (None, the default: DDP's own default,
+      25 MB with a 1 MB first bucket; an explicit cap also caps the first bucket, see
+      `bucket_caps`).
     - `substrate`: a `Substrate` or its dict (default: the profile's); None admits every bucket.
     - `find_unused_parameters` / `ready_order`: pick DDP's layout (see `binding.buckets`).
     """
@@ -183,7 +185,7 @@ def compile_for_workload(
     model: nn.Module,
     workload: Any | None,
     world_size: int | None = None,
-    bucket_cap_mb: float | None = 25.0,
+    bucket_cap_mb: float | None = None,
     total_steps: int | None = None,
     substrate: Any = None,
     find_unused_parameters: bool = False,

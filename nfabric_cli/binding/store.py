@@ -16,6 +16,7 @@ import pyarrow as pa
 from torch import nn
 
 from nfabric_cli.binding.bindings import Bindings, BucketPlan, ParamBinding
+from nfabric_cli.binding.buckets import cap_text
 from nfabric_cli.binding.compile import (
     compile_profile,
     fill_buckets,
@@ -170,7 +171,7 @@ def load_bindings_or_profile(
     if replan:
         if model is None:
             raise InputError(
-                f"{resolved} was planned for bucket cap {bindings.bucket_cap_mb} MB "
+                f"{resolved} was planned for {cap_text(bindings.bucket_cap_mb)} "
                 f"(find_unused_parameters={bindings.find_unused_parameters}); give the model to "
                 "re-plan its buckets, or run compile-profile again"
             )

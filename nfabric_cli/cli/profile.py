@@ -131,8 +131,10 @@ def compile_profile_cmd(
     world_size: int | None = typer.Option(
         None, "--world-size", help="Ranks (default: the profile's, else 2)."
     ),
-    bucket_cap_mb: float = typer.Option(
-        25.0, "--bucket-cap-mb", help="DDP bucket_cap_mb the run will use."
+    bucket_cap_mb: float | None = typer.Option(
+        None, "--bucket-cap-mb",
+        help="DDP bucket_cap_mb the run will use (default: DDP's own, 25 MB with a 1 MB "
+             "first bucket).",
     ),
     total_steps: int | None = typer.Option(
         None, "--total-steps", help="Steps of the run (phase boundaries)."
