@@ -49,9 +49,9 @@ import torch
 from bench.noise_floor import nudged_builds
 from nfabric_cli.binding import compile_profile, on_route
 from nfabric_cli.calibration.simulate import simulate_run
-from nfabric_cli.profile.proven import proven_range
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.runtime.inject import Injection
+from nfabric_cli.validation.run import default_steps
 from nfabric_cli.workloads.registry import get_workload
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
@@ -78,11 +78,11 @@ def _spread(m: dict[str, float], base: str, of: str) -> float | None:
     return max(gaps) if gaps else None
 
 
-def calibrated_steps(name: str) -> int:
-    """The length the workload's reference profile was calibrated at (the shortest it was
-    proven on), or the workload's default where the profile records none."""
-    rng = proven_range(read_profile(resolve_profile(PROFILES / name)).meta)
-    return min(rng.steps) if rng is not None else get_workload(name).default_steps
+def reference_steps(name: str) -> int:
+    """The length the workload's reference profile was calibrated at, as `validate` defaults
+    to (`validation.run.default_steps`)."""
+    meta = read_profile(resolve_profile(PROFILES / name)).meta
+    return default_steps("profile", meta, get_workload(name).default_steps)
 
 
 def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     cells = []
     for name in args.workloads.split(","):
-        base = calibrated_steps(name)
+        base = reference_steps(name)
         for mult in (int(x) for x in args.lengths.split(",")):
             for world in (int(x) for x in args.world_sizes.split(",")):
                 for seed in (int(x) for x in args.seeds.split(",")):

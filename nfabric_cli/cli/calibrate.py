@@ -71,14 +71,14 @@ def calibrate_cmd(
                                   "study; leave the profile to another worker."),
     confirm_seeds: str = typer.Option(None, "--confirm-seeds", help="Seeds the leading "
                                       "candidates must also hold on (1-2, 1,3; 'none': no "
-                                      "confirmation; overrides the spec's [confirm] seeds)."),
+                                      "confirmation; overrides the spec's confirm seeds)."),
     confirm_steps: str = typer.Option(None, "--confirm-steps", help="Run lengths they must "
-                                      "also hold at (300,600; 'none'; overrides [confirm] "
+                                      "also hold at (300,600; 'none'; overrides the spec's confirm "
                                       "steps). Each seed x length is a cell: see "
                                       "docs/calibration.md, 'Confirmation'."),
     confirm_world_sizes: str = typer.Option(None, "--confirm-world-sizes", help="World sizes "
                                             "they must also hold at, besides --world-size "
-                                            "(2,8; 'none'; overrides [confirm] world_sizes)."),
+                                            "(2,8; 'none'; overrides the spec's confirm world_sizes)."),
     confirm_rule: str = typer.Option(None, "--confirm-rule", help="worst (every cell within "
                                      "tolerance, validate's rule) or bound (the 95 % "
                                      "prediction bound for one more seed within it)."),

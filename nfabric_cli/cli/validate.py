@@ -26,7 +26,8 @@ def validate(
         2, "--world-size", help="Ranks in all (torchrun: nnodes x nproc-per-node)."
     ),
     steps: int | None = typer.Option(
-        None, "--steps", help="Steps per arm (default: the workload's)."
+        None, "--steps", help="Steps per arm (default: a bindings file's --total-steps, else the "
+        "length the profile was calibrated at, else the workload's)."
     ),
     arms: str = typer.Option("fp32,static,profile", "--arms", help="Arms: fp32, static, profile."),
     baselines: str = typer.Option("", "--baselines", help="PyTorch hooks to add: fp16, powersgd."),

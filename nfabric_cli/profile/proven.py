@@ -58,6 +58,14 @@ def proven_range(meta: dict[str, Any]) -> ProvenRange | None:
                        () if world is None else (int(world),), False)
 
 
+def calibrated_steps(meta: dict[str, Any]) -> int | None:
+    """The shortest run length the profile was proven at (its calibration's own, as a rule),
+    or None when it records none: `validate`'s default length, so that the default run is one
+    calibration vouches for."""
+    rng = proven_range(meta)
+    return min(rng.steps) if rng is not None else None
+
+
 def outside_proven(meta: dict[str, Any], *, seeds: list[int] | None = None,
                    steps: int | None = None, world_size: int | None = None) -> list[str]:
     """One sentence per way the run (its seeds, length, world size) leaves the profile's

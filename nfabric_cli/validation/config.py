@@ -39,7 +39,7 @@ class ValidateConfig:
     source: str  # profile file/dir or bindings file
     workload: str
     world_size: int = 2
-    steps: int | None = None  # None: the workload's default_steps
+    steps: int | None = None  # None: `run.default_steps` (the profile's calibrated length, ...)
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     baselines: list[str] = field(default_factory=list)
     seed: int = 0

@@ -26,6 +26,7 @@ from typing import Any
 
 from nfabric_cli.atomic import atomic_write_text
 from nfabric_cli.errors import CheckFailed, InputError
+from nfabric_cli.profile.proven import calibrated_steps
 from nfabric_cli.ranks.exit import env_rank
 from nfabric_cli.ranks.netns import link_wrap
 from nfabric_cli.validation.config import ValidateConfig, resolve_tolerance
@@ -80,6 +81,18 @@ def default_report_dir(workload: str) -> Path:
     return RUNS_DIR / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}"
 
 
+def default_steps(kind: str, meta: dict[str, Any], workload_steps: int) -> int:
+    """The run length when `--steps` is not given: a bindings file's planned one
+    (`compile-profile --total-steps`), else the length the profile was calibrated and proven
+    at (`profile/proven.py`), else the workload's default. A calibrated profile is then
+    validated, by default, where calibration vouches for it."""
+    if kind == "bindings":
+        if meta.get("total_steps"):
+            return int(meta["total_steps"])
+        meta = meta.get("profile") or {}
+    return calibrated_steps(meta) or workload_steps
+
+
 def plan(cfg: ValidateConfig) -> RunPlan:
     """Check `cfg` against the workload and the profile; fill steps, bucket cap, tolerance."""
     from nfabric_cli.binding import read_bindings
@@ -96,12 +109,12 @@ def plan(cfg: ValidateConfig) -> RunPlan:
         if reason:
             raise InputError(reason)
     workload = get_workload(cfg.workload, cfg.data_dir)
-    cfg.steps = cfg.steps or workload.default_steps
+    source = resolve_profile(cfg.source)
+    kind, meta = read_metadata(source)
+    cfg.steps = cfg.steps or default_steps(kind, meta, workload.default_steps)
     steps_per_epoch = getattr(workload, "steps_per_epoch", None)
     if steps_per_epoch is not None:
         steps_per_epoch(cfg.world_size)  # InputError when a rank's shard is below one batch
-    source = resolve_profile(cfg.source)
-    kind, _ = read_metadata(source)
     cfg.source = str(source.resolve())
     cfg.bucket_cap_mb = read_bindings(source).bucket_cap_mb if kind == "bindings" else None
     model = workload.build_model(cfg.seed)
