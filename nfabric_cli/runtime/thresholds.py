@@ -49,6 +49,12 @@ class HealthThresholds:
     # 53-60 % traffic) moved runs by up to 0.83 points against no monitor (docs/health.md)
     grad_blowup_trips: int = 0
     grad_collapse: float = 1e-3  # trip when a scope's grad norm < grad_collapse * its median
+    # ... and the step's loss >= grad_collapse_loss * the windowed median loss: a batch the
+    # model already fits has a near-zero loss and so a near-zero gradient, with nothing wrong
+    # (transformer.v8 at 4x its length: both collapse trips of a clean run came on losses
+    # 140-250x below the median, each holding fp32 and the update ~30 steps); a real collapse
+    # keeps its loss (0 turns this test off)
+    grad_collapse_loss: float = 0.1
     grad_readmit: float = 3.0  # healthy when median/3 <= norm <= 3*median (stricter)
     sign_agreement_min: float = 0.02  # trip when sign agreement < this
     cooldown: int = 10  # steps a tripped scope is held on FP32 before re-admission checks
@@ -88,6 +94,7 @@ class HealthThresholds:
             ("grad_blowup_floor", self.grad_blowup_floor >= 0, ">= 0"),
             ("grad_blowup_trips", self.grad_blowup_trips in (0, 1), "0 or 1"),
             ("grad_collapse", 0 < self.grad_collapse < 1, "in (0, 1)"),
+            ("grad_collapse_loss", 0 <= self.grad_collapse_loss <= 1, "in [0, 1]"),
             ("grad_readmit", 1 <= self.grad_readmit <= readmit_max,
              "in [1, min(grad_blowup, 1/grad_collapse)]"),
             ("sign_agreement_min", 0 <= self.sign_agreement_min <= 1, "in [0, 1]"),

@@ -72,6 +72,25 @@ def test_collapse_and_sign_agreement_trip_their_scope_only():
     assert not m.forced_fp32("all")
 
 
+def test_a_collapse_on_a_batch_already_fit_is_no_trip():
+    """A near-zero loss has a near-zero gradient with nothing wrong: transformer.v8 at 4x its
+    length collapsed 1000x on losses 140-250x below the median. The collapse trips only while
+    the loss keeps at least `grad_collapse_loss` of its median (0: always)."""
+    for loss, trips in ((0.05, False), (0.1, True), (1.0, True)):
+        m = make_monitor()
+        feed(m, [1, 1, 1])
+        events = m.check(StepStats(3, loss, False, {"a": 1.0, "b": 5e-4}))
+        assert bool(events) == trips, loss
+        assert m.detections == ([(3, "b", "grad-norm collapse 0.0005x median")] if trips else [])
+    m = make_monitor(grad_collapse_loss=0.0)
+    feed(m, [1, 1, 1])
+    assert m.check(StepStats(3, 1e-6, False, {"a": 1.0, "b": 5e-4}))  # the test turned off
+    m = make_monitor()  # no loss observed: judged on the norm alone, as before
+    for step in range(3):
+        m.check(StepStats(step, None, False, {"a": 1.0, "b": 1.0}))
+    assert m.check(StepStats(3, None, False, {"a": 1.0, "b": 5e-4}))
+
+
 def test_borderline_value_keeps_fp32_without_counting_a_trip():
     m = make_monitor()
     # trip at 3; cooldown 4-5; 6 healthy (run 1); 7 at 5x median: between readmit (3x) and
@@ -338,6 +357,7 @@ def test_thresholds_round_trip_and_validation():
         ({"loss_spike": 0.0}, "loss_spike must be > 1"),
         ({"loss_readmit": 4.0}, "loss_readmit must be in"),
         ({"grad_collapse": -1.0}, r"grad_collapse must be in \(0, 1\)"),
+        ({"grad_collapse_loss": 2.0}, r"grad_collapse_loss must be in \[0, 1\]"),
         ({"grad_readmit": 20.0}, "grad_readmit must be in"),
         ({"sign_agreement_min": "x"}, "sign_agreement_min must be a finite number"),
         ({"grad_blowup": math.nan}, "grad_blowup must be a finite number"),
