@@ -28,6 +28,7 @@ from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
 from nfabric_cli.calibration.spec import Cell
+from nfabric_cli.profile.target import require_finite_reference
 
 if TYPE_CHECKING:
     from nfabric_cli.calibration.study import Calibrator
@@ -45,7 +46,8 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
         key, config = trial.user_attrs["key"], config_of(trial, spec)
         for cell in cells:
             where = _where(cell)
-            _shared(cal, reference_job(cell), fp32_config(spec), cell, f"reference {where}")
+            ref = _shared(cal, reference_job(cell), fp32_config(spec), cell, f"reference {where}")
+            require_finite_reference(ref["metric"], f"({where})")
             label = f"confirm trial {trial.number} {where}"
             _shared(cal, cell_job(key, cell), config, cell, label)
             verdict = cell_verdict(study.user_attrs, key, cell, spec, higher)

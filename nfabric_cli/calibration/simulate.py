@@ -175,8 +175,8 @@ class SimulatedDDP:
         self.tally.add(self._bytes_cache[key])
 
         def decide(done: RanksStep) -> dict[str, float]:
-            # Health statistics, as the hook measures them before any encoding (a rank's
-            # non-finite gradient was zeroed after its norm was taken: NaN never votes).
+            # Health statistics, as the hook measures them before any encoding (norms are
+            # taken before a rank's non-finite values are zeroed: a NaN norm never votes).
             norm2: dict[str, float] = {}
             for rank_norms in done.norms:
                 for region, norm in zip(plan.regions, rank_norms, strict=True):

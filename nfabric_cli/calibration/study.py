@@ -63,7 +63,7 @@ from nfabric_cli.calibration.workers import (
     surplus,
     wait_for_same,
 )
-from nfabric_cli.profile.target import degradation, within_tolerance
+from nfabric_cli.profile.target import degradation, require_finite_reference, within_tolerance
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.base import Workload
 
@@ -185,6 +185,7 @@ class Calibrator:
     def run_reference(self) -> dict[str, Any]:
         self.sink.trial_started(None, "reference", self.spec.steps)
         result = self.simulate(fp32_config(self.spec))
+        require_finite_reference(result.metric, f"(seed {self.spec.seed}, {self.spec.steps} steps)")
         ref = {"curve": [list(c) for c in result.curve], "metric": result.metric,
                "steps_run": result.steps_run, "loss_curve": [list(c) for c in result.loss_curve]}
         self.sink.trial_finished({"number": None, "kind": "reference", "state": "COMPLETE",

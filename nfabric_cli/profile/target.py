@@ -22,6 +22,18 @@ def degradation(metric: float, reference: float, higher_is_better: bool) -> floa
     return reference - metric if higher_is_better else metric - reference
 
 
+def require_finite_reference(metric: float, where: str) -> None:
+    """Refuse an fp32 reference that diverged: plain DDP lets a non-finite gradient through,
+    so a workload that blows up on fp32 ends NaN, and every trial against it would score the
+    same worst penalty while the budget is spent. One line, exit 2 (`InputError`)."""
+    if not math.isfinite(metric):
+        from nfabric_cli.errors import InputError
+
+        raise InputError(f"the fp32 reference {where} ended with metric {metric}: the workload "
+                         "diverges on plain fp32 DDP, so there is nothing to calibrate against "
+                         "(lower its learning rate, or check its loss)")
+
+
 def t_quantile(q: float, df: int) -> float:
     """Student's t quantile (scipy: scikit-learn's dependency, always installed with it)."""
     from scipy.stats import t

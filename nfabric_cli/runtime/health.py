@@ -303,8 +303,8 @@ class HealthMonitor:
                 blowup = (_TRIP if trips else _GUARD, f"grad-norm blow-up {ratio:.1f}x median")
                 verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
             elif ratio < t.grad_collapse:
-                loss = self._ratio(stats.loss, self._loss_window)
-                if loss is not None and loss < t.grad_collapse_loss:  # a batch already fit
+                loss = self._ratio(stats.loss, self._loss_window)  # None: no loss to judge
+                if loss is not None and 0 <= loss < t.grad_collapse_loss:  # a batch already fit
                     verdicts.append((_UNHEALTHY, ""))
                 else:
                     verdicts.append((_TRIP, f"{_COLLAPSE} {ratio:.2g}x median"))

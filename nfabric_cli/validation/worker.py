@@ -100,7 +100,7 @@ def _run_arms(
     workload = get_workload(cfg.workload, cfg.data_dir)
     injections = tuple(parse_injections(cfg.inject))
     ctx = ArmContext(
-        world_size=world_size, rank=rank, steps=int(cfg.steps or workload.default_steps),
+        world_size=world_size, rank=rank, steps=int(cfg.steps),  # `plan` resolved it
         seed=cfg.seed, source=cfg.source, bucket_cap_mb=cfg.bucket_cap_mb,
         injections=tuple(i for i in injections if i.kind != "kill"),
         powersgd_rank=cfg.powersgd_rank, powersgd_start=cfg.powersgd_start_iter(),

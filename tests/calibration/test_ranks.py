@@ -21,6 +21,7 @@ from nfabric_cli.calibration.ranks import SimulatedRanks, default_processes
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.routes import FP32
+from nfabric_cli.runtime.inject import Injection
 from tests.calibration.helpers import tiny_spec
 from tests.calibration.tiny import TinyNet, TinyWorkload
 
@@ -268,6 +269,33 @@ def test_a_step_other_than_the_next_recomputes_what_was_computed_ahead() -> None
         assert torch.equal(p, q)
 
 
+def _nan_run(processes: int, plain: bool) -> nn.Module:
+    wl = TinyWorkload()
+    model = wl.build_model(0)
+    opt, sched = wl.make_optimizer(model.parameters(), 10)
+    names = [n for n, _ in model.named_parameters()]
+    ranks = SimulatedRanks(wl, model, list(model.parameters()), names, 4, 0, processes,
+                           optimizer=opt, scheduler=sched, injections=(Injection("nan", 2, 1),))
+    n = len(names)
+    try:
+        for step in range(4):
+            ranks.step(step, StepRoutes(("all",) * n, (FP32,) * n, plain=plain))
+    finally:
+        ranks.close()
+    return model
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_nan_gradient_passes_a_plain_step_and_is_neutralised_otherwise(plain: bool) -> None:
+    """Plain DDP (an all-fp32 phase) sums a rank's NaN into every update; any other step is
+    neutralised. Forked children, each zeroing only the parameters it owns, agree with one
+    process bit for bit, NaN for NaN."""
+    one, two = _nan_run(1, plain), _nan_run(2, plain)
+    for p, q in zip(one.parameters(), two.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
+        assert bool(p.isnan().any()) == plain
+
+
 class FailsAtStep(TinyWorkload):
     """Every rank's loss raises from step `at` on."""
 
@@ -328,6 +356,7 @@ from nfabric_cli.calibration.aggregate import StepRoutes
 from nfabric_cli.calibration.ranks import SimulatedRanks
 from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.routes import FP32
+from nfabric_cli.runtime.inject import Injection
 
 class Slow(TinyWorkload):
     def loss(self, model, batch):

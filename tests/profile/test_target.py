@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from nfabric_cli.calibration.objective import objective_value
-from nfabric_cli.profile.target import degradation, within_tolerance
+from nfabric_cli.errors import InputError
+from nfabric_cli.profile.target import degradation, require_finite_reference, within_tolerance
 from nfabric_cli.validation.report import judge
 
 
@@ -24,3 +27,11 @@ def test_degradation_is_signed_by_direction_and_nan_is_infinitely_bad() -> None:
     assert degradation(1.7, 1.6, higher_is_better=False) == 1.7 - 1.6
     assert degradation(0.9, 0.8, higher_is_better=True) < 0
     assert degradation(math.nan, 0.9, higher_is_better=True) == math.inf
+
+
+def test_a_diverged_fp32_reference_is_refused_in_one_line() -> None:
+    require_finite_reference(0.9, "(seed 0, 300 steps)")  # finite: nothing to say
+    for bad in (math.nan, math.inf):
+        with pytest.raises(InputError, match=r"the fp32 reference \(seed 1, 600 steps\) ended "
+                                             r"with metric .*diverges on plain fp32 DDP"):
+            require_finite_reference(bad, "(seed 1, 600 steps)")

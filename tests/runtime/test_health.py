@@ -76,7 +76,7 @@ def test_a_collapse_on_a_batch_already_fit_is_no_trip():
     """A near-zero loss has a near-zero gradient with nothing wrong: transformer.v8 at 4x its
     length collapsed 1000x on losses 140-250x below the median. The collapse trips only while
     the loss keeps at least `grad_collapse_loss` of its median (0: always)."""
-    for loss, trips in ((0.05, False), (0.1, True), (1.0, True)):
+    for loss, trips in ((0.05, False), (0.1, True), (1.0, True), (-1.0, True)):
         m = make_monitor()
         feed(m, [1, 1, 1])
         events = m.check(StepStats(3, loss, False, {"a": 1.0, "b": 5e-4}))
