@@ -65,6 +65,10 @@ WORSE = {True: 0.005, False: 0.01}
 NOISE = "fp32+ulp"
 #: `--noise`: the profile's routes without the monitor, from the same nudged weights.
 STATIC_NOISE = "static+ulp"
+#: The nulls a worse pair is judged against: its verdict -> (the spread's key, the one-ulp
+#: arms, the arm they are nudged copies of).
+NULLS = {"worse_beyond_noise": ("noise", NOISE, "fp32"),
+         "worse_beyond_static_noise": ("static_noise", STATIC_NOISE, "static")}
 
 
 def noise_arms(n: int, base: str = NOISE) -> list[str]:
@@ -151,10 +155,9 @@ def judge(cell: dict) -> dict:
     """The cell's verdicts: monitor worse than none (per pair), faults rescued or not."""
     m = {arm: v["metric"] for arm, v in cell["arms"].items()}
     worse = WORSE[cell["higher_is_better"]]
-    noise = _spread(m, NOISE, "fp32")
-    static_noise = _spread(m, STATIC_NOISE, "static")
-    out = {"worse": [], "worse_beyond_noise": [], "worse_beyond_static_noise": [],
-           "rescued": [], "not_rescued": [], "noise": noise, "static_noise": static_noise,
+    nulls = {verdict: _spread(m, arms, of) for verdict, (_, arms, of) in NULLS.items()}
+    out = {"worse": [], **{verdict: [] for verdict in NULLS}, "rescued": [], "not_rescued": [],
+           **{NULLS[verdict][0]: null for verdict, null in nulls.items()},
            "pairs": 0, "vs_fp32": better(cell, m["profile"], m["fp32"])}
     out["within"] = _within(cell, out["vs_fp32"])
     for suffix in ("", *(f"+{k}" for k in FAULTS if f"profile+{k}" in m)):
@@ -162,10 +165,9 @@ def judge(cell: dict) -> dict:
         gap = better(cell, m["profile" + suffix], m["static" + suffix])
         if gap < -worse:
             out["worse"].append("profile" + suffix)
-            if noise is not None and -gap > noise:
-                out["worse_beyond_noise"].append("profile" + suffix)
-            if static_noise is not None and -gap > static_noise:
-                out["worse_beyond_static_noise"].append("profile" + suffix)
+            for verdict, null in nulls.items():
+                if null is not None and -gap > null:
+                    out[verdict].append("profile" + suffix)
         if suffix:
             static_ok = _within(cell, better(cell, m["static" + suffix], m["fp32"]))
             profile_ok = _within(cell, better(cell, m["profile" + suffix], m["fp32"]))
@@ -187,14 +189,21 @@ def show(cell: dict) -> None:
           + (f"  noise {v['noise']:.4f}" if v["noise"] is not None else "")
           + (f", static's {v['static_noise']:.4f}" if v["static_noise"] is not None else "")
           + (f"  WORSE: {', '.join(v['worse'])}" if v["worse"] else "")
-          + (f" (beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'}"
-             + ("" if v["static_noise"] is None else
-                f"; beyond static's: {', '.join(v['worse_beyond_static_noise']) or 'none'}")
-             + ")" if v["worse"] and v["noise"] is not None else "")
+          + _beyond(v)
           + ("" if v["within"] else "  OUTSIDE tolerance of fp32")
           + (f"  rescued: {', '.join(v['rescued'])}" if v["rescued"] else "")
           + (f"  NOT rescued: {', '.join(v['not_rescued'])}" if v["not_rescued"] else ""),
           flush=True)
+
+
+def _beyond(v: dict) -> str:
+    """' (beyond noise: ...; beyond static's: ...)' after a cell's worse pairs."""
+    if not v["worse"] or v["noise"] is None:
+        return ""
+    said = [f"beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'}"]
+    if v["static_noise"] is not None:
+        said.append(f"beyond static's: {', '.join(v['worse_beyond_static_noise']) or 'none'}")
+    return f" ({'; '.join(said)})"
 
 
 def summary(cells: list[dict]) -> dict:
@@ -206,11 +215,9 @@ def summary(cells: list[dict]) -> dict:
         "cells": len(cells),
         "pairs": sum(v["pairs"] for v in verdicts),
         "worse": sum(len(v["worse"]) for v in verdicts),
-        "worse_beyond_noise": (sum(len(v["worse_beyond_noise"]) for v in verdicts)
-                               if all(NOISE in c["arms"] for c in cells) else None),
-        "worse_beyond_static_noise": (
-            sum(len(v["worse_beyond_static_noise"]) for v in verdicts)
-            if all(STATIC_NOISE in c["arms"] for c in cells) else None),
+        **{verdict: (sum(len(v[verdict]) for v in verdicts)
+                     if all(arms in c["arms"] for c in cells) else None)
+           for verdict, (_, arms, _) in NULLS.items()},
         "faults": sum(v["pairs"] - 1 for v in verdicts),
         "within_tolerance": sum(v["within"] for v in verdicts),
         # per workload: accuracy and val_loss differences are not one scale

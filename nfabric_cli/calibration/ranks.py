@@ -6,10 +6,11 @@ gradient with the ops a DDP rank runs, and draws from its own RNG stream (every 
 from ``manual_seed(seed)``, as a real rank seeded that way does), so a rank's gradient is
 bit-identical however many processes compute them. The gradients are then aggregated with the
 step's routes (`aggregate.py`), which is bit-identical however the parameters are split, a
-step with a non-finite loss or gradient on any rank is neutralised (zero gradients; not in
-an all-fp32 phase, which is plain DDP's and sums the NaN into every update, as DDP does), the
-caller's decision on the step (`decide`: the step controller's scale-downs of held scopes, from
-the ranks' statistics and the aggregate's norms) is applied, and the optimizer and scheduler
+non-finite value never reaches a codec (zeroed before the reduce, except in an all-fp32
+phase, which is plain DDP's and sums the NaN into every update, as DDP does), the caller's
+decision on the step (`decide`: the step controller's skip of a non-finite step and
+scale-downs of held scopes, from the ranks' statistics and the aggregate's norms) is
+applied, and the optimizer and scheduler
 step. Everything runs with one intra-op thread, as each real rank does (`validation/worker.py`):
 a convolution's backward sums in another order with more threads, so a 2-thread simulation
 drifts from real DDP bit by bit.
@@ -39,7 +40,7 @@ import signal
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -56,6 +57,7 @@ from nfabric_cli.calibration.aggregate import (
 )
 from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_thread, usable_cpus
 from nfabric_cli.calibration.reduces import ReduceOrders
+from nfabric_cli.runtime.controller import StepDecision
 from nfabric_cli.runtime.inject import Injection, apply_injection
 
 __all__ = ["PER_PARAMETER", "Decide", "RanksStep", "SimulatedRanks", "default_processes",
@@ -81,9 +83,10 @@ class RanksStep:
     update_norms: list[float] | None = None
 
 
-#: The caller's decision on a step, from its `RanksStep`: scope -> factor the aggregate of
-#: that scope's parameters is multiplied by before the optimizer step (absent: 1).
-Decide = Callable[[RanksStep], Mapping[str, float]]
+#: The caller's decision on a step, from its `RanksStep` (the step controller's): whether the
+#: update is zeroed (skipped), and per scope the factor its aggregate is multiplied by before
+#: the optimizer step (absent: 1).
+Decide = Callable[[RanksStep], StepDecision]
 
 
 def _finite(loss: float, norms: Sequence[float]) -> bool:
@@ -194,14 +197,13 @@ class SimulatedRanks:
     def _norms(self, owned: Sequence[int]) -> dict[int, float]:
         return {i: float(torch.linalg.vector_norm(self.out_views[i])) for i in owned}
 
-    def _update(self, owned: Sequence[int], nonfinite: bool, plan: StepRoutes,
-                scales: Mapping[str, float]) -> None:
+    def _update(self, owned: Sequence[int], plan: StepRoutes, decision: StepDecision) -> None:
         """The optimizer (and scheduler) step on the parameters `owned`, from the aggregate
-        scaled by the decision's `scales` (per scope); a neutralised step (non-finite, not
-        plain) updates from zero gradients, as every real rank then does."""
-        neutralise = nonfinite and not plan.plain
+        scaled by the decision's `scales` (per scope); a skipped step updates from zero
+        gradients, as every real rank then does."""
+        scales = decision.scales
         for i in owned:
-            if neutralise:
+            if decision.skip:
                 self.out_views[i].zero_()
             elif plan.regions[i] in scales:
                 self.out_views[i].mul_(scales[plan.regions[i]])
@@ -217,6 +219,14 @@ class SimulatedRanks:
             self.scheduler.step()
 
     # -- the step ----------------------------------------------------------------------------
+    @staticmethod
+    def _decision(out: RanksStep, plan: StepRoutes, decide: Decide | None) -> StepDecision:
+        """`decide`'s verdict; without one, a non-finite step is skipped unless plain (the
+        step controller's rule)."""
+        if decide is not None:
+            return decide(out)
+        return StepDecision(out.nonfinite and not plan.plain)
+
     def step(self, step: int, plan: StepRoutes, decide: Decide | None = None,
              measure: bool = True) -> RanksStep:
         """Train `step`: gradients, losses, norms, the aggregate under `plan`, `decide`'s
@@ -232,8 +242,7 @@ class SimulatedRanks:
                 norms = self._norms(owned) if measure else {}
                 out = RanksStep([d[0] for d in done], [d[1] for d in done], nonfinite, agree,
                                 [norms[i] for i in range(len(self.params))] if norms else None)
-                scales = decide(out) if decide is not None else {}
-                self._update(owned, nonfinite, plan, scales)
+                self._update(owned, plan, self._decision(out, plan, decide))
             return out
         known = plan in self._plans
         if not known:
@@ -252,9 +261,9 @@ class SimulatedRanks:
         nonfinite = not all(_finite(v, n) for v, n in zip(losses, norms, strict=True))
         out = RanksStep(losses, norms, nonfinite, merge_agreement(agreements),
                         [updates[i] for i in range(len(self.params))] if updates else None)
-        scales = dict(decide(out)) if decide is not None else {}
+        decision = self._decision(out, plan, decide)
         for conn in self.conns:
-            conn.send(scales)
+            conn.send(decision)
         self._collect(step)  # every shard updated
         return out
 
@@ -370,13 +379,13 @@ class SimulatedRanks:
                 continue
             conn.send(("ok", outcome[1], agree, updates))
             try:
-                scales = conn.recv()  # the parent's decision on this step
+                decision = conn.recv()  # the parent's decision on this step
             except EOFError:
                 return
-            if scales is None:
+            if decision is None:
                 return
             try:
-                self._update(owned, bool(self.bad.any()), plans[number], scales)
+                self._update(owned, plans[number], decision)
             except Exception as exc:  # noqa: BLE001
                 self.barrier.abort()
                 conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))

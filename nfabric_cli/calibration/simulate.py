@@ -33,7 +33,7 @@ from nfabric_cli.calibration.reduces import ReduceOrders, ddp_layouts
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.routes.spec import RouteSpec
-from nfabric_cli.runtime.controller import StepController
+from nfabric_cli.runtime.controller import StepController, StepDecision
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.base import Workload
 
@@ -174,7 +174,7 @@ class SimulatedDDP:
         plan, key = self._plan()
         self.tally.add(self._bytes_cache[key])
 
-        def decide(done: RanksStep) -> dict[str, float]:
+        def decide(done: RanksStep) -> StepDecision:
             # Health statistics, as the hook measures them before any encoding (norms are
             # taken before a rank's non-finite values are zeroed: a NaN norm never votes).
             norm2: dict[str, float] = {}
@@ -190,9 +190,8 @@ class SimulatedDDP:
                          if agree.get(s, (0, 0))[1] > 0}
             norms = {s: math.sqrt(norm2.get(s, 0.0)) for s in self.scopes}
             updates = dict(zip(self.names, done.update_norms or (), strict=False))
-            decision = self.controller.decide(step, loss_mean, done.nonfinite, norms,
-                                              agreement, updates)
-            return decision.scales
+            return self.controller.decide(step, loss_mean, done.nonfinite, norms, agreement,
+                                          updates)
 
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import statistics
 
+from nfabric_cli.errors import InputError
+
 #: Rounding allowed at the tolerance's edge: metrics on a finite test set sit on a grid, and
 #: 0.9 - 0.85 is 0.05000000000000004 in floats.
 TOLERANCE_EPS = 1e-12
@@ -27,8 +29,6 @@ def require_finite_reference(metric: float, where: str) -> None:
     so a workload that blows up on fp32 ends NaN, and every trial against it would score the
     same worst penalty while the budget is spent. One line, exit 2 (`InputError`)."""
     if not math.isfinite(metric):
-        from nfabric_cli.errors import InputError
-
         raise InputError(f"the fp32 reference {where} ended with metric {metric}: the workload "
                          "diverges on plain fp32 DDP, so there is nothing to calibrate against "
                          "(lower its learning rate, or check its loss)")
