@@ -10,10 +10,10 @@ both drive one of these, so calibration predicts exactly what the runtime decide
   scale-downs (`runtime/guard.py`) and whether the step is skipped (non-finite);
 - `advance(step)`: count the step and enter the next phase.
 
-A phase that routes every parameter on fp32 goes out as plain DDP (`direct_phases`; the hook's
-`FabricState._fp32_direct`): nothing is judged, held or skipped on its steps, and the
-simulator, driving the same rule, trains such a phase (a calibration's fp32 reference is one)
-as `validate`'s fp32 arm trains. `passive` (benchmarks only) runs the detectors on every step
+A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
+held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
+or its worker when a trace is recorded), and the simulator, driving the same rule, trains such
+a phase (a calibration's fp32 reference is one) as `validate`'s fp32 arm trains. `passive` (benchmarks only) runs the detectors on every step
 and acts on nothing: what they would say of a plain run.
 
 Events are dicts (step, scope, from, to, reason) handed to `log` in the order they happen.
@@ -64,7 +64,6 @@ class StepController:
         *,
         monitor: bool = True,
         gate: bool | str = True,
-        direct_fp32: bool = True,
         passive: bool = False,
     ) -> None:
         self.bindings = bindings
@@ -74,12 +73,11 @@ class StepController:
         thresholds = HealthThresholds.from_dict(bindings.meta.get("health") or {})
         self.monitor_enabled = monitor
         self.passive = passive
-        # phases sent as plain DDP (see the module doc); `direct_fp32` False: every phase
-        # through the hook's worker (a recorded trace needs it)
-        self.direct_phases = frozenset(
+        # phases that are plain DDP (see the module doc): a property of the routes alone, so a
+        # recorded trace (the hook's worker path) trains them as an untraced run does
+        self.plain_phases = frozenset(
             p.name for p in bindings.phases
-            if direct_fp32 and all(b.routes[p.name].name == "fp32"
-                                   for b in bindings.params.values()))
+            if all(b.routes[p.name].name == "fp32" for b in bindings.params.values()))
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
                                  thresholds.update_cap)
@@ -105,8 +103,8 @@ class StepController:
 
     @property
     def plain(self) -> bool:
-        """Whether this step goes out as plain DDP: its phase is a direct one."""
-        return self.phase.name in self.direct_phases
+        """Whether this step is plain DDP's: its phase routes every parameter on fp32."""
+        return self.phase.name in self.plain_phases
 
     @property
     def acting(self) -> bool:

@@ -123,8 +123,10 @@ class FabricState:
         self._names = {id(tp.param): tp.name for tp in params}
         self.device = params[0].param.device if params else torch.device("cpu")
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
-                                         monitor=monitor, gate=gate,
-                                         direct_fp32=direct_fp32 and trace is None)
+                                         monitor=monitor, gate=gate)
+        # plain steps by `_fp32_direct`; a recorded trace times every bucket on the worker
+        # (the same numerics: `whole_bucket_fp32`, nothing judged or skipped)
+        self._direct = direct_fp32 and trace is None
         self._scopes = self.controller.scopes
         # every parameter's route, per phase (bindings order): what the sets below read
         routing = {p.name: tuple(b.routes[p.name] for b in bindings.params.values())
@@ -272,7 +274,7 @@ class FabricState:
             self._direct_step = self._gated_off()
         # a phase with every parameter on fp32 takes plain DDP's direct path (the
         # controller's rule, which the simulator drives too)
-        if self.controller.plain or self._direct_step:
+        if (self.controller.plain and self._direct) or self._direct_step:
             return self._fp32_direct(buffer, is_last)
         names = [self._names[id(p)] for p in params]
         fut: torch.futures.Future = torch.futures.Future()
@@ -333,7 +335,7 @@ class FabricState:
         if self._timing is not None:
             probe.record(*self._timing, now - self._period_start)
         self._timing = None
-        if self.controller.plain:
+        if self.controller.plain and self._direct:
             return FP32_PATH
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
             return LOWBIT_PATH

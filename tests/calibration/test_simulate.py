@@ -54,12 +54,12 @@ NAN = (Injection("nan", 2, 1),)
 
 
 def _real_worker(rank: int, world: int, health: dict | None = None,
-                 injections: tuple = (), fp32: bool = False) -> dict:
+                 injections: tuple = (), fp32: bool = False, direct: bool = True) -> dict:
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     ddp = DDP(model)
     state = attach_with(ddp, _bindings(model, world, health, fp32=fp32), total_steps=STEPS,
-                        seed=SEED, injections=injections)
+                        seed=SEED, injections=injections, direct_fp32=direct)
     opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
     train_workload(ddp, state, wl, opt, sched, STEPS, rank, world, SEED)
     state.close()
@@ -71,17 +71,21 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
     }
 
 
-@pytest.mark.parametrize("guarded", [None, 0, 1, "fp32", "fp32-nan"],
+@pytest.mark.parametrize("guarded", [None, 0, 1, "fp32", "fp32-nan", "fp32-worker",
+                                     "fp32-nan-worker"],
                          ids=["healthy", "spike-held", "spike-tripped", "all-fp32-spike",
-                              "all-fp32-nan"])
+                              "all-fp32-nan", "all-fp32-spike-worker", "all-fp32-nan-worker"])
 def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | None) -> None:
+    # "-worker": the all-fp32 steps on the hook's worker path, as a recorded trace sends
+    # them; they must train as the direct path does (plain DDP: nothing held, NaN summed)
     world = 2
     health, injections, fp32 = (None, (), str(guarded).startswith("fp32"))
-    if guarded == "fp32-nan":  # plain DDP sums the NaN into every rank's update: so must we
+    direct = not str(guarded).endswith("worker")
+    if str(guarded).startswith("fp32-nan"):  # plain DDP sums the NaN into every update: so must we
         injections = NAN
     elif guarded is not None:
         health, injections = {**GUARDED, "grad_blowup_trips": int(fp32 or guarded)}, SPIKE
-    real = run_ranks(_real_worker, world, health, injections, fp32)
+    real = run_ranks(_real_worker, world, health, injections, fp32, direct)
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     bindings = _bindings(model, world, health, fp32=fp32)

@@ -144,7 +144,7 @@ def test_an_all_fp32_phase_is_plain_ddp_and_passive_detectors_act_on_nothing():
     judged, held or skipped there, in the simulator either. Passive (benchmarks): the
     detectors judge and nothing acts."""
     c, log = controller(route="fp32")
-    assert c.direct_phases == {"all"}  # static_profile: one phase
+    assert c.plain_phases == {"all"} and c.plain  # static_profile: one phase
     for u in [1.0] * 6:
         step(c, 1.0, 1.0, u)
     assert step(c, 1.0, 50.0, 30.0).scales == {}  # a blow-up passes, as in plain DDP
