@@ -106,6 +106,8 @@ class SimulatedDDP:
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
         self._planned: dict[str, StepBytes] = {}
         self._plans: dict[tuple[str, frozenset[str]], StepRoutes] = {}
+        # per plan, the gate keys of its low-bit buckets: what the hook prices (`gated_off`)
+        self._priced: dict[tuple[str, frozenset[str]], list[tuple]] = {}
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
@@ -167,14 +169,25 @@ class SimulatedDDP:
                 plain=self.controller.plain,
             )
             self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes)
+            self._priced[key] = [(tuple(b.params), phase) for b in self.bindings.buckets
+                                 if any(by_name[n].lowbit for n in b.params)]
         return self._plans[key], key
 
     def train_step(self) -> None:
         step = self.step
+        # a step the model gate sends all fp32, as the hook sends it (plain DDP's path, no
+        # statistics): nothing judged, zeroed when the summed gradients are not finite
+        gated_off = self.controller.gated_off()
         plan, key = self._plan()
         self.tally.add(self._bytes_cache[key])
 
         def decide(done: RanksStep) -> StepDecision:
+            finite_losses = [v for v in done.losses if math.isfinite(v)]
+            loss_mean = sum(finite_losses) / len(done.losses)
+            self.losses.append(loss_mean if finite_losses else math.nan)
+            if gated_off:
+                finite = all(math.isfinite(n) for norms in done.norms for n in norms)
+                return self.controller.neutralise(step, finite)
             # Health statistics, as the hook measures them before any encoding (norms are
             # taken before a rank's non-finite values are zeroed: a NaN norm never votes).
             norm2: dict[str, float] = {}
@@ -182,9 +195,6 @@ class SimulatedDDP:
                 for region, norm in zip(plan.regions, rank_norms, strict=True):
                     if math.isfinite(norm):
                         norm2[region] = norm2.get(region, 0.0) + norm * norm
-            finite_losses = [v for v in done.losses if math.isfinite(v)]
-            loss_mean = sum(finite_losses) / len(done.losses)
-            self.losses.append(loss_mean if finite_losses else math.nan)
             agree = done.agreement
             agreement = {s: agree[s][0] / agree[s][1] for s in self.scopes
                          if agree.get(s, (0, 0))[1] > 0}
@@ -195,8 +205,10 @@ class SimulatedDDP:
 
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)
-        measure = self.controller.acting and not self.controller.plain
+        measure = self.controller.acting and not (self.controller.plain or gated_off)
         self.ranks.step(step, plan, decide, measure=measure)
+        if not gated_off:
+            self.controller.priced(self._priced[key])
         self.controller.advance(step)
 
     def evaluate(self) -> float:

@@ -8,7 +8,10 @@ both drive one of these, so calibration predicts exactly what the runtime decide
 - `decide(...)`, once per step on the agreed statistics and the reduced update's norms,
   *before* the update reaches the optimizer: the monitor's check, the update guard's
   scale-downs (`runtime/guard.py`) and whether the step is skipped (non-finite);
-- `advance(step)`: count the step and enter the next phase.
+- `advance(step)`: count the step and enter the next phase;
+- `gated_off()` / `priced(keys)`: whether the model gate refuses every low-bit bucket the
+  phase's last priced step had, so the step goes out as plain DDP's; `neutralise(step,
+  finite)` is that step's whole decision (zeroed when its reduced result is not finite).
 
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
@@ -89,6 +92,9 @@ class StepController:
         self.skipped_steps: list[int] = []
         self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down
         self._holding: set[str] = set()  # held scopes whose hold has been scaled down
+        # per phase, the gate keys of the low-bit buckets its last priced step had (not saved:
+        # a resumed run prices its first step again)
+        self._priced: dict[str, tuple[tuple, ...]] = {}
         self.phase = bindings.phase_at(0, self.total_steps)
         self._enter_phase(self.phase, 0)
 
@@ -161,6 +167,27 @@ class StepController:
         self.skipped_steps.append(step)
         self.log({"step": step, "scope": "all", "from": "update", "to": "skipped",
                   "reason": SKIP_REASON})
+
+    def priced(self, keys: list[tuple]) -> None:
+        """The gate keys of the low-bit buckets a step priced (its phase's, for `gated_off`)."""
+        self._priced[self.phase.name] = tuple(keys)
+
+    def gated_off(self) -> bool:
+        """Whether this step goes out as plain DDP's: the model gate refuses (a cached or
+        revoked verdict) every low-bit bucket of the phase's last priced step, so nothing
+        low-bit is sent and there is nothing to decide. The monitor sees no such step; a
+        non-finite one is still zeroed (`neutralise`)."""
+        keys = self._priced.get(self.phase.name)
+        return bool(keys) and all(self.gate.refuses(k) for k in keys)
+
+    def neutralise(self, step: int, finite: bool) -> StepDecision:
+        """A step sent as plain DDP's in a low-bit phase (gated off): zeroed on every rank
+        when its reduced gradients are not finite (a sum carries any rank's NaN or inf to every
+        rank); nothing else is judged. A non-finite loss with finite gradients passes, as the
+        hook sees no loss on these steps."""
+        if not finite:
+            self.record_skip(step)
+        return StepDecision(not finite)
 
     def _guard(self, step: int, update_norms: Mapping[str, float], skipped: bool,
                scopes: frozenset[str], why: Mapping[str, str]) -> list[Held]:

@@ -160,9 +160,7 @@ class FabricState:
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
-        # per phase, the low-bit buckets of its last step through the worker (`_gated_off`)
-        self._lowbit_keys: dict[str, list[tuple]] = {}
-        self._step_keys: list[tuple] = []
+        self._step_keys: list[tuple] = []  # this step's low-bit buckets (`controller.priced`)
         self._direct_step = False
         # a gated-off step's buckets: (all-reduce future, buffer, DDP's future), completed
         # together once the step is judged finite (`_neutralise_direct`)
@@ -313,8 +311,7 @@ class FabricState:
         path again to have it priced."""
         if self.gate.measured is not None and self.gate.enabled:
             return self._measured_path() == FP32_PATH
-        keys = self._lowbit_keys.get(self.phase.name)
-        return bool(keys) and all(self.gate.refuses(k) for k in keys)
+        return self.controller.gated_off()
 
     def _measured_path(self) -> str:
         """The measured gate's path for this step (`probe.py`), at its first bucket: record
@@ -408,10 +405,9 @@ class FabricState:
             for w in done.value():
                 w.value()  # a failed all-reduce raises here
             bufs = [b for _, b, _ in pending]
-            if not all_finite(bufs):
+            if self.controller.neutralise(step, all_finite(bufs)).skip:
                 for b in bufs:
                     b.zero_()
-                self.controller.record_skip(step)
         except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
             for _, _, f in pending:
                 f.set_exception(exc)
@@ -539,7 +535,7 @@ class FabricState:
                         g.mul_(factor)
                         self.ef.reset(name)  # its residual holds what was held back
                         # (a spike's, ~1000x: docs/health.md, "Error feedback leaked ...")
-        self._lowbit_keys[self.phase.name] = self._step_keys
+        self.controller.priced(self._step_keys)
         self._clear_step_stats()
         self._advance(step)
         # only now: a raise above still finds the futures in `_pending` (`_fail_pending`)

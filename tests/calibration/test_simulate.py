@@ -26,7 +26,7 @@ STEPS, SEED = 4, 3
 
 
 def _bindings(model, world: int, health: dict | None = None, norms: str = "type:GroupNorm",
-              fp32: bool = False):
+              fp32: bool = False, substrate: dict | None = None):
     """warmup (first step): int8+EF head, fp32 rest; then head int8+EF, norms ternary+EF, rest
     sign+EF; int8 with stochastic rounding (the hook and the simulator draw the same noise).
     `fp32`: the same profile with every route fp32 (plain DDP's path in the hook)."""
@@ -42,7 +42,8 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
     profile = config_profile(spec, config, {"world_size": world, "health": spec.health})
     if fp32:
         profile = on_route(profile, "fp32")
-    return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS)
+    return compile_profile(profile, model, world_size=world, bucket_cap_mb=None, total_steps=STEPS,
+                           substrate=substrate)
 
 
 #: A gradient blow-up on rank 1 at step 2 (after two healthy steps): the update guard scales the
@@ -54,11 +55,13 @@ NAN = (Injection("nan", 2, 1),)
 
 
 def _real_worker(rank: int, world: int, health: dict | None = None,
-                 injections: tuple = (), fp32: bool = False, direct: bool = True) -> dict:
+                 injections: tuple = (), fp32: bool = False, direct: bool = True,
+                 substrate: dict | None = None) -> dict:
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     ddp = DDP(model)
-    state = attach_with(ddp, _bindings(model, world, health, fp32=fp32), total_steps=STEPS,
+    bindings = _bindings(model, world, health, fp32=fp32, substrate=substrate)
+    state = attach_with(ddp, bindings, total_steps=STEPS,
                         seed=SEED, injections=injections, direct_fp32=direct)
     opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
     train_workload(ddp, state, wl, opt, sched, STEPS, rank, world, SEED)
@@ -110,6 +113,29 @@ def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | Non
     assert sim.traffic_fraction == real[0]["fraction"]  # same buckets, same groups, same bytes
     assert sim.events == real[0]["events"]
     assert sim.steps_run == STEPS and sim.curve == [(STEPS, real[0]["metric"])]
+
+
+#: A link so fast, and codec calls so slow, that the model gate refuses every low-bit bucket.
+LOWBIT_LOSES = {"link_gbps": 100.0, "latency_us": 1.0,
+                "codec_call_us": {"sign": 6000.0, "int8": 6000.0, "ternary": 6000.0}}
+
+
+@pytest.mark.parametrize("fault", ["spike", "nan"])
+def test_steps_the_model_gate_sends_as_plain_ddp_train_alike(fault: str) -> None:
+    """Every low-bit bucket refused by the substrate: after the step that priced them the
+    hook sends each step as plain DDP (`_gated_off`), and so must the simulator: a blow-up
+    there passes unheld, a non-finite step is zeroed, the monitor sees none of them."""
+    world, injections = 2, SPIKE if fault == "spike" else NAN
+    real = run_ranks(_real_worker, world, GUARDED, injections, False, True, LOWBIT_LOSES)
+    wl = get_workload("vision")
+    model = wl.build_model(SEED)
+    bindings = _bindings(model, world, GUARDED, substrate=LOWBIT_LOSES)
+    sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,),
+                       injections=injections)
+    for n, p in sim.model.named_parameters():
+        torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
+    assert sim.events == real[0]["events"]
+    assert sim.metric == real[0]["metric"]
 
 
 def test_a_guarded_step_takes_its_error_feedback_residual_with_it() -> None:
