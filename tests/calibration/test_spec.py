@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nfabric_cli.calibration.hyperband import HyperbandShape
-from nfabric_cli.calibration.spec import Range, load_spec, parse_spec, resolve_spec
+from nfabric_cli.calibration.spec import Cell, Range, load_spec, parse_spec, resolve_spec
 from nfabric_cli.errors import InputError
 from tests.calibration.helpers import tiny_spec, tiny_spec_dict, toml_text
 
@@ -157,6 +157,11 @@ def test_resolve_spec_falls_back_to_head_vs_rest(tmp_path: Path, monkeypatch) ->
     spec = resolve_spec("plugin_wl", "out.*", 50)
     assert [(r.name, r.selector) for r in spec.regions] == [("head", "out.*"), ("rest", "*")]
     assert (spec.steps, spec.eval_every) == (50, 10)
+    # confirmed by default: seeds 1, 2 at the search's 4 ranks (seed 0 is the search's own
+    # cell) and seeds 0-2 at validate's default 2
+    assert spec.world_size == 4
+    assert spec.confirm_cells() == [Cell(1, 50), Cell(2, 50),
+                                    Cell(0, 50, 2), Cell(1, 50, 2), Cell(2, 50, 2)]
 
 
 def _toml_blocks(path: Path) -> list[str]:
