@@ -92,8 +92,7 @@ class StepController:
         self.skipped_steps: list[int] = []
         self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down
         self._holding: set[str] = set()  # held scopes whose hold has been scaled down
-        # per phase, the gate keys of the low-bit buckets its last priced step had (not saved:
-        # a resumed run prices its first step again)
+        # per phase, the gate keys of the low-bit buckets its last priced step had
         self._priced: dict[str, tuple[tuple, ...]] = {}
         self.phase = bindings.phase_at(0, self.total_steps)
         self._enter_phase(self.phase, 0)
@@ -233,7 +232,9 @@ class StepController:
         return {"step": self.step, "skipped_steps": list(self.skipped_steps),
                 "monitor": self.monitor.state_dict(), "gate": self.gate.state_dict(),
                 "guard": self.guard.state_dict(), "held": [list(h) for h in self.held],
-                "holding": sorted(self._holding)}
+                "holding": sorted(self._holding),
+                "priced": {ph: [list(names) for names, _ in keys]
+                           for ph, keys in self._priced.items()}}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         self.monitor.load_state_dict(sd["monitor"])
@@ -242,6 +243,9 @@ class StepController:
             self.guard.load_state_dict(sd["guard"])
             self.held = [tuple(h) for h in sd["held"]]  # type: ignore[misc]
             self._holding = set(sd["holding"])
+        # (states saved before it: the first step resumed prices its buckets again)
+        self._priced = {ph: tuple((tuple(names), ph) for names in rows)
+                        for ph, rows in sd.get("priced", {}).items()}
         self.skipped_steps[:] = list(sd["skipped_steps"])
         self.step = int(sd["step"])
         self.phase = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)

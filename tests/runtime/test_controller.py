@@ -225,3 +225,31 @@ def test_a_lone_loss_spike_under_loss_spike_repeat_holds_every_scope_and_keeps_t
     assert "for loss spike 5.0x median" in held["reason"] and "route kept" in held["reason"]
     assert not [e for e in log if e["to"] == "fp32"]
     assert step(c, 1.0, 1.0, 1.0).scales == {}
+
+
+def test_steps_the_model_gate_refuses_are_plain_and_the_rule_survives_a_checkpoint():
+    """Once every low-bit bucket a step priced is refused, the phase's next steps go out as
+    plain DDP's (`gated_off`): only a non-finite step is zeroed, nothing is judged. The
+    priced keys are saved, so a resumed run sends its first step as the uninterrupted one."""
+    from nfabric_cli.calibration.traffic import gated
+
+    c, log = controller()
+    c.bindings.meta["substrate"] = {"link_gbps": 100.0, "latency_us": 1.0,
+                                    "codec_call_us": {"sign": 6000.0}}
+    c, log = StepController(c.bindings, 100, 2, log.append), log
+    assert not c.gated_off()  # nothing priced yet
+    keys = [(tuple(b.params), "all") for b in c.bindings.buckets]
+    routes = gated(c.bindings, "all", c.effective, c.gate)  # prices (and refuses) each bucket
+    assert all(routes(n).name == "fp32" for n in c.bindings.params)
+    c.priced(keys)
+    assert c.gated_off()
+    assert c.neutralise(7, finite=True).skip is False and log == []
+    assert c.neutralise(8, finite=False).skip is True
+    assert c.skipped_steps == [8] and [e["to"] for e in log] == ["skipped"]
+    resumed = StepController(c.bindings, 100, 2, log.append)
+    resumed.load_state_dict(c.state_dict())
+    assert resumed.gated_off()
+    old = {k: v for k, v in c.state_dict().items() if k != "priced"}  # saved before the rule
+    again = StepController(c.bindings, 100, 2, log.append)
+    again.load_state_dict(old)
+    assert not again.gated_off()
