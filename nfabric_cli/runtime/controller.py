@@ -16,8 +16,9 @@ both drive one of these, so calibration predicts exactly what the runtime decide
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
 or its worker when a trace is recorded), and the simulator, driving the same rule, trains such
-a phase (a calibration's fp32 reference is one) as `validate`'s fp32 arm trains. `passive` (benchmarks only) runs the detectors on every step
-and acts on nothing: what they would say of a plain run.
+a phase (a calibration's fp32 reference is one) as `validate`'s fp32 arm trains. `passive`
+(benchmarks only) runs the detectors on every step and acts on nothing: what they would say
+of a plain run.
 
 Events are dicts (step, scope, from, to, reason) handed to `log` in the order they happen.
 """

@@ -136,6 +136,7 @@ def test_steps_the_model_gate_sends_as_plain_ddp_train_alike(fault: str) -> None
         torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
     assert sim.events == real[0]["events"]
     assert sim.metric == real[0]["metric"]
+    assert sim.traffic_fraction == real[0]["fraction"] == 1.0  # every bucket refused
 
 
 def test_a_guarded_step_takes_its_error_feedback_residual_with_it() -> None:
