@@ -84,6 +84,16 @@ class Bindings:
         self.phase(phase_name)
         return self.param(param).routes[phase_name]
 
+    def lowbit_in(self, names: tuple[str, ...] | list[str], phase_name: str) -> bool:
+        """Whether the profile routes any of `names` low-bit in the phase."""
+        return any(self.params[n].routes[phase_name].lowbit for n in names)
+
+    def lowbit_buckets(self, phase_name: str) -> list[tuple[tuple[str, ...], str]]:
+        """The gate keys (names, phase) of the planned buckets the phase routes anything
+        low-bit in: what the model gate must refuse for a step to go out as plain DDP's."""
+        return [(tuple(b.params), phase_name) for b in self.buckets
+                if self.lowbit_in(b.params, phase_name)]
+
     def phase_at(self, step: int, total_steps: int | None = None) -> Phase:
         """The phase containing step / total_steps (the last phase includes 1.0)."""
         total = total_steps if total_steps is not None else self.total_steps

@@ -106,8 +106,6 @@ class SimulatedDDP:
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
         self._planned: dict[str, StepBytes] = {}
         self._plans: dict[tuple[str, frozenset[str]], StepRoutes] = {}
-        # per plan, the gate keys of its low-bit buckets: what the hook prices (`gated_off`)
-        self._priced: dict[tuple[str, frozenset[str]], list[tuple]] = {}
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
@@ -169,8 +167,6 @@ class SimulatedDDP:
                 plain=self.controller.plain,
             )
             self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes)
-            self._priced[key] = [(tuple(b.params), phase) for b in self.bindings.buckets
-                                 if any(by_name[n].lowbit for n in b.params)]
         return self._plans[key], key
 
     def train_step(self) -> None:
@@ -207,8 +203,8 @@ class SimulatedDDP:
         # update guard, so a run without the monitor does not measure them)
         measure = self.controller.acting and not (self.controller.plain or gated_off)
         self.ranks.step(step, plan, decide, measure=measure)
-        if not gated_off:
-            self.controller.priced(self._priced[key])
+        if not gated_off:  # the buckets it laid out, as the hook records its worker steps'
+            self.controller.priced(self.bindings.lowbit_buckets(key[0]))
         self.controller.advance(step)
 
     def evaluate(self) -> float:

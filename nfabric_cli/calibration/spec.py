@@ -215,7 +215,8 @@ DEFAULT_CONFIRM_SEEDS, DEFAULT_CONFIRM_WORLD_SIZES = (1, 2), (2,)
 def default_spec(workload: str, head_selector: str, steps: int) -> CalibrationSpec:
     """A spec for a workload without a file: head vs everything else, one phase, and the
     leading candidates confirmed on seeds 1 and 2 and at two ranks (a winner picked on one
-    seed is picked *for* passing there: issue 15). `--confirm-seeds none` turns it off."""
+    seed is picked *for* passing there: issue 15). `--confirm-seeds none
+    --confirm-world-sizes none` turns it off."""
     routes = ("fp32", "bf16", "int8", "ternary", "sign")
     regions = (Region("head", head_selector, routes), Region("rest", "*", routes))
     return check_spec(CalibrationSpec(workload, regions, steps=steps, eval_every=max(1, steps // 5),

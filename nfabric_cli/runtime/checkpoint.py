@@ -60,7 +60,7 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, A
         "bindings": bindings_key(state.bindings),
         "world_size": state.world_size,
         "total_steps": state.total_steps,
-        **state.controller.state_dict(),  # step, skipped steps, monitor, guard, gate
+        **state.controller.state_dict(),  # step, skipped steps, monitor, guard, gate, priced
         # the buckets whose times the next statistics round carries: the same on every rank
         # (each rank's seconds are in its part), so the round has one length everywhere
         "pending_times": [[list(names), phase] for (names, phase), _ in state._bucket_times],

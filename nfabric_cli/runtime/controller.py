@@ -9,9 +9,10 @@ both drive one of these, so calibration predicts exactly what the runtime decide
   *before* the update reaches the optimizer: the monitor's check, the update guard's
   scale-downs (`runtime/guard.py`) and whether the step is skipped (non-finite);
 - `advance(step)`: count the step and enter the next phase;
-- `gated_off()` / `priced(keys)`: whether the model gate refuses every low-bit bucket the
-  phase's last priced step had, so the step goes out as plain DDP's; `neutralise(step,
-  finite)` is that step's whole decision (zeroed when its reduced result is not finite).
+- `gated_off()` / `priced(keys)`: whether the model gate refuses every bucket the phase's
+  profile routes anything low-bit in (as the last step through the hook's worker laid them
+  out), so the step goes out as plain DDP's; `neutralise(step, finite)` is that step's whole
+  decision (zeroed when its reduced result is not finite).
 
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
@@ -93,7 +94,8 @@ class StepController:
         self.skipped_steps: list[int] = []
         self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down
         self._holding: set[str] = set()  # held scopes whose hold has been scaled down
-        # per phase, the gate keys of the low-bit buckets its last priced step had
+        # per phase, the gate keys of the buckets with a low-bit route in its profile, as its
+        # last step through the hook's worker laid them out
         self._priced: dict[str, tuple[tuple, ...]] = {}
         self.phase = bindings.phase_at(0, self.total_steps)
         self._enter_phase(self.phase, 0)
@@ -139,7 +141,7 @@ class StepController:
         """Judge step `step` from agreed numbers: the ranks' mean loss, whether anything was
         not finite, each scope's gradient norm (before the reduce) and sign agreement, and
         each parameter's norm of the reduced update (identical on every rank). A step of a
-        direct phase is plain DDP's: nothing is judged, held or skipped (unless passive)."""
+        plain phase is plain DDP's: nothing is judged, held or skipped (unless passive)."""
         if self.plain and not self.passive:
             return StepDecision(False)
         if self.monitor_enabled:
@@ -169,14 +171,17 @@ class StepController:
                   "reason": SKIP_REASON})
 
     def priced(self, keys: list[tuple]) -> None:
-        """The gate keys of the low-bit buckets a step priced (its phase's, for `gated_off`)."""
+        """The gate keys of a worker step's buckets with a low-bit route in the phase's
+        profile, held on fp32 or not (for `gated_off`)."""
         self._priced[self.phase.name] = tuple(keys)
 
     def gated_off(self) -> bool:
         """Whether this step goes out as plain DDP's: the model gate refuses (a cached or
-        revoked verdict) every low-bit bucket of the phase's last priced step, so nothing
-        low-bit is sent and there is nothing to decide. The monitor sees no such step; a
-        non-finite one is still zeroed (`neutralise`)."""
+        revoked verdict) every bucket the phase's profile routes anything low-bit in, so
+        nothing low-bit is sent and there is nothing to decide. The monitor sees no such step;
+        a non-finite one is still zeroed (`neutralise`). A bucket held on fp32 by the monitor
+        counts too: one the gate has not priced (or admitted) keeps the steps on the worker,
+        where the monitor can re-admit it."""
         keys = self._priced.get(self.phase.name)
         return bool(keys) and all(self.gate.refuses(k) for k in keys)
 

@@ -55,14 +55,16 @@ def _agreement(step_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 class _Routing(NamedTuple):
     """A bucket's routing at a step (`FabricState._routing`): its parameters' names and
-    regions, its route groups, what the gate prices (empty: nothing low-bit) and its groups
-    were the gate to refuse it (every parameter on fp32)."""
+    regions, its route groups, what the gate prices (empty: nothing low-bit now) and its
+    groups were the gate to refuse it (every parameter on fp32); `planned`: the phase's
+    profile routes something in it low-bit (held or not: what `controller.gated_off` asks)."""
 
     names: tuple[str, ...]
     regions: tuple[str, ...]
     groups: tuple[BucketGroup, ...]
     priced: tuple[tuple[RouteSpec, int], ...]
     refused: tuple[BucketGroup, ...]
+    planned: bool
 
 
 def _norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -124,7 +126,7 @@ class FabricState:
         self.device = params[0].param.device if params else torch.device("cpu")
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
                                          monitor=monitor, gate=gate)
-        # plain steps by `_fp32_direct`; a recorded trace times every bucket on the worker
+        # a plain phase's steps by `_fp32_direct`; a recorded trace times them on the worker
         # (the same numerics: `whole_bucket_fp32`, nothing judged or skipped)
         self._direct = direct_fp32 and trace is None
         self._scopes = self.controller.scopes
@@ -160,7 +162,7 @@ class FabricState:
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
-        self._step_keys: list[tuple] = []  # this step's low-bit buckets (`controller.priced`)
+        self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
         self._direct_step = False
         # a gated-off step's buckets: (all-reduce future, buffer, DDP's future), completed
         # together once the step is judged finite (`_neutralise_direct`)
@@ -270,9 +272,9 @@ class FabricState:
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()
-        # a phase with every parameter on fp32 takes plain DDP's direct path (the
-        # controller's rule, which the simulator drives too)
-        if (self.controller.plain and self._direct) or self._direct_step:
+        # a plain phase (every parameter on fp32: the controller's rule, which the simulator
+        # drives too) or a gated-off step takes plain DDP's direct path
+        if self._plain_direct() or self._direct_step:
             return self._fp32_direct(buffer, is_last)
         names = [self._names[id(p)] for p in params]
         fut: torch.futures.Future = torch.futures.Future()
@@ -302,13 +304,18 @@ class FabricState:
             if not isinstance(exc, Exception):  # Ctrl-C on DDP's thread: still stop the run
                 raise
 
+    def _plain_direct(self) -> bool:
+        """Whether this step is a plain phase's sent by `_fp32_direct` (not traced)."""
+        return self._direct and self.controller.plain
+
     def _gated_off(self) -> bool:
         """Whether this step goes out as plain DDP: the measured gate chose fp32 for it, or the
-        model gate already refuses every low-bit bucket of the phase's last step, so nothing
-        low-bit is sent and there is nothing to decide. Decided at a step's first bucket on
-        agreed verdicts, so every rank decides alike; a bucket the last step did not have
-        (DDP rebuilt its buckets) goes out as fp32 too, and the next step takes the worker
-        path again to have it priced."""
+        model gate already refuses every bucket the phase routes anything low-bit in
+        (`controller.gated_off`), so nothing low-bit is sent and there is nothing to decide.
+        Decided at a step's first bucket on agreed verdicts, so every rank decides alike. The
+        buckets are those of the phase's last step through the worker: a phase that starts at
+        step 0 is priced in DDP's first layout (registration order, rebuilt after that step)
+        and keeps those verdicts, where the simulator prices the rebuilt layout throughout."""
         if self.gate.measured is not None and self.gate.enabled:
             return self._measured_path() == FP32_PATH
         return self.controller.gated_off()
@@ -332,7 +339,7 @@ class FabricState:
         if self._timing is not None:
             probe.record(*self._timing, now - self._period_start)
         self._timing = None
-        if self.controller.plain and self._direct:
+        if self._plain_direct():
             return FP32_PATH
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
             return LOWBIT_PATH
@@ -436,10 +443,11 @@ class FabricState:
         # the local gradient norms, by scope, before anything is encoded (read at the step's end)
         self._grad_norms.append((routing.regions, _norms(slices)))
         groups = routing.groups
+        key = (routing.names, phase)
+        if routing.planned:
+            self._step_keys.append(key)
         if routing.priced:
             # Priced per reduce the job issues, as compile-profile and calibration price it.
-            key = (routing.names, phase)
-            self._step_keys.append(key)
             if not self.gate.verdict(key, routing.priced).admit:
                 groups = routing.refused
         if is_last and self._inflight is not None:  # landed first: its time is in the statistics
@@ -478,7 +486,8 @@ class FabricState:
             lowbit = any(s.lowbit for s in specs)
             found = self._routings[key] = _Routing(
                 names_t, regions, groups, tuple(spec_numels(groups)) if lowbit else (),
-                tuple(bucket_groups(regions, [FP32] * len(specs), numels)) if lowbit else groups)
+                tuple(bucket_groups(regions, [FP32] * len(specs), numels)) if lowbit else groups,
+                self.bindings.lowbit_in(names_t, phase))
         return found
 
     def _land(self, job: BucketJob) -> None:

@@ -137,6 +137,11 @@ def test_steps_the_model_gate_sends_as_plain_ddp_train_alike(fault: str) -> None
     assert sim.events == real[0]["events"]
     assert sim.metric == real[0]["metric"]
     assert sim.traffic_fraction == real[0]["fraction"] == 1.0  # every bucket refused
+    # what both do: nothing judged after the step that priced the buckets (no detection,
+    # no hold of the spike), the NaN step zeroed
+    assert sim.detections == []
+    assert sim.skipped_steps == ([2] if fault == "nan" else [])
+    assert [e["to"] for e in sim.events] == (["skipped"] if fault == "nan" else [])
 
 
 def test_a_guarded_step_takes_its_error_feedback_residual_with_it() -> None:

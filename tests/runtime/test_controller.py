@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -247,8 +248,12 @@ def test_steps_the_model_gate_refuses_are_plain_and_the_rule_survives_a_checkpoi
     assert c.neutralise(8, finite=False).skip is True
     assert c.skipped_steps == [8] and [e["to"] for e in log] == ["skipped"]
     resumed = StepController(c.bindings, 100, 2, log.append)
-    resumed.load_state_dict(c.state_dict())
+    resumed.load_state_dict(json.loads(json.dumps(c.state_dict())))  # as a checkpoint keeps it
     assert resumed.gated_off()
+    # a planned low-bit bucket the gate has not refused (never priced, or admitted: one the
+    # monitor holds on fp32, say) keeps the steps on the worker, where re-admission happens
+    resumed.priced([*keys, (("body.weight",), "all")])
+    assert not resumed.gated_off()
     old = {k: v for k, v in c.state_dict().items() if k != "priced"}  # saved before the rule
     again = StepController(c.bindings, 100, 2, log.append)
     again.load_state_dict(old)
