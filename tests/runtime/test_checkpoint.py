@@ -162,3 +162,67 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
         assert missing.startswith(f"fabric state holds rank(s) [{1 - rank}] only, not rank {rank}")
         assert "this rank starts with no error-feedback residuals" in lenient
         assert all("\n" not in m for m in out)
+
+
+#: Every low-bit bucket refused (a fast link, slow codec calls): after a phase's first step the
+#: hook sends its steps as plain DDP's (`StepController.gated_off`).
+REFUSES = {"link_gbps": 100.0, "latency_us": 1.0,
+           "codec_call_us": {"sign": 6000.0, "int8": 6000.0, "ternary": 6000.0}}
+SPIKE_AT = TOTAL // 2  # the resumed run's first step
+
+
+def _gated(rank: int, world: int, path: str, part: str, keep_priced: bool = True) -> dict:
+    """`part` "whole": the run uninterrupted; "first": its first half, then a checkpoint;
+    "second": a new process resuming from it. A spike lands on the resumed step."""
+    from nfabric_cli.runtime.attach import attach_with
+    from nfabric_cli.runtime.inject import Injection
+
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    profile = _profile(model)
+    profile.meta["substrate"] = REFUSES
+    bindings = compile_profile(profile, model, world_size=2, bucket_cap_mb=None)
+    state = attach_with(ddp, bindings, total_steps=TOTAL, seed=3,
+                        injections=(Injection("spike", SPIKE_AT, 1),))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    start, stop = {"whole": (0, TOTAL), "first": (0, SPIKE_AT), "second": (SPIKE_AT, TOTAL)}[part]
+    if part == "second":
+        ckpt = torch.load(f"{path}.{rank}", weights_only=False)
+        ddp.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        if not keep_priced:  # a state saved before the priced buckets were kept
+            del ckpt["fabric"]["priced"]
+        state.load_state_dict(ckpt["fabric"])
+    _steps(ddp, state, opt, rank, start, stop)
+    if part == "first":
+        torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
+                    "fabric": state.state_dict()}, f"{path}.{rank}")
+    with warnings.catch_warnings(record=True):
+        state.close()
+    frame = state.traffic_frame()
+    return {"params": [p.detach().clone() for p in ddp.parameters()],
+            "events": [e for e in state.events if e["step"] >= SPIKE_AT],
+            # steps with a statistics round: those sent through the worker, not gated off
+            "worker_steps": sorted({int(s) for s in frame[frame.route == "control"].step
+                                    if s >= SPIKE_AT})}
+
+
+@pytest.mark.slow
+def test_a_run_resumed_in_a_gated_off_phase_sends_its_first_step_as_the_whole_run_did(
+    tmp_path: Path,
+) -> None:
+    """The gate's priced buckets travel in the checkpoint: the resumed step goes out as plain
+    DDP's, as in the uninterrupted run (no statistics round; the spike on it passes unheld in
+    both), bit for bit. From a state saved before they were kept, the resumed step goes
+    through the worker once to be priced again."""
+    path = str(tmp_path / "ckpt.pt")
+    whole = run_ranks(_gated, 2, path, "whole")
+    run_ranks(_gated, 2, path, "first")
+    resumed = run_ranks(_gated, 2, path, "second")
+    old = run_ranks(_gated, 2, path, "second", False)
+    for w, r, o in zip(whole, resumed, old, strict=True):
+        assert all(torch.isfinite(p).all() for p in w["params"])
+        assert all(torch.equal(a, b) for a, b in zip(w["params"], r["params"], strict=True))
+        assert w["events"] == r["events"] and not any(e["to"] == "held" for e in w["events"])
+        assert w["worker_steps"] == r["worker_steps"] == [TOTAL * 6 // 10]  # "late" begins
+        assert o["worker_steps"] == [SPIKE_AT, TOTAL * 6 // 10]
