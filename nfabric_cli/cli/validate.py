@@ -84,6 +84,7 @@ def validate(
     if json_out:
         result = run_validation(cfg)
     else:
+        _warn_early(cfg, [cfg.seed])
         with ProgressBar(cfg) as on_progress:
             result = run_validation(cfg, on_progress)
     if result.summary is None:  # a rank under torchrun other than 0: rank 0 reports
@@ -117,6 +118,7 @@ def _many(cfg: Any, seeds_text: str, json_out: bool) -> None:
     if json_out:
         result = run_seeds(cfg, seeds, None, on_seed)
     else:
+        _warn_early(cfg, seeds)
         with ProgressBar(cfg) as on_progress:
             result = run_seeds(cfg, seeds, on_progress, on_seed)
     if json_out:
@@ -130,6 +132,16 @@ def _many(cfg: Any, seeds_text: str, json_out: bool) -> None:
     if not result.passed:
         raise CheckFailed(_seeds_verdict(result.summary))
     console.print(f"[bold green]passed[/]: {_seeds_verdict(result.summary)}")
+
+
+def _warn_early(cfg: Any, seeds: list[int]) -> None:
+    """The proven-range warning before anything is launched (and again beside the verdict),
+    so a long run outside that range can be stopped at once; under torchrun, rank 0 of the
+    report warns at the end only."""
+    from nfabric_cli.validation.run import plan, torchrun_worker
+
+    if torchrun_worker() is None:
+        _warn_outside({"outside_proven": plan(cfg).outside_proven(seeds)})
 
 
 def _warn_outside(summary: dict[str, Any]) -> None:

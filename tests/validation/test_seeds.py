@@ -83,3 +83,18 @@ def test_a_two_seed_run_reports_each_seed_as_its_single_seed_run_does(tmp_path) 
     assert (tmp_path / "many" / "report.png").stat().st_size > 0
     assert all((tmp_path / "many" / f"seed-{s}" / "summary.json").is_file() for s in (0, 1))
     assert many.returncode == (0 if doc["passed"] else 1)  # bad --seeds: test_bad_input
+
+
+@pytest.mark.slow
+def test_the_proven_range_warning_comes_before_the_run_and_again_beside_the_verdict(
+    tmp_path,
+) -> None:
+    prof = head_fp32_profile(tmp_path / "p.parquet",
+                             proven={"seeds": [0], "steps": [6], "world_size": 2})
+    run = nfabric("validate", prof, "--workload", TINY, "--steps", "6", "--arms",
+                  "fp32,profile", "--seeds", "0,1", "--report", tmp_path / "r")
+    assert run.returncode in (0, 1), run.stderr
+    err = " ".join(run.stderr.split())  # rich wraps long lines
+    line = "warning: the profile was proven on seed 0 at 6 steps, world size 2; outside"
+    assert err.count(line) == 2
+    assert err.index(line) < err.index("seed 0 (1/2)")  # before anything is launched
