@@ -152,6 +152,7 @@ def compile_profile_cmd(
     from nfabric_cli.binding import write_bindings
     from nfabric_cli.binding.compile import compile_for_workload
     from nfabric_cli.profile import read_profile, resolve_profile
+    from nfabric_cli.profile.proven import outside_proven
 
     check_one_model_option(workload, model)
     prof = read_profile(resolve_profile(profile))
@@ -168,6 +169,11 @@ def compile_profile_cmd(
     summary = bindings.summary()
     for note in (bindings.meta.get("model_match") or {}).get("notes", []):
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    # the earliest point to say a run of this length or world size is not what was proven
+    # (`attach` says it again at run time, `validate` beside its verdict)
+    for line in outside_proven(bindings.meta, steps=bindings.total_steps,
+                               world_size=bindings.world_size):
+        err_console.print(f"[yellow]warning[/]: {line}", highlight=False, soft_wrap=True)
     if json_out:
         buckets = [asdict(bk) for bk in bindings.buckets]
         print_json({**summary, "out": None if out is None else str(out), "bucket_plan": buckets})

@@ -261,3 +261,16 @@ def test_grouped_spellings_run_the_same_commands(prof, tmp_path):
     assert json.loads(grouped.stdout) == json.loads(top.stdout)
     same = run("profile", "diff", prof, prof, "--json")
     assert same.exit_code == 0 and json.loads(same.stdout)["equal"] is True
+
+
+def test_compile_profile_warns_when_the_run_leaves_the_proven_range():
+    # the committed vision profile is proven at 300-600 steps on 2, 4 and 8 ranks
+    outside = run("compile-profile", "profiles/vision", "--workload", "vision",
+                  "--world-size", "3", "--total-steps", "900", "--json")
+    assert outside.exit_code == 0, outside.stderr
+    err = " ".join(outside.stderr.split())
+    assert err.startswith("warning: the profile was proven on ")
+    assert "outside that range here: 900 steps, world size 3 (a result there" in err
+    inside = run("compile-profile", "profiles/vision", "--workload", "vision",
+                 "--world-size", "2", "--total-steps", "600", "--json")
+    assert inside.exit_code == 0 and "warning" not in inside.stderr
