@@ -106,6 +106,8 @@ class SimulatedDDP:
         self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
         self._planned: dict[str, StepBytes] = {}
         self._plans: dict[tuple[str, frozenset[str]], StepRoutes] = {}
+        # per phase, the buckets it routes anything low-bit in (`controller.gated_off`)
+        self._lowbit_buckets = {p.name: bindings.lowbit_buckets(p.name) for p in bindings.phases}
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
@@ -204,7 +206,7 @@ class SimulatedDDP:
         measure = self.controller.acting and not (self.controller.plain or gated_off)
         self.ranks.step(step, plan, decide, measure=measure)
         if not gated_off:  # the buckets it laid out, as the hook records its worker steps'
-            self.controller.priced(self.bindings.lowbit_buckets(key[0]))
+            self.controller.priced(self._lowbit_buckets[key[0]])
         self.controller.advance(step)
 
     def evaluate(self) -> float:

@@ -84,9 +84,8 @@ def validate(
     if json_out:
         result = run_validation(cfg)
     else:
-        _warn_early(cfg, [cfg.seed])
         with ProgressBar(cfg) as on_progress:
-            result = run_validation(cfg, on_progress)
+            result = run_validation(cfg, on_progress, _warn_lines)
     if result.summary is None:  # a rank under torchrun other than 0: rank 0 reports
         if not result.passed:
             raise typer.Exit(1)
@@ -118,9 +117,8 @@ def _many(cfg: Any, seeds_text: str, json_out: bool) -> None:
     if json_out:
         result = run_seeds(cfg, seeds, None, on_seed)
     else:
-        _warn_early(cfg, seeds)
         with ProgressBar(cfg) as on_progress:
-            result = run_seeds(cfg, seeds, on_progress, on_seed)
+            result = run_seeds(cfg, seeds, on_progress, on_seed, _warn_lines)
     if json_out:
         print_json(result.summary)
         if not result.passed:
@@ -134,18 +132,15 @@ def _many(cfg: Any, seeds_text: str, json_out: bool) -> None:
     console.print(f"[bold green]passed[/]: {_seeds_verdict(result.summary)}")
 
 
-def _warn_early(cfg: Any, seeds: list[int]) -> None:
-    """The proven-range warning before anything is launched (and again beside the verdict),
-    so a long run outside that range can be stopped at once; under torchrun, rank 0 of the
-    report warns at the end only."""
-    from nfabric_cli.validation.run import plan, torchrun_worker
-
-    if torchrun_worker() is None:
-        _warn_outside({"outside_proven": plan(cfg).outside_proven(seeds)})
-
-
 def _warn_outside(summary: dict[str, Any]) -> None:
-    for line in summary.get("outside_proven") or []:
+    _warn_lines(summary.get("outside_proven") or [])
+
+
+def _warn_lines(lines: list[str]) -> None:
+    """Proven-range warnings: before anything is launched (so a long run outside that range
+    can be stopped at once; under torchrun, rank 0 of the report warns at the end only) and
+    again beside the verdict."""
+    for line in lines:
         err_console.print(f"[yellow]warning[/]: {line}", highlight=False, soft_wrap=True)
 
 

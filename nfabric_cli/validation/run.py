@@ -19,7 +19,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,13 +127,17 @@ def plan(cfg: ValidateConfig) -> RunPlan:
 
 
 def run_validation(
-    cfg: ValidateConfig, on_progress: ProgressCallback | None = None
+    cfg: ValidateConfig, on_progress: ProgressCallback | None = None,
+    on_outside: Callable[[list[str]], None] | None = None,
 ) -> ValidationResult:
-    """Run every arm on real ranks and return the report (see module doc)."""
+    """Run every arm on real ranks and return the report (see module doc). `on_outside` gets
+    the proven-range warnings once the input is checked, before anything is launched."""
     in_torchrun = torchrun_worker()
     if in_torchrun is not None:
         return _run_as_rank(cfg, *in_torchrun)
     run = plan(cfg)
+    if on_outside is not None:
+        on_outside(run.outside_proven([cfg.seed]))
     report_dir = Path(cfg.report_dir)
     run_dir = report_dir / f".run-node{cfg.node_rank}"
     if run_dir.exists():

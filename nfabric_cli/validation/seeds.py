@@ -142,21 +142,25 @@ def write_seeds_report(report_dir: str | Path, doc: dict[str, Any]) -> dict[str,
 
 
 def run_seeds(cfg: ValidateConfig, seeds: list[int], on_progress: Any = None,
-              on_seed: Any = None) -> Any:
-    """Validate on each seed in turn (input checked once, before any launch), then write the
-    multi-seed summary. Returns a `ValidationResult` whose summary is `aggregate`'s."""
+              on_seed: Any = None, on_outside: Any = None) -> Any:
+    """Validate on each seed in turn (input checked once, before any launch; `on_outside`
+    then gets the proven-range warnings), then write the multi-seed summary. Returns a
+    `ValidationResult` whose summary is `aggregate`'s."""
     from nfabric_cli.validation.run import ValidationResult, plan, run_validation, torchrun_worker
 
     if torchrun_worker() is not None:
         raise InputError("--seeds launches one run per seed: start validate itself (with "
                          "--launcher spawn or torchrun), not under torchrun")
     checked = plan(cfg)  # a bad profile, arm or world size fails now, not after the first seed
+    outside = checked.outside_proven(seeds)
+    if on_outside is not None:
+        on_outside(outside)
     summaries: dict[int, dict[str, Any]] = {}
     for one in seed_configs(cfg, seeds):
         if on_seed is not None:
             on_seed(one.seed, len(summaries), len(seeds))
         summaries[one.seed] = run_validation(one, on_progress).summary
     doc = aggregate(summaries)
-    doc["outside_proven"] = checked.outside_proven(seeds)
+    doc["outside_proven"] = outside
     paths = write_seeds_report(cfg.report_dir, doc)
     return ValidationResult(doc, Path(cfg.report_dir), paths)
