@@ -58,8 +58,6 @@ from nfabric_cli.calibration.space import suggest
 from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec, resolve_spec
 from nfabric_cli.calibration.strategy import make_pruner, pruner_label
 from nfabric_cli.calibration.study import Calibrator, run_study
-from nfabric_cli.calibration.traffic import traffic_lower_bound
-from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.workloads.registry import get_workload
 
 
@@ -172,8 +170,7 @@ def replay(wl, base: CalibrationSpec, seed: int, arms: list[Arm], folder: Path, 
     bounds = {}  # the traffic lower bound of every configuration, as _prune_by_bound prices it
     for t in trials:
         bindings = calibrator.bindings_for(suggest(optuna.trial.FixedTrial(t.params), spec))
-        gate = CapacityGate(bindings.meta.get("substrate"), spec.world_size)
-        bounds[t.number] = traffic_lower_bound(bindings, spec.world_size, spec.steps, gate)
+        bounds[t.number] = calibrator.lower_bound(bindings)
     none = trajectory(trials)
     none_best = min(v for _, v, _ in none if v is not None)
     out = []

@@ -7,6 +7,7 @@ valid when DDP rebuilds its buckets after the first step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,11 +89,18 @@ class Bindings:
         """Whether the profile routes any of `names` low-bit in the phase."""
         return any(self.params[n].routes[phase_name].lowbit for n in names)
 
-    def lowbit_buckets(self, phase_name: str) -> list[tuple[tuple[str, ...], str]]:
-        """The gate keys (names, phase) of the planned buckets the phase routes anything
-        low-bit in: what the model gate must refuse for a step to go out as plain DDP's."""
-        return [(tuple(b.params), phase_name) for b in self.buckets
-                if self.lowbit_in(b.params, phase_name)]
+    def planned_buckets(self) -> tuple[tuple[str, ...], ...]:
+        """The planned buckets' parameter names, in flat-buffer order (a forecast: the real
+        run's are `calibration.reduces.ddp_layouts`)."""
+        return tuple(tuple(b.params) for b in self.buckets)
+
+    def lowbit_buckets(self, phase_name: str, buckets: Sequence[tuple[str, ...]] | None = None
+                       ) -> list[tuple[tuple[str, ...], str]]:
+        """The gate keys (names, phase) of the buckets (default: the planned ones) the phase
+        routes anything low-bit in: what the model gate must refuse for a step to go out as
+        plain DDP's."""
+        return [(tuple(names), phase_name) for names in (buckets or self.planned_buckets())
+                if self.lowbit_in(names, phase_name)]
 
     def phase_at(self, step: int, total_steps: int | None = None) -> Phase:
         """The phase containing step / total_steps (the last phase includes 1.0)."""

@@ -39,6 +39,12 @@ class BucketLayouts:
     def at(self, step: int) -> Buckets:
         return self.first if step == 0 else self.rebuilt
 
+    def named(self, names: list[str]) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        """(first, rebuilt) with each bucket's parameter names: what the gate keys and prices
+        and the bytes count, as the hook sees each step's buckets."""
+        return tuple(tuple(tuple(names[i] for i in bucket) for bucket in layout)
+                     for layout in (self.first, self.rebuilt))
+
 
 def ddp_layouts(
     workload: Workload,

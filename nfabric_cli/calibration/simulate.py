@@ -3,7 +3,7 @@ fabric hook would compute.
 
 Per step: the plan (route per parameter: the profile's, or fp32 while the health monitor
 holds its region or the capacity gate refuses its bucket; the gate's static verdicts, from
-the profile's substrate); each simulated rank's gradient on its own batch
+the profile's substrate, on DDP's real buckets of that step); each simulated rank's gradient on its own batch
 (`train_batch(step, rank, W, seed)`), every parameter's aggregate under the plan with
 per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over forked
 ones; float routes add the ranks in the order gloo does in the real run's all-reduce of that
@@ -41,6 +41,8 @@ from nfabric_cli.workloads.base import Workload
 #: run: measured so far plus the profile's planned routes for the steps left, mean training
 #: loss over the steps since the previous checkpoint); False stops it.
 CheckpointFn = Callable[[int, float, float, float], bool]
+#: a cached step plan: (phase, the scopes held on fp32, whether DDP has rebuilt its buckets)
+_PlanKey = tuple[str, frozenset[str], bool]
 
 
 @dataclass
@@ -103,20 +105,24 @@ class SimulatedDDP:
         self.skipped_steps = self.controller.skipped_steps
         self.losses: list[float] = []  # per step: the ranks' mean loss (NaN when none finite)
         self.tally = TrafficTally()
-        self._bytes_cache: dict[tuple[str, frozenset[str]], StepBytes] = {}
-        self._planned: dict[str, StepBytes] = {}
-        self._plans: dict[tuple[str, frozenset[str]], StepRoutes] = {}
-        # per phase, the buckets it routes anything low-bit in (`controller.gated_off`)
-        self._lowbit_buckets = {p.name: bindings.lowbit_buckets(p.name) for p in bindings.phases}
+        self._bytes_cache: dict[_PlanKey, StepBytes] = {}
+        self._planned: dict[tuple[str, bool], StepBytes] = {}
+        self._plans: dict[_PlanKey, StepRoutes] = {}
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
-        # From three ranks on, gloo's ring adds an element's values in an order set by its
-        # place in the all-reduced buffer (at two it is rank order, with nothing to trace).
+        # DDP's real buckets (one per dtype at the first step, rebuilt after it): the gate
+        # prices them, the bytes count them and, from three ranks on, gloo's ring adds an
+        # element's values in an order set by its place in them (at two it is rank order)
+        layouts = ddp_layouts(workload, self.model, self.names, world_size, seed,
+                              bindings.bucket_cap_mb, bindings.find_unused_parameters)
+        self.buckets = layouts.named(self.names)
+        # per (phase, rebuilt): the buckets it routes anything low-bit in (`gated_off`)
+        self._lowbit_buckets = {(p.name, rebuilt): bindings.lowbit_buckets(p.name, buckets)
+                                for p in bindings.phases
+                                for rebuilt, buckets in enumerate(self.buckets)}
         orders = None
         if world_size > 2:
-            layouts = ddp_layouts(workload, self.model, self.names, world_size, seed,
-                                  bindings.bucket_cap_mb, bindings.find_unused_parameters)
             orders = ReduceOrders(layouts, [p.numel() for _, p in self.params], world_size)
         self.ranks = SimulatedRanks(
             workload, self.model, [p for _, p in self.params], self.names, world_size, seed,
@@ -145,30 +151,34 @@ class SimulatedDDP:
         measured fraction once every step has run."""
         sent, ref = self.tally.sent, self.tally.fp32
         for step in range(self.step, self.total_steps):
-            phase = self.bindings.phase_at(step, self.total_steps).name
-            if phase not in self._planned:
+            key = (self.bindings.phase_at(step, self.total_steps).name, step > 0)
+            if key not in self._planned:
+                phase, buckets = key[0], self.buckets[key[1]]
                 routes = {n: b.routes[phase] for n, b in self.bindings.params.items()}
-                planned = gated(self.bindings, phase, routes.__getitem__, self.gate)
-                self._planned[phase] = step_bytes(self.bindings, self.world_size, phase, planned)
-            sent += self._planned[phase].sent
-            ref += self._planned[phase].fp32
+                planned = gated(self.bindings, phase, routes.__getitem__, self.gate, buckets)
+                self._planned[key] = step_bytes(self.bindings, self.world_size, phase, planned,
+                                                buckets)
+            sent += self._planned[key].sent
+            ref += self._planned[key].fp32
         return sent / ref if ref else 1.0
 
     # -- one step --------------------------------------------------------------------------------
-    def _plan(self) -> tuple[StepRoutes, tuple[str, frozenset[str]]]:
+    def _plan(self) -> tuple[StepRoutes, _PlanKey]:
         """This step's routes and scopes per parameter, and the key they are cached under (the
-        gate's verdicts are static here: no timings)."""
+        gate's verdicts are static here: no timings; they are taken on the step's buckets)."""
         phase = self.phase.name
-        key = (phase, self.controller.forced())
+        key = (phase, self.controller.forced(), self.step > 0)
         if key not in self._plans:
+            buckets = self.buckets[key[2]]
             by_name = {n: self.effective(n) for n in self.names}
-            routes = gated(self.bindings, phase, by_name.__getitem__, self.gate)
+            routes = gated(self.bindings, phase, by_name.__getitem__, self.gate, buckets)
             self._plans[key] = StepRoutes(
                 tuple(self.bindings.params[n].regions[phase] for n in self.names),
                 tuple(routes(n) for n in self.names),
                 plain=self.controller.plain,
             )
-            self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes)
+            self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes,
+                                                buckets)
         return self._plans[key], key
 
     def train_step(self) -> None:
@@ -206,7 +216,7 @@ class SimulatedDDP:
         measure = self.controller.acting and not (self.controller.plain or gated_off)
         self.ranks.step(step, plan, decide, measure=measure)
         if not gated_off:  # the buckets it laid out, as the hook records its worker steps'
-            self.controller.priced(self._lowbit_buckets[key[0]])
+            self.controller.priced(self._lowbit_buckets[key[0], key[2]])
         self.controller.advance(step)
 
     def evaluate(self) -> float:

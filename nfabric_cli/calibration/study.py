@@ -32,6 +32,7 @@ from optuna.trial import TrialState
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint, foreign_results
 from nfabric_cli.calibration.confirm import confirm
 from nfabric_cli.calibration.objective import (
@@ -43,6 +44,7 @@ from nfabric_cli.calibration.objective import (
     objective_value,
     store_result,
 )
+from nfabric_cli.calibration.reduces import ddp_layouts
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, suggest
@@ -124,6 +126,7 @@ class Calibrator:
         self.reference: dict[str, Any] = {}
         self.worker = Worker.current()
         self.log: WorkerLog | None = None
+        self._layouts: tuple | None = None  # DDP's (first, rebuilt) buckets (`lower_bound`)
 
     # -- building blocks -------------------------------------------------------------------
     def bindings_for(self, config: Config, steps: int | None = None,
@@ -139,6 +142,18 @@ class Calibrator:
             profile, self.model, world_size=world, bucket_cap_mb=None,
             total_steps=steps or self.spec.steps,
         )
+
+    def lower_bound(self, bindings: Bindings) -> float:
+        """The least traffic fraction any search run of `bindings` can measure
+        (`traffic_lower_bound`), on the buckets the simulator counts: DDP's, traced once."""
+        if self._layouts is None:
+            names = [tp.name for tp in trainable_parameters(self.model)]
+            self._layouts = ddp_layouts(
+                self.workload, self.model, names, self.spec.world_size, self.spec.seed,
+                bindings.bucket_cap_mb, bindings.find_unused_parameters).named(names)
+        gate = CapacityGate(bindings.meta.get("substrate"), self.spec.world_size)
+        return traffic_lower_bound(bindings, self.spec.world_size, self.spec.steps, gate,
+                                   self._layouts)
 
     def simulate(self, config: Config, on_checkpoint=None, bindings=None) -> SimResult:  # noqa: ANN001
         return simulate_run(
@@ -161,8 +176,7 @@ class Calibrator:
         k = self.spec.confirm_candidates if self.spec.confirm_cells() else 1
         if len(ok) < k:
             return
-        gate = CapacityGate(bindings.meta.get("substrate"), self.spec.world_size)
-        bound = traffic_lower_bound(bindings, self.spec.world_size, self.spec.steps, gate)
+        bound = self.lower_bound(bindings)
         if bound <= ok[k - 1] + 1e-12:
             return
         trial.set_user_attr("steps_run", 0)

@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from nfabric_cli.app import app
 from nfabric_cli.binding import compile_profile
+from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration import calibrate
+from nfabric_cli.calibration.reduces import ddp_layouts
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config
 from nfabric_cli.calibration.traffic import gated, held_on_fp32, step_bytes, traffic_lower_bound
@@ -83,9 +85,22 @@ def test_the_gate_decides_per_bucket() -> None:
     assert refused and kept and len(refused) + len(kept) == len(b.buckets)
     sizes = {tuple(k.params): k.numel for k in b.buckets}
     assert max(sizes[tuple(p)] for p in refused) < min(sizes[tuple(p)] for p in kept)
+    # the run counts each step on DDP's buckets: after the first step the planned ones here,
+    # at the first step one bucket (DDP reduces it in one bucket per dtype), which the gate
+    # prices as the hook does: big enough to keep
+    wl = get_workload(TINY)
+    model = wl.build_model(0)
+    names = [tp.name for tp in trainable_parameters(model)]
+    first, rebuilt = ddp_layouts(wl, model, names, 2, 0, b.bucket_cap_mb).named(names)
+    assert len(first) == 1 and {frozenset(k) for k in rebuilt} == {frozenset(p) for p in sizes}
+    at_first = step_bytes(b, 2, phase, gated(b, phase, lambda n: b.params[n].routes[phase],
+                                             CapacityGate(b.meta["substrate"], 2), first), first)
+    later = step_bytes(b, 2, phase, routes, rebuilt)
+    assert at_first.sent < at_first.fp32 / 10  # the one bucket went on sign
     run = _run(b)
-    per_step = step_bytes(b, 2, phase, routes)
-    assert run.traffic_fraction == pytest.approx(per_step.sent / per_step.fp32, rel=1e-12)
+    assert run.traffic_fraction == pytest.approx(
+        (at_first.sent + (STEPS - 1) * later.sent) / (at_first.fp32 + (STEPS - 1) * later.fp32),
+        rel=1e-12)
 
 
 def test_gated_refuses_exactly_what_compile_profile_refuses() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli.binding import compile_profile, on_route
+from nfabric_cli.binding import compile_profile, on_route, static_profile
 from nfabric_cli.calibration.simulate import SimulatedDDP, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.traffic import step_bytes
@@ -269,3 +269,43 @@ def test_traffic_lower_bound_is_the_cheapest_fallback_mix() -> None:
     assert traffic_lower_bound(bindings, 2, STEPS) == expected
     sim = simulate_run(wl, bindings, 2, STEPS, 0)
     assert sim.traffic_fraction >= expected
+
+
+#: A 3 Gbit/s link: the model gate admits `sign` for glyphs' one first-step bucket (all 1.03M
+#: parameters: DDP reduces its first step in one bucket per dtype) and refuses both buckets
+#: DDP rebuilds after it (0.65M and 0.38M parameters), whose fixed costs weigh more.
+SPLIT_BY_SIZE = {"link_gbps": 3.0, "latency_us": 10.0}
+
+
+def _glyphs_worker(rank: int, world: int, steps: int) -> dict:
+    wl = get_workload("glyphs")
+    model = wl.build_model(SEED)
+    ddp = DDP(model)
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
+                               total_steps=steps, substrate=SPLIT_BY_SIZE)
+    state = attach_with(ddp, bindings, total_steps=steps, seed=SEED)
+    opt, sched = wl.make_optimizer(ddp.parameters(), steps)
+    train_workload(ddp, state, wl, opt, sched, steps, rank, world, SEED)
+    state.close()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "fraction": state.meter.fraction(include_control=False),
+            "verdicts": {len(names): v.admit for (names, _), v in state.gate.decided().items()},
+            "events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events]}
+
+
+def test_the_gate_prices_the_buckets_ddp_reduces_at_each_step_in_both() -> None:
+    """DDP's first step reduces one bucket, the later ones the buckets it rebuilt: the hook's
+    gate prices whichever it is handed, so the simulator must price the same (it priced the
+    bindings' plan at every step: here `sign` at step 0 in the run, fp32 in the simulation)."""
+    world, steps = 2, 3
+    real = run_ranks(_glyphs_worker, world, steps)
+    wl = get_workload("glyphs")
+    model = wl.build_model(SEED)
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
+                               total_steps=steps, substrate=SPLIT_BY_SIZE)
+    assert real[0]["verdicts"] == {38: True, 8: False, 30: False}  # the premise
+    sim = simulate_run(wl, bindings, world, steps, SEED, checkpoints=(steps,))
+    for n, p in sim.model.named_parameters():
+        torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
+    assert sim.events == real[0]["events"]
+    assert sim.traffic_fraction == real[0]["fraction"] < 0.7  # step 0 on sign, then fp32
