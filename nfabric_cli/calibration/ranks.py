@@ -28,8 +28,8 @@ needs the step's plan, and the update the parent's decision, which the children 
 between aggregating and updating). The parent's own work per step (the health monitor, a checkpoint's
 evaluation) thus overlaps the children's next forward and backward passes. The parameters
 must change only through `step`. A model with buffers (BatchNorm running statistics, which DDP
-broadcasts from rank 0 every step) or an optimizer outside `PER_PARAMETER` is simulated in
-one process.
+broadcasts from rank 0 before every forward: `_every_rank_gradient`) or an optimizer outside
+`PER_PARAMETER` is simulated in one process.
 """
 
 from __future__ import annotations
@@ -130,9 +130,10 @@ class SimulatedRanks:
         if wanted < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.processes = min(wanted, world_size)
+        self._buffers = list(model.buffers())
         if self.processes > 1 and (
             "fork" not in mp.get_all_start_methods()
-            or any(True for _ in model.buffers())
+            or self._buffers
             or (optimizer is not None and type(optimizer) not in PER_PARAMETER)
         ):
             self.processes = 1
@@ -182,6 +183,26 @@ class SimulatedRanks:
         finite = _finite(value, norms)
         self.bad[rank] = not finite
         return value, norms
+
+    def _every_rank_gradient(self, step: int) -> list[tuple[float, list[float]]]:
+        """Every rank's `_rank_gradient` of `step`, in one process. DDP broadcasts rank 0's
+        buffers (BatchNorm's running statistics) before each forward, so every rank's forward
+        starts from them and only rank 0's own forward carries into the next step and into an
+        evaluation, which rank 0 runs: the model keeps those. Ranks run in turn on one model
+        here, so each starts from the step's buffers and rank 0's are put back at the end."""
+        buffers = self._buffers
+        if not buffers:
+            return [self._rank_gradient(step, r) for r in range(self.world_size)]
+        start = [b.clone() for b in buffers]
+        done = [self._rank_gradient(step, 0)]
+        kept = [b.clone() for b in buffers]
+        for rank in range(1, self.world_size):
+            for b, s in zip(buffers, start, strict=True):
+                b.copy_(s)
+            done.append(self._rank_gradient(step, rank))
+        for b, k in zip(buffers, kept, strict=True):
+            b.copy_(k)
+        return done
 
     def _neutralise_inputs(self, owned: Sequence[int], plan: StepRoutes) -> None:
         """Zero the non-finite values of the owned parameters' gradients, rank by rank, before
@@ -234,7 +255,7 @@ class SimulatedRanks:
         measure = measure and decide is not None
         if not self.conns:
             with one_thread():
-                done = [self._rank_gradient(step, r) for r in range(self.world_size)]
+                done = self._every_rank_gradient(step)
                 self._neutralise_inputs(self.shards[0], plan)
                 agree = self.aggregators[0].run(step, plan, self.views, self.out_views)
                 nonfinite = bool(self.bad.any())

@@ -23,7 +23,7 @@ from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.routes import FP32
 from nfabric_cli.runtime.inject import Injection
 from tests.calibration.helpers import tiny_spec
-from tests.calibration.tiny import TinyNet, TinyWorkload
+from tests.calibration.tiny import TinyBNWorkload, TinyNet, TinyWorkload
 
 STEPS = 6
 
@@ -149,13 +149,7 @@ def test_one_failing_child_does_not_leave_its_sibling_at_the_barrier(hard: bool)
 
 
 def test_models_with_buffers_stay_in_one_process() -> None:
-    class BNWorkload(TinyWorkload):
-        def _make_model(self) -> nn.Module:
-            net = TinyNet()
-            net.norm = nn.BatchNorm1d(32)  # running statistics: DDP broadcasts them from rank 0
-            return net
-
-    wl = BNWorkload()
+    wl = TinyBNWorkload()
     model = wl.build_model(0)
     ranks = _ranks(wl, model, 4, seed=0, processes=2)
     assert ranks.processes == 1 and not ranks.children

@@ -20,6 +20,7 @@ from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, tiny_spec
+from tests.calibration.tiny import TinyBNWorkload
 from tests.distutil import run_ranks
 
 STEPS, SEED = 4, 3
@@ -309,3 +310,39 @@ def test_the_gate_prices_the_buckets_ddp_reduces_at_each_step_in_both() -> None:
         torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
     assert sim.events == real[0]["events"]
     assert sim.traffic_fraction == real[0]["fraction"] < 0.7  # step 0 on sign, then fp32
+
+
+def _bn_worker(rank: int, world: int, steps: int) -> dict:
+    wl = TinyBNWorkload()
+    model = wl.build_model(SEED)
+    ddp = DDP(model)  # broadcast_buffers: rank 0's statistics before every forward
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
+                               total_steps=steps)
+    state = attach_with(ddp, bindings, total_steps=steps, seed=SEED)
+    opt, sched = wl.make_optimizer(ddp.parameters(), steps)
+    train_workload(ddp, state, wl, opt, sched, steps, rank, world, SEED)
+    state.close()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "buffers": {n: b.clone() for n, b in model.named_buffers()},
+            "metric": wl.evaluate(model)}
+
+
+def test_batchnorm_statistics_are_rank_zeros_as_ddp_broadcasts_them() -> None:
+    """Every rank's forward starts from rank 0's running statistics and only rank 0's own
+    forward carries on: the simulator ran its ranks in turn on one model, so each rank's batch
+    moved the statistics (and counted W batches a step), and a BatchNorm model evaluated to
+    another metric than the run it simulated."""
+    world, steps = 3, 6
+    real = run_ranks(_bn_worker, world, steps)
+    wl = TinyBNWorkload()
+    model = wl.build_model(SEED)
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
+                               total_steps=steps)
+    sim = simulate_run(wl, bindings, world, steps, SEED, checkpoints=(steps,))
+    buffers = dict(sim.model.named_buffers())
+    assert int(buffers["norm.num_batches_tracked"]) == steps
+    for n, b in buffers.items():
+        assert torch.equal(b, real[0]["buffers"][n]), n
+    for n, p in sim.model.named_parameters():
+        torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
+    assert sim.metric == real[0]["metric"]

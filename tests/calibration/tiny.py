@@ -70,3 +70,14 @@ class TinyWorkload(BaseWorkload):
 
 def workload() -> TinyWorkload:
     return TinyWorkload()
+
+
+class TinyBNWorkload(TinyWorkload):
+    """`TinyWorkload` with BatchNorm: running statistics, which DDP broadcasts from rank 0."""
+
+    name = "tiny-bn"
+
+    def _make_model(self) -> nn.Module:
+        net = TinyNet()
+        net.norm = nn.BatchNorm1d(32)
+        return net
