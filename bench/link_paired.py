@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from nfabric_cli.ranks.loop import workload_steps
+    from nfabric_cli.ranks.loop import RankRng, workload_steps
     from nfabric_cli.validation.arms import ArmContext
     from nfabric_cli.workloads.registry import get_workload
 
@@ -99,21 +99,22 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     for name in cfg["arms"]:
         ddp = DistributedDataParallel(wl.build_model(cfg["seed"]))
         arm = _make_arm(name, ddp, ctx)
-        arms[name] = (ddp, arm, *wl.make_optimizer(ddp.parameters(), steps))
+        arms[name] = (ddp, arm, *wl.make_optimizer(ddp.parameters(), steps),
+                      RankRng(cfg["seed"]))  # each arm's own stream, carried across blocks
     times: dict[str, list[float]] = {name: [] for name in cfg["arms"]}
     names = list(cfg["arms"])
     for r in range(cfg["rounds"]):
         block = range(r * cfg["block"], (r + 1) * cfg["block"])
         for name in round_orders(names, r):
-            ddp, arm, opt, sched = arms[name]
+            ddp, arm, opt, sched, rng = arms[name]
             dist.barrier()
             for _, _, seconds in workload_steps(ddp, arm, wl, opt, sched, block, rank, world,
-                                                cfg["seed"]):
+                                                cfg["seed"], rng=rng):
                 times[name].append(seconds)
     events = getattr(arms["profile"][1], "events", []) if "profile" in arms else []
     probe = [e for e in events if e.get("from") == "probe"]
     monitor = [e for e in events if e.get("from") != "probe"]
-    for _, arm, _, _ in arms.values():
+    for _, arm, *_ in arms.values():
         arm.close()
     slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -57,6 +57,7 @@ from nfabric_cli.calibration.aggregate import (
 )
 from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_thread, usable_cpus
 from nfabric_cli.calibration.reduces import ReduceOrders
+from nfabric_cli.ranks.loop import RankRng
 from nfabric_cli.runtime.controller import StepDecision
 from nfabric_cli.runtime.inject import Injection, apply_injection
 
@@ -87,6 +88,26 @@ class RanksStep:
 #: update is zeroed (skipped), and per scope the factor its aggregate is multiplied by before
 #: the optimizer step (absent: 1).
 Decide = Callable[[RanksStep], StepDecision]
+
+
+def as_bucketed(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`flat` (one parameter's elements) as DDP's bucket view of `param`'s gradient: in the
+    parameter's own memory layout where it is dense (channels_last included), so element k of
+    the flat buffer is the one the hook receives at k, else in the contiguous one."""
+    if _dense(param):
+        return flat.as_strided(param.size(), param.stride())
+    return flat.view(param.size())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill its memory without gaps or overlaps, in some dim order."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.size(), t.stride(), strict=True)
+                               if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _finite(loss: float, norms: Sequence[float]) -> bool:
@@ -137,8 +158,7 @@ class SimulatedRanks:
             or (optimizer is not None and type(optimizer) not in PER_PARAMETER)
         ):
             self.processes = 1
-        start = torch.Generator().manual_seed(int(seed)).get_state()
-        self.rng = [start.clone() for _ in range(world_size)]
+        self.rng = [RankRng(seed) for _ in range(world_size)]  # as every real rank's
         self.buffers = [torch.zeros(total) for _ in range(world_size)]
         self.views = [list(torch.split(b, self.numels)) for b in self.buffers]
         self.out = torch.zeros(total)
@@ -160,21 +180,16 @@ class SimulatedRanks:
         gradient norm of each parameter, and marks the rank in `bad` if any is not finite.
         A non-finite gradient is zeroed later, before the reduce, unless the step is plain
         DDP's (`_neutralise_inputs`)."""
-        saved = torch.get_rng_state()
-        torch.set_rng_state(self.rng[rank])
-        try:
+        with self.rng[rank].active():
             batch = self.workload.train_batch(step, rank, self.world_size, self.seed)
             loss = self.workload.loss(self.model, batch)
             got = torch.autograd.grad(loss, self.params, allow_unused=True)
-            self.rng[rank] = torch.get_rng_state()
-        finally:
-            torch.set_rng_state(saved)
         norms = []
-        for view, g in zip(self.views[rank], got, strict=True):
+        for view, g, p in zip(self.views[rank], got, self.params, strict=True):
             if g is None:
                 view.zero_()
             else:
-                view.copy_(g.detach().reshape(-1))
+                as_bucketed(view, p).copy_(g.detach())
         if self.injections:
             apply_injection(self.injections, step, rank, self.views[rank])
         for view in self.views[rank]:
@@ -234,7 +249,7 @@ class SimulatedRanks:
             return
         mine = set(owned)
         for i, p in enumerate(self.params):
-            p.grad = self.out_views[i].view_as(p) if i in mine else None
+            p.grad = as_bucketed(self.out_views[i], p) if i in mine else None
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -383,7 +398,7 @@ class SimulatedRanks:
             else:
                 if ahead is not None:  # another step than the next was asked for
                     for r, state in zip(ranks, ahead[2], strict=True):
-                        self.rng[r] = state
+                        self.rng[r].state = state
                 outcome = self._gradients(ranks, step)
             ahead = None
             if outcome[0] == "error":
@@ -417,7 +432,7 @@ class SimulatedRanks:
             except threading.BrokenBarrierError:
                 ahead = (step + 1, ("error", _BROKEN, ""), [])
                 continue
-            states = [self.rng[r].clone() for r in ranks]
+            states = [self.rng[r].state.clone() for r in ranks]
             ahead = (step + 1, self._gradients(ranks, step + 1), states)
 
     def close(self) -> None:

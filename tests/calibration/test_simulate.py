@@ -20,7 +20,7 @@ from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, tiny_spec
-from tests.calibration.tiny import TinyBNWorkload
+from tests.calibration.tiny import TinyBNWorkload, TinyQuirksWorkload
 from tests.distutil import run_ranks
 
 STEPS, SEED = 4, 3
@@ -346,3 +346,37 @@ def test_batchnorm_statistics_are_rank_zeros_as_ddp_broadcasts_them() -> None:
     for n, p in sim.model.named_parameters():
         torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
     assert sim.metric == real[0]["metric"]
+
+
+def _quirks_worker(rank: int, world: int, quirk: str, steps: int) -> dict:
+    wl = TinyQuirksWorkload(quirk)
+    model = wl.build_model(SEED)
+    torch.manual_seed(1000 + rank)  # whatever the process drew before: training must not care
+    ddp = DDP(model)
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
+                               total_steps=steps)
+    state = attach_with(ddp, bindings, total_steps=steps, seed=SEED)
+    opt, sched = wl.make_optimizer(ddp.parameters(), steps)
+    train_workload(ddp, state, wl, opt, sched, steps, rank, world, SEED)
+    state.close()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("quirk", ["dropout", "channels_last"])
+def test_models_as_users_have_them_train_alike(quirk: str) -> None:
+    """dropout: every rank draws its masks from its own stream, from `manual_seed(seed)`, in
+    the run as in the simulator (the run drew from whatever its process had drawn before).
+    channels_last: DDP's bucket holds a dense parameter's gradient in that parameter's memory
+    layout, so the hook's per-chunk scales see its elements in that order; so must the
+    simulator's (it flattened them in logical order)."""
+    world, steps = 2, 6
+    real = run_ranks(_quirks_worker, world, quirk, steps)
+    wl = TinyQuirksWorkload(quirk)
+    model = wl.build_model(SEED)
+    if quirk == "channels_last":  # the premise: another order than the logical one
+        assert not model.conv2.weight.is_contiguous()
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
+                               total_steps=steps)
+    sim = simulate_run(wl, bindings, world, steps, SEED, checkpoints=(steps,))
+    for n, p in sim.model.named_parameters():
+        torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)

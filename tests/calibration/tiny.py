@@ -81,3 +81,34 @@ class TinyBNWorkload(TinyWorkload):
         net = TinyNet()
         net.norm = nn.BatchNorm1d(32)
         return net
+
+
+class QuirkNet(nn.Module):
+    """Convolutions (channels_last when asked), dropout when asked."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.body = nn.Linear(48, 32)
+        self.head = nn.Linear(32, 4)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv2(F.relu(self.conv(x.view(-1, 1, 3, 4))))).flatten(1)
+        return self.head(F.dropout(F.relu(self.body(h)), self.dropout, self.training))
+
+
+class TinyQuirksWorkload(TinyWorkload):
+    """`TinyWorkload` on a model as users have them: `quirk` "dropout" (masks from the global
+    random generator) or "channels_last" (convolution weights laid out NHWC)."""
+
+    name = "tiny-quirks"
+
+    def __init__(self, quirk: str) -> None:
+        super().__init__()
+        self.quirk = quirk
+
+    def _make_model(self) -> nn.Module:
+        net = QuirkNet(0.3 if self.quirk == "dropout" else 0.0)
+        return net.to(memory_format=torch.channels_last) if self.quirk == "channels_last" else net
