@@ -31,6 +31,7 @@ from nfabric_cli.calibration.cpus import one_thread
 from nfabric_cli.calibration.ranks import RanksStep, SimulatedRanks
 from nfabric_cli.calibration.reduces import ReduceOrders, ddp_layouts
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
+from nfabric_cli.errors import InputError
 from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.controller import StepController, StepDecision
@@ -93,6 +94,7 @@ class SimulatedDDP:
         self.model = workload.build_model(seed)
         self.model.train()
         self.params = [(tp.name, tp.param) for tp in trainable_parameters(self.model)]
+        check_float32(self.params)
         self.optimizer, self.scheduler = workload.make_optimizer(
             self.model.parameters(), self.total_steps
         )
@@ -221,6 +223,20 @@ class SimulatedDDP:
 
     def evaluate(self) -> float:
         return float(self.workload.evaluate(self.model))
+
+
+def check_float32(params: list[tuple[str, torch.Tensor]]) -> None:
+    """The simulator computes in float32 (its gradient buffers, its aggregates); a bf16 or
+    fp16 model is trained by DDP in its own dtype, which it cannot replay."""
+    other = [(n, p.dtype) for n, p in params if p.dtype != torch.float32]
+    if other:
+        shown = ", ".join(f"{n} ({str(d).removeprefix('torch.')})" for n, d in other[:3])
+        more = f" (+{len(other) - 3} more)" if len(other) > 3 else ""
+        raise InputError(
+            f"calibration simulates float32 models; {len(other)} parameter(s) are not: {shown}"
+            f"{more}. Calibrate a float32 build of the model (build_model without the cast), "
+            "then compile-profile, attach and validate bind the profile to the model as you "
+            "train it, in any dtype (docs/calibration.md, Limits)")
 
 
 def simulate_run(

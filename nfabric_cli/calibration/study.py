@@ -46,7 +46,7 @@ from nfabric_cli.calibration.objective import (
 )
 from nfabric_cli.calibration.reduces import ddp_layouts
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
-from nfabric_cli.calibration.simulate import SimResult, simulate_run
+from nfabric_cli.calibration.simulate import SimResult, check_float32, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, suggest
 from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec
 from nfabric_cli.calibration.storage import load_or_create, open_storage
@@ -121,6 +121,7 @@ class Calibrator:
         self.sink = sink or ProgressSink()
         self.multi = spec.sampler == "nsga2"
         self.model = workload.build_model(spec.seed)
+        check_float32([(tp.name, tp.param) for tp in trainable_parameters(self.model)])
         self.health = dict(spec.health)
         self.bindings_for(fp32_config(spec))  # dead or missing selectors fail here, exit 2
         self.reference: dict[str, Any] = {}

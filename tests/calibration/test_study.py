@@ -326,6 +326,21 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], me
     assert len(lines) == 1 and message in lines[0], res.output
 
 
+def test_cli_a_bf16_model_exits_2_saying_what_to_calibrate(tmp_path: Path) -> None:
+    """The simulator computes in float32; DDP trains a bf16 model in bf16. Refused before any
+    trial runs, with the way round it (a float32 build; the profile binds to the bf16 one)."""
+    (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(trials=2)))
+    res = CliRunner().invoke(app, ["calibrate", "tests.calibration.tiny:bf16_workload",
+                                   "--spec", str(tmp_path / "spec.toml"),
+                                   "--storage", f"sqlite:///{tmp_path}/s.db"])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1, res.output
+    assert ("calibration simulates float32 models; 6 parameter(s) are not: body.weight "
+            "(bfloat16), body.bias (bfloat16), norm.weight (bfloat16) (+3 more). Calibrate a "
+            "float32 build") in lines[0]
+
+
 def test_cli_bad_hyperband_shape_in_the_spec_exits_2(tmp_path: Path) -> None:
     (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(hyperband_reduction_factor=1)))
     res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db")

@@ -112,3 +112,18 @@ class TinyQuirksWorkload(TinyWorkload):
     def _make_model(self) -> nn.Module:
         net = QuirkNet(0.3 if self.quirk == "dropout" else 0.0)
         return net.to(memory_format=torch.channels_last) if self.quirk == "channels_last" else net
+
+
+class TinyBF16Workload(TinyWorkload):
+    """`TinyWorkload` trained in bfloat16, as DDP runs it in its own dtype."""
+
+    def _make_model(self) -> nn.Module:
+        return TinyNet().to(torch.bfloat16)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x.to(torch.bfloat16)).float(), y)
+
+
+def bf16_workload() -> TinyBF16Workload:
+    return TinyBF16Workload()
