@@ -55,7 +55,8 @@ class Record(L.Callback):
                "micro_batches": self.batches, "fabric_step": fabric.step,
                "total_steps": fabric.total_steps, "phase": fabric.phase.name,
                "bytes": fabric.bytes_per_route(), "events": fabric.events,
-               "reference": fabric.meter.reference()}
+               "reference": fabric.meter.reference(),
+               "nonfinite": fabric.controller.nonfinite}  # "pass" under a loss scaler
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(doc))
 
 
@@ -65,15 +66,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--accumulate", type=int, default=2)
     ap.add_argument("--resume", default=None)
-    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--precision", default="32-true",
+                    help="Lightning's; 'fp16-scaler': fp16 autocast with a GradScaler, as "
+                         "16-mixed runs on a GPU (on the CPU Lightning makes 16-mixed bf16)")
     ap.add_argument("--devices", type=int, default=2)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     loader = torch.utils.data.DataLoader(dataset(), batch_size=16, shuffle=False)
+    precision = {"precision": args.precision}
+    if args.precision == "fp16-scaler":
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, max_steps=args.steps,
-        accumulate_grad_batches=args.accumulate, precision=args.precision,
+        accumulate_grad_batches=args.accumulate, **precision,
         strategy=FabricDDPStrategy(make_profile()),      # <- the one line
         logger=CSVLogger(args.out, name="logs"), log_every_n_steps=1,
         callbacks=[Record(args.out), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],

@@ -55,6 +55,7 @@ def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[s
             "Accelerator(cpu=True)")
     source = str(profile) if isinstance(profile, (str, Path)) else profile
     state = AttachOptions(source, total_steps, attach_options).attach(
-        model, None, "Accelerate", "pass the model that accelerator.prepare returned")
+        model, None, "Accelerate", "pass the model that accelerator.prepare returned",
+        scaler=getattr(accelerator, "scaler", None))
     accelerator.register_for_checkpointing(state)
     return state

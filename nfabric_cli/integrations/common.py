@@ -27,7 +27,8 @@ class AttachOptions:
     extra: dict[str, Any] = field(default_factory=dict)  # substrate, monitor, gate, seed
 
     def attach(self, ddp: Any, total_steps: int | None, framework: str,
-               hint: str = "") -> FabricState:
+               hint: str = "", scaler: Any = None) -> FabricState:
+        """`attach` as the framework set the run up; `scaler`: its loss scaler, if any."""
         from nfabric_cli import attach
 
         require_ddp(ddp, framework, hint)
@@ -35,7 +36,16 @@ class AttachOptions:
         if not steps or steps < 1 or steps == float("inf"):
             raise InputError(f"nfabric: {framework} does not know how many optimizer steps the "
                              f"run takes (got {steps!r}): pass total_steps=")
-        return attach(ddp, self.source, int(steps), **self.extra)
+        return attach(ddp, self.source, int(steps), **self.options(scaler))
+
+    def options(self, scaler: Any = None) -> dict[str, Any]:
+        """The keyword arguments for `attach`: the user's, and where the framework scales the
+        loss (fp16 mixed precision: a `GradScaler`) and the user did not say otherwise,
+        ``nonfinite="pass"``, so that the scaler sees an overflowing step and lowers its
+        scale (a zeroed one looks finite to it)."""
+        if scaler is None or "nonfinite" in self.extra:
+            return dict(self.extra)
+        return {**self.extra, "nonfinite": "pass"}
 
 
 def require_ddp(model: Any, framework: str, hint: str = "") -> None:

@@ -47,8 +47,9 @@ class FabricCallback(TrainerCallback):
         self.resume_from: str | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.fabric = self.options.attach(self.trainer.model_wrapped, state.max_steps,
-                                          "the HF Trainer", _HINT)
+        self.fabric = self.options.attach(
+            self.trainer.model_wrapped, state.max_steps, "the HF Trainer", _HINT,
+            scaler=getattr(getattr(self.trainer, "accelerator", None), "scaler", None))
         if self.resume_from is not None:
             path = Path(self.resume_from) / STATE_FILE
             if not path.is_file():

@@ -53,7 +53,8 @@ class FabricDDPStrategy(DDPStrategy):
         super().configure_ddp()  # wraps the LightningModule in DDP (no hook on CPU)
         trainer = self.lightning_module.trainer
         self.fabric = self._nfabric.attach(self.model, trainer.estimated_stepping_batches,
-                                           "Lightning")
+                                           "Lightning",
+                                           scaler=getattr(self.precision_plugin, "scaler", None))
         if self._resume is not None:
             self.fabric.load_state_dict(self._resume)
             self._resume = None

@@ -51,6 +51,7 @@ def attach(
     seed: int = 0,
     dedicated_group: bool = True,
     trace_dir: str | os.PathLike[str] | None = None,
+    nonfinite: str = "zero",
 ) -> FabricState:
     """Register the fabric hook on `ddp_model` and return its state.
 
@@ -62,6 +63,9 @@ def attach(
     `trace_dir` records per-bucket traces for `nfabric replay` (see `runtime/trace.py`).
     `gate`: the capacity gate (False: every bucket as written); ``"measure"``: with no
     substrate, time whole steps on the low-bit and fp32 paths and keep the faster (`probe.py`).
+    `nonfinite`: a step whose gradients are not finite is ``"zero"``-ed on every rank (a NaN
+    update would wreck the model), or, with a loss scaler (AMP's ``GradScaler``), ``"pass"``-ed
+    on not finite as plain DDP does, so that the scaler skips it and lowers its scale.
     The same as ``ddp_model.register_comm_hook(FabricState.create(...), fabric_hook)``.
 
     Example::
@@ -69,7 +73,8 @@ def attach(
         state = nfabric_cli.attach(ddp, "profiles/vision", total_steps=1000)
     """
     return attach_with(ddp_model, source, total_steps, substrate=substrate, monitor=monitor,
-                       gate=gate, seed=seed, dedicated_group=dedicated_group, trace_dir=trace_dir)
+                       gate=gate, seed=seed, dedicated_group=dedicated_group, trace_dir=trace_dir,
+                       nonfinite=nonfinite)
 
 
 def attach_with(
@@ -103,6 +108,7 @@ def create_state(
     trace_dir: str | os.PathLike[str] | None = None,
     injections: tuple[Injection, ...] = (),
     direct_fp32: bool = True,
+    nonfinite: str = "zero",
 ) -> FabricState:
     """The state `attach` registers, not yet registered (`FabricState.create`)."""
     if not isinstance(ddp_model, DistributedDataParallel):
@@ -146,7 +152,7 @@ def create_state(
     state = FabricState(
         bindings, module, steps, group,
         monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
-        direct_fp32=direct_fp32,
+        direct_fp32=direct_fp32, nonfinite=nonfinite,
     )
     _LIVE.add(state)
     return state

@@ -41,6 +41,12 @@ from nfabric_cli.runtime.guard import Held, UpdateGuard
 from nfabric_cli.runtime.health import ALL, HealthMonitor, HealthThresholds, StepStats
 
 SKIP_REASON = "nonfinite gradient or loss: update neutralised on every rank"
+SCALER_REASON = ("nonfinite gradient or loss: passed on not finite, for the loss scaler to skip "
+                 "the step and lower its scale")
+#: `nonfinite` modes: "zero" the step's update on every rank (the default: a NaN update would
+#: wreck the model) or "pass" it on not finite, as plain DDP does, for a loss scaler (AMP's
+#: GradScaler), which skips such a step and lowers its scale; it never sees a zeroed one.
+NONFINITE_MODES = ("zero", "pass")
 
 
 def fallbacks(events: list[dict[str, Any]]) -> int:
@@ -53,7 +59,7 @@ def fallbacks(events: list[dict[str, Any]]) -> int:
 class StepDecision:
     """What happens to one step's reduced update before the optimizer sees it."""
 
-    skip: bool  # zero it on every rank (non-finite)
+    skip: bool  # neutralise it on every rank (non-finite): zeroed, or not finite for a scaler
     scales: dict[str, float] = field(default_factory=dict)  # scope -> factor (< 1)
 
 
@@ -70,7 +76,12 @@ class StepController:
         monitor: bool = True,
         gate: bool | str = True,
         passive: bool = False,
+        nonfinite: str = "zero",
     ) -> None:
+        if nonfinite not in NONFINITE_MODES:
+            raise InputError(f"nonfinite: one of {', '.join(map(repr, NONFINITE_MODES))}, "
+                             f"got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.bindings = bindings
         self.total_steps = max(1, int(total_steps))
         self.log = log
@@ -144,6 +155,12 @@ class StepController:
         plain phase is plain DDP's: nothing is judged, held or skipped (unless passive)."""
         if self.plain and not self.passive:
             return StepDecision(False)
+        if nonfinite and self.nonfinite == "pass" and not self.passive:
+            # a loss scaler's overflow: its to skip, and expected (a too-large scale), so
+            # nothing is judged or held; the routes could not have made it (they never
+            # encode a non-finite value)
+            self.record_skip(step)
+            return StepDecision(True)
         if self.monitor_enabled:
             # Held: routed on fp32 for this step (held before it), tripped by it, or any scope
             # a detector fired on (one on an fp32 route too: its raw spike must not pass).
@@ -168,7 +185,7 @@ class StepController:
         """Step `step`'s update is neutralised on every rank (non-finite)."""
         self.skipped_steps.append(step)
         self.log({"step": step, "scope": "all", "from": "update", "to": "skipped",
-                  "reason": SKIP_REASON})
+                  "reason": SCALER_REASON if self.nonfinite == "pass" else SKIP_REASON})
 
     def priced(self, keys: list[tuple]) -> None:
         """The gate keys of a worker step's buckets with a low-bit route in the phase's

@@ -16,6 +16,7 @@ update, then complete the step's futures and advance the phase.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 import warnings
@@ -44,6 +45,9 @@ from nfabric_cli.runtime.probe import FP32 as FP32_PATH
 from nfabric_cli.runtime.probe import LOWBIT as LOWBIT_PATH
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.runtime.traffic import TrafficMeter
+
+#: consecutive zeroed steps after which a run is told about ``nonfinite="pass"`` (`_neutralise`)
+SCALER_HINT = 3
 
 
 def _agreement(step_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -108,6 +112,7 @@ class FabricState:
         seed: int = 0,
         trace: TraceRecorder | None = None,
         direct_fp32: bool = True,
+        nonfinite: str = "zero",
     ) -> None:
         self.bindings = bindings
         self.trace = trace
@@ -125,7 +130,7 @@ class FabricState:
         self._names = {id(tp.param): tp.name for tp in params}
         self.device = params[0].param.device if params else torch.device("cpu")
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
-                                         monitor=monitor, gate=gate)
+                                         monitor=monitor, gate=gate, nonfinite=nonfinite)
         # a plain phase's steps by `_fp32_direct`; a recorded trace times them on the worker
         # (the same numerics: `whole_bucket_fp32`, nothing judged or skipped)
         self._direct = direct_fp32 and trace is None
@@ -164,6 +169,7 @@ class FabricState:
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
         self._direct_step = False
+        self._scaler_warned = False  # `_neutralise`'s hint, said once
         # a gated-off step's buckets: (all-reduce future, buffer, DDP's future), completed
         # together once the step is judged finite (`_neutralise_direct`)
         self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future]] = []
@@ -413,8 +419,7 @@ class FabricState:
                 w.value()  # a failed all-reduce raises here
             bufs = [b for _, b, _ in pending]
             if self.controller.neutralise(step, all_finite(bufs)).skip:
-                for b in bufs:
-                    b.zero_()
+                self._neutralise(bufs)
         except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
             for _, _, f in pending:
                 f.set_exception(exc)
@@ -534,8 +539,7 @@ class FabricState:
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
         if decision.skip:
-            for _, buf, _ in self._pending:
-                buf.zero_()
+            self._neutralise([buf for _, buf, _ in self._pending])
         elif decision.scales:
             for _, _, parts in self._pending:
                 for name, g in parts:
@@ -551,6 +555,28 @@ class FabricState:
         pending, self._pending = self._pending, []
         for fut, buf, _ in pending:
             fut.set_result(buf)
+
+    def _neutralise(self, buffers: list[torch.Tensor]) -> None:
+        """A skipped (non-finite) step's results, on every rank alike: zeroed, or for a loss
+        scaler (``nonfinite="pass"``) not finite, which it skips. The low-bit routes never
+        pass a NaN on (they encode finite values), so the step is made NaN whole. A run of
+        zeroed steps is what a loss scaler stuck on a too-large scale looks like: said once."""
+        mode = self.controller.nonfinite
+        for b in buffers:
+            if mode == "pass":
+                b.fill_(math.nan)
+            else:
+                b.zero_()
+        skipped = self.controller.skipped_steps
+        if (mode == "zero" and not self._scaler_warned and len(skipped) >= SCALER_HINT
+                and skipped[-1] - skipped[-SCALER_HINT] == SCALER_HINT - 1):
+            self._scaler_warned = True
+            if self.rank == 0:
+                warnings.warn(
+                    f"nfabric: steps {skipped[-SCALER_HINT]}-{skipped[-1]} were not finite and "
+                    "were zeroed on every rank. If a loss scaler (AMP's GradScaler) scales this "
+                    "run's loss, attach with nonfinite='pass': a zeroed step looks finite to "
+                    "it, so it never lowers its scale", stacklevel=2)
 
     def _advance(self, step: int) -> None:
         """Close step `step`: record its time, count it, enter the next phase if it changes."""

@@ -34,6 +34,7 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
     check_clean(first)
     docs = ranks_of(out)
     _check_run(docs, STEPS, STEPS)
+    assert [d["nonfinite"] for d in docs] == ["zero", "zero"]  # no loss scaler at 32-true
     assert all(d["global_step"] == STEPS and d["micro_batches"] == STEPS * ACCUMULATE
                for d in docs)  # one fabric step per optimizer step, not per batch
     import torch
@@ -47,6 +48,18 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
                           str(out / "ckpt" / "last.ckpt"))
     check_clean(resumed)
     _check_run(ranks_of(out), MORE, MORE)  # the counters went on from the checkpoint
+
+
+@pytest.mark.slow
+def test_lightning_fp16_mixed_precision_passes_overflows_to_its_scaler(tmp_path: Path) -> None:
+    """fp16 mixed precision runs a GradScaler, which must see an overflowing step to lower its
+    scale: the strategy attaches with nonfinite="pass" there (not under 32-true, above). On a
+    GPU `precision="16-mixed"` sets it up; on the CPU Lightning makes that bf16, so the example
+    hands Trainer the same plugin with a CPU GradScaler."""
+    out = tmp_path / "lt16"
+    check_clean(run_example("lightning_train.py", "--out", str(out), "--steps", "2",
+                            "--precision", "fp16-scaler"))
+    assert [d["nonfinite"] for d in ranks_of(out)] == ["pass", "pass"]
 
 
 @pytest.mark.slow
@@ -97,3 +110,12 @@ def test_a_single_process_is_refused_in_one_line(tmp_path: Path) -> None:
     line = failure_line(hf, "InputError: nfabric:")
     assert "the HF Trainer did not wrap the model in DistributedDataParallel" in line
     assert "torchrun --nproc_per_node N" in line
+
+
+def test_a_framework_loss_scaler_makes_nonfinite_pass_unless_the_user_said() -> None:
+    from nfabric_cli.integrations.common import AttachOptions
+
+    scaler = object()  # whatever the framework holds: only its presence counts
+    assert AttachOptions("p", None, {"seed": 1}).options(scaler) == {"seed": 1, "nonfinite": "pass"}
+    assert AttachOptions("p", None, {"nonfinite": "zero"}).options(scaler) == {"nonfinite": "zero"}
+    assert AttachOptions("p", None, {"seed": 1}).options(None) == {"seed": 1}
