@@ -201,6 +201,13 @@ class Calibrator:
         self.sink.trial_started(None, "reference", self.spec.steps)
         result = self.simulate(fp32_config(self.spec))
         require_finite_reference(result.metric, f"(seed {self.spec.seed}, {self.spec.steps} steps)")
+        untrained = float(self.workload.evaluate(self.workload.build_model(self.spec.seed)))
+        if degradation(result.metric, untrained, self.workload.higher_is_better) >= 0:
+            self.sink.note(
+                f"warning: the fp32 reference did not learn: {self.workload.metric_name} "
+                f"{result.metric:.4g} after {self.spec.steps} steps, {untrained:.4g} untrained. "
+                "Every route will look harmless against it: train longer (--steps) or check "
+                "the workload's optimizer and data")
         ref = {"curve": [list(c) for c in result.curve], "metric": result.metric,
                "steps_run": result.steps_run, "loss_curve": [list(c) for c in result.loss_curve]}
         self.sink.trial_finished({"number": None, "kind": "reference", "state": "COMPLETE",

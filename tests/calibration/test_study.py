@@ -341,6 +341,19 @@ def test_cli_a_bf16_model_exits_2_saying_what_to_calibrate(tmp_path: Path) -> No
             "float32 build") in lines[0]
 
 
+def test_cli_warns_when_the_fp32_reference_learns_nothing(tmp_path: Path) -> None:
+    """Against a reference that did not train, every route looks harmless: say so."""
+    (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(trials=2)))
+    args = ["--spec", str(tmp_path / "spec.toml"), "--out", str(tmp_path / "o")]
+    stuck = CliRunner().invoke(app, ["calibrate", "tests.calibration.tiny:stuck_workload", *args,
+                                     "--storage", f"sqlite:///{tmp_path}/a.db"])
+    assert stuck.exit_code == 0, stuck.output
+    assert "warning: the fp32 reference did not learn: accuracy" in stuck.output
+    learns = CliRunner().invoke(app, ["calibrate", TINY, *args,
+                                      "--storage", f"sqlite:///{tmp_path}/b.db"])
+    assert learns.exit_code == 0 and "did not learn" not in learns.output, learns.output
+
+
 def test_cli_bad_hyperband_shape_in_the_spec_exits_2(tmp_path: Path) -> None:
     (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(hyperband_reduction_factor=1)))
     res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db")

@@ -127,3 +127,14 @@ class TinyBF16Workload(TinyWorkload):
 
 def bf16_workload() -> TinyBF16Workload:
     return TinyBF16Workload()
+
+
+class TinyStuckWorkload(TinyWorkload):
+    """`TinyWorkload` whose optimizer never moves the weights: a reference that learns nothing."""
+
+    def make_optimizer(self, params, total_steps: int):  # noqa: ANN001
+        return torch.optim.SGD(params, lr=0.0), None
+
+
+def stuck_workload() -> TinyStuckWorkload:
+    return TinyStuckWorkload()
