@@ -114,6 +114,7 @@ def create_state(
     if not isinstance(ddp_model, DistributedDataParallel):
         raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
     module = ddp_model.module
+    _check_dense(module)
     pg = ddp_model.process_group
     world_size = dist.get_world_size(pg)
     if isinstance(source, Bindings):
@@ -170,6 +171,20 @@ def _bucket_cap_mb(ddp_model: DistributedDataParallel) -> float | None:
         cfg = getattr(ddp_model, "_bucket_config", None)
         default = cfg is not None and cfg.first_bucket_bytes_cap < cfg.bucket_bytes_cap
     return None if default else cap / (1024 * 1024)
+
+
+def _check_dense(module: Any) -> None:
+    """The hook slices dense buckets; DDP hands a sparse gradient over in a bucket of its own
+    that cannot be sliced, and the run would fail at its first backward, in a torch error."""
+    import torch.nn as nn
+
+    sparse = [f"{name!r} ({type(m).__name__})" for name, m in module.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        more = f" (+{len(sparse) - 3} more)" if len(sparse) > 3 else ""
+        raise InputError(
+            f"nfabric reduces dense gradients only, and module {', '.join(sparse[:3])}{more} "
+            "makes sparse ones (sparse=True): build it with sparse=False to attach")
 
 
 def _check_coverage(bindings: Bindings, module: Any) -> None:

@@ -345,3 +345,23 @@ def _unused_worker(rank: int, world: int) -> bool:
 
 def test_unused_parameters_and_non_world_group(two_ranks: list[dict]) -> None:
     assert [r["unused"] for r in two_ranks] == [True, True]
+
+
+def _sparse_worker(rank: int, world: int) -> str:
+    from nfabric_cli.errors import InputError
+
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2))
+    ddp = DDP(model)
+    try:
+        attach(ddp, _bindings(model, "sign"), total_steps=2)
+    except InputError as exc:
+        return str(exc)
+    return "attached"
+
+
+def test_a_model_with_sparse_gradients_is_refused_at_attach_in_one_line() -> None:
+    """DDP hands a sparse gradient over in a bucket that cannot be sliced: refused up front,
+    not at the first backward in a torch error about `as_strided` on SparseCPU."""
+    assert run_ranks(_sparse_worker, 2) == [
+        "nfabric reduces dense gradients only, and module '0' (Embedding) makes sparse ones "
+        "(sparse=True): build it with sparse=False to attach"] * 2
