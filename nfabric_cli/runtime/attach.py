@@ -113,6 +113,9 @@ def create_state(
     """The state `attach` registers, not yet registered (`FabricState.create`)."""
     if not isinstance(ddp_model, DistributedDataParallel):
         raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    if getattr(ddp_model, "_comm_hooks", None):  # DDP takes one hook, for its lifetime
+        raise InputError("this DDP model already has a communication hook (nfabric's or "
+                         "another): attach once per DDP model, before any other hook")
     module = ddp_model.module
     _check_dense(module)
     pg = ddp_model.process_group

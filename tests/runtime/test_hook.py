@@ -347,21 +347,30 @@ def test_unused_parameters_and_non_world_group(two_ranks: list[dict]) -> None:
     assert [r["unused"] for r in two_ranks] == [True, True]
 
 
-def _sparse_worker(rank: int, world: int) -> str:
+def _refused_worker(rank: int, world: int, case: str) -> str:
     from nfabric_cli.errors import InputError
 
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=case == "sparse"),
+                                torch.nn.Linear(8, 2))
     ddp = DDP(model)
     try:
         attach(ddp, _bindings(model, "sign"), total_steps=2)
+        if case == "twice":
+            attach(ddp, _bindings(model, "sign"), total_steps=2)
     except InputError as exc:
         return str(exc)
     return "attached"
 
 
-def test_a_model_with_sparse_gradients_is_refused_at_attach_in_one_line() -> None:
-    """DDP hands a sparse gradient over in a bucket that cannot be sliced: refused up front,
-    not at the first backward in a torch error about `as_strided` on SparseCPU."""
-    assert run_ranks(_sparse_worker, 2) == [
-        "nfabric reduces dense gradients only, and module '0' (Embedding) makes sparse ones "
-        "(sparse=True): build it with sparse=False to attach"] * 2
+@pytest.mark.parametrize("case", ["sparse", "twice"])
+def test_what_attach_cannot_serve_is_refused_in_one_line(case: str) -> None:
+    """sparse: DDP hands a sparse gradient over in a bucket that cannot be sliced (it failed
+    at the first backward, in a torch error about `as_strided` on SparseCPU). twice: DDP takes
+    one hook for its lifetime (torch's own error came after a second state was built)."""
+    expected = {
+        "sparse": "nfabric reduces dense gradients only, and module '0' (Embedding) makes "
+                  "sparse ones (sparse=True): build it with sparse=False to attach",
+        "twice": "this DDP model already has a communication hook (nfabric's or another): "
+                 "attach once per DDP model, before any other hook",
+    }[case]
+    assert run_ranks(_refused_worker, 2, case) == [expected] * 2
