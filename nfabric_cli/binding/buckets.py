@@ -68,9 +68,13 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     return cfg.first_bucket_bytes_cap, cfg.bucket_bytes_cap
 
 
+def makes_sparse(module: nn.Module) -> bool:
+    """Whether `module` gives its weight a sparse gradient (``sparse=True`` embeddings)."""
+    return isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and bool(module.sparse)
+
+
 def _expects_sparse(p: TrainableParam) -> bool:
-    owner = p.owners[0]
-    return isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and bool(owner.sparse)
+    return makes_sparse(p.owners[0])
 
 
 def plan_buckets(

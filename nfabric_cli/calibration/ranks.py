@@ -151,10 +151,9 @@ class SimulatedRanks:
         if wanted < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
         self.processes = min(wanted, world_size)
-        self._buffers = list(model.buffers())
         if self.processes > 1 and (
             "fork" not in mp.get_all_start_methods()
-            or self._buffers
+            or any(True for _ in model.buffers())
             or (optimizer is not None and type(optimizer) not in PER_PARAMETER)
         ):
             self.processes = 1
@@ -205,7 +204,7 @@ class SimulatedRanks:
         starts from them and only rank 0's own forward carries into the next step and into an
         evaluation, which rank 0 runs: the model keeps those. Ranks run in turn on one model
         here, so each starts from the step's buffers and rank 0's are put back at the end."""
-        buffers = self._buffers
+        buffers = list(self.model.buffers())  # now: a module may rebind one
         if not buffers:
             return [self._rank_gradient(step, r) for r in range(self.world_size)]
         start = [b.clone() for b in buffers]
@@ -241,6 +240,8 @@ class SimulatedRanks:
         for i in owned:
             if decision.skip:
                 self.out_views[i].zero_()
+                for agg in self.aggregators:  # as the hook: nothing of the step is kept
+                    agg.reset_feedback(i)
             elif plan.regions[i] in scales:
                 self.out_views[i].mul_(scales[plan.regions[i]])
                 for agg in self.aggregators:  # as the hook: the residual goes with the update

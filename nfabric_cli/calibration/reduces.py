@@ -15,12 +15,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from nfabric_cli.binding.buckets import first_step_buckets, plan_buckets, trace_ready_order
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration.aggregate import StepRoutes
+from nfabric_cli.ranks.loop import RankRng
 from nfabric_cli.routes import make_route
 from nfabric_cli.routes.groups import bucket_reduces
 from nfabric_cli.routes.ring import Piece, join_pieces, ring_pieces
@@ -57,14 +57,15 @@ def ddp_layouts(
 ) -> BucketLayouts:
     """The buckets a real DDP run of `model` reduces (DDP's own assignment, `bucket_cap_mb` as
     passed to DDP). The rebuilt ones follow the ready order of one backward pass on rank 0's
-    first batch, traced on a copy: the model's buffers and the global RNG stay untouched."""
+    first batch, traced on a copy from rank 0's random stream (`RankRng`): the model's buffers
+    and the global RNG stay untouched."""
     params = trainable_parameters(model)
     first = first_step_buckets(params, bucket_cap_mb, find_unused_parameters)
     if find_unused_parameters:  # DDP never rebuilds
         rebuilt = first
     else:
         twin = copy.deepcopy(model)
-        with torch.random.fork_rng(devices=[]):
+        with RankRng(seed).active():  # rank 0's first step draws from its stream from the seed
             batch = workload.train_batch(0, 0, world_size, seed)
             order = trace_ready_order(twin, lambda: workload.loss(twin, batch).backward())
         rebuilt = plan_buckets(params, bucket_cap_mb, ready_order=order)

@@ -33,7 +33,7 @@ from nfabric_cli.calibration.reduces import ReduceOrders, ddp_layouts
 from nfabric_cli.calibration.traffic import StepBytes, TrafficTally, gated, step_bytes
 from nfabric_cli.errors import InputError
 from nfabric_cli.interrupt import deferred_sigint
-from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.routes.spec import FP32, RouteSpec
 from nfabric_cli.runtime.controller import StepController, StepDecision
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.base import Workload
@@ -42,8 +42,9 @@ from nfabric_cli.workloads.base import Workload
 #: run: measured so far plus the profile's planned routes for the steps left, mean training
 #: loss over the steps since the previous checkpoint); False stops it.
 CheckpointFn = Callable[[int, float, float, float], bool]
-#: a cached step plan: (phase, the scopes held on fp32, whether DDP has rebuilt its buckets)
-_PlanKey = tuple[str, frozenset[str], bool]
+#: a cached step plan: (phase, the scopes held on fp32, whether DDP has rebuilt its buckets,
+#: whether the model gate sends the step as plain DDP's)
+_PlanKey = tuple[str, frozenset[str], bool, bool]
 
 
 @dataclass
@@ -165,15 +166,18 @@ class SimulatedDDP:
         return sent / ref if ref else 1.0
 
     # -- one step --------------------------------------------------------------------------------
-    def _plan(self) -> tuple[StepRoutes, _PlanKey]:
+    def _plan(self, gated_off: bool) -> tuple[StepRoutes, _PlanKey]:
         """This step's routes and scopes per parameter, and the key they are cached under (the
-        gate's verdicts are static here: no timings; they are taken on the step's buckets)."""
+        gate's verdicts are static here: no timings; they are taken on the step's buckets). A
+        gated-off step is all fp32, as the hook sends it, whatever the gate would say of this
+        step's buckets (it priced the buckets of the last step through the worker)."""
         phase = self.phase.name
-        key = (phase, self.controller.forced(), self.step > 0)
+        key = (phase, self.controller.forced(), self.step > 0, gated_off)
         if key not in self._plans:
             buckets = self.buckets[key[2]]
             by_name = {n: self.effective(n) for n in self.names}
-            routes = gated(self.bindings, phase, by_name.__getitem__, self.gate, buckets)
+            routes = (_all_fp32 if gated_off else
+                      gated(self.bindings, phase, by_name.__getitem__, self.gate, buckets))
             self._plans[key] = StepRoutes(
                 tuple(self.bindings.params[n].regions[phase] for n in self.names),
                 tuple(routes(n) for n in self.names),
@@ -188,7 +192,7 @@ class SimulatedDDP:
         # a step the model gate sends all fp32, as the hook sends it (plain DDP's path, no
         # statistics): nothing judged, zeroed when the summed gradients are not finite
         gated_off = self.controller.gated_off()
-        plan, key = self._plan()
+        plan, key = self._plan(gated_off)
         self.tally.add(self._bytes_cache[key])
 
         def decide(done: RanksStep) -> StepDecision:
@@ -223,6 +227,10 @@ class SimulatedDDP:
 
     def evaluate(self) -> float:
         return float(self.workload.evaluate(self.model))
+
+
+def _all_fp32(name: str) -> RouteSpec:
+    return FP32
 
 
 def check_float32(params: list[tuple[str, torch.Tensor]]) -> None:

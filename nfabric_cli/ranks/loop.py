@@ -16,7 +16,8 @@ class RankRng:
     random augmentation): it starts from ``manual_seed(seed)`` on every rank, and `active`
     swaps it into torch's global CPU generator for one step. Nothing else drawn in the process
     (another arm trained beside it, the code between steps) moves it, and the calibration
-    simulator gives each simulated rank the same stream, so dropout masks match the run."""
+    simulator gives each simulated rank the same stream, so dropout masks match the run (on
+    the CPU, where both run: a GPU draws its masks from its own generator)."""
 
     def __init__(self, seed: int) -> None:
         self.state = torch.Generator().manual_seed(int(seed)).get_state()

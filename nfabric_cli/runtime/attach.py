@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfabric_cli.binding.bindings import Bindings
+from nfabric_cli.binding.buckets import makes_sparse
 from nfabric_cli.binding.compile import compile_profile
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.binding.store import load_bindings_or_profile
@@ -179,10 +180,8 @@ def _bucket_cap_mb(ddp_model: DistributedDataParallel) -> float | None:
 def _check_dense(module: Any) -> None:
     """The hook slices dense buckets; DDP hands a sparse gradient over in a bucket of its own
     that cannot be sliced, and the run would fail at its first backward, in a torch error."""
-    import torch.nn as nn
-
     sparse = [f"{name!r} ({type(m).__name__})" for name, m in module.named_modules()
-              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+              if makes_sparse(m)]
     if sparse:
         more = f" (+{len(sparse) - 3} more)" if len(sparse) > 3 else ""
         raise InputError(

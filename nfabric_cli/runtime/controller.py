@@ -12,7 +12,7 @@ both drive one of these, so calibration predicts exactly what the runtime decide
 - `gated_off()` / `priced(keys)`: whether the model gate refuses every bucket the phase's
   profile routes anything low-bit in (as the last step through the hook's worker laid them
   out), so the step goes out as plain DDP's; `neutralise(step, finite)` is that step's whole
-  decision (zeroed when its reduced result is not finite).
+  decision (neutralised when its reduced result is not finite).
 
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
@@ -196,14 +196,14 @@ class StepController:
         """Whether this step goes out as plain DDP's: the model gate refuses (a cached or
         revoked verdict) every bucket the phase's profile routes anything low-bit in, so
         nothing low-bit is sent and there is nothing to decide. The monitor sees no such step;
-        a non-finite one is still zeroed (`neutralise`). A bucket held on fp32 by the monitor
+        a non-finite one is still neutralised (`neutralise`). A bucket held on fp32 by the monitor
         counts too: one the gate has not priced (or admitted) keeps the steps on the worker,
         where the monitor can re-admit it."""
         keys = self._priced.get(self.phase.name)
         return bool(keys) and all(self.gate.refuses(k) for k in keys)
 
     def neutralise(self, step: int, finite: bool) -> StepDecision:
-        """A step sent as plain DDP's in a low-bit phase (gated off): zeroed on every rank
+        """A step sent as plain DDP's in a low-bit phase (gated off): neutralised on every rank
         when its reduced gradients are not finite (a sum carries any rank's NaN or inf to every
         rank); nothing else is judged. A non-finite loss with finite gradients passes, as the
         hook sees no loss on these steps."""

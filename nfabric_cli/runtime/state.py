@@ -320,8 +320,8 @@ class FabricState:
         (`controller.gated_off`), so nothing low-bit is sent and there is nothing to decide.
         Decided at a step's first bucket on agreed verdicts, so every rank decides alike. The
         buckets are those of the phase's last step through the worker: a phase that starts at
-        step 0 is priced in DDP's first layout (registration order, rebuilt after that step)
-        and keeps those verdicts, where the simulator prices the rebuilt layout throughout."""
+        step 0 is priced in DDP's first layout (one bucket per dtype, rebuilt after that step)
+        and keeps those verdicts, as the simulator does (`SimulatedDDP._plan`)."""
         if self.gate.measured is not None and self.gate.enabled:
             return self._measured_path() == FP32_PATH
         return self.controller.gated_off()
@@ -567,6 +567,7 @@ class FabricState:
                 b.fill_(math.nan)
             else:
                 b.zero_()
+        self.ef.reset()  # the residuals hold what a non-finite step did not send: nothing to keep
         skipped = self.controller.skipped_steps
         if (mode == "zero" and not self._scaler_warned and len(skipped) >= SCALER_HINT
                 and skipped[-1] - skipped[-SCALER_HINT] == SCALER_HINT - 1):

@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile, on_route, static_profile
+from nfabric_cli.calibration.reduces import ddp_layouts
 from nfabric_cli.calibration.simulate import SimulatedDDP, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.traffic import step_bytes
@@ -75,10 +76,11 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
     }
 
 
-@pytest.mark.parametrize("guarded", [None, 0, 1, "fp32", "fp32-nan", "fp32-worker",
+@pytest.mark.parametrize("guarded", [None, 0, 1, "nan", "fp32", "fp32-nan", "fp32-worker",
                                      "fp32-nan-worker"],
-                         ids=["healthy", "spike-held", "spike-tripped", "all-fp32-spike",
-                              "all-fp32-nan", "all-fp32-spike-worker", "all-fp32-nan-worker"])
+                         ids=["healthy", "spike-held", "spike-tripped", "nan-skipped",
+                              "all-fp32-spike", "all-fp32-nan", "all-fp32-spike-worker",
+                              "all-fp32-nan-worker"])
 def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | None) -> None:
     # "-worker": the all-fp32 steps on the hook's worker path, as a recorded trace sends
     # them; they must train as the direct path does (plain DDP: nothing held, NaN summed)
@@ -86,6 +88,8 @@ def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | Non
     health, injections, fp32 = (None, (), str(guarded).startswith("fp32"))
     direct = not str(guarded).endswith("worker")
     if str(guarded).startswith("fp32-nan"):  # plain DDP sums the NaN into every update: so must we
+        injections = NAN
+    elif guarded == "nan":  # skipped on every rank, error feedback forgotten, in both
         injections = NAN
     elif guarded is not None:
         health, injections = {**GUARDED, "grad_blowup_trips": int(fp32 or guarded)}, SPIKE
@@ -97,11 +101,13 @@ def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | Non
                        injections=injections)
     if fp32:  # every route fp32: plain DDP's step in the hook, so nothing is held in either
         assert sim.events == [] and sim.detections == []
+    elif guarded == "nan":
+        assert sim.skipped_steps == [2]
     elif guarded is not None:  # the same scale-down (and trip), on both sides
         held = [e for e in sim.events if e["to"] == "held"]
         assert held and {e["step"] for e in held} == {2}
         assert bool([e for e in sim.events if e["to"] == "fp32"]) == bool(guarded)
-    if injections == NAN:
+    if injections == NAN and fp32:
         assert all(bool(p.isnan().any()) for p in sim.model.parameters())  # not neutralised
     for rank in range(world):
         for name, p in sim.model.named_parameters():
@@ -268,23 +274,39 @@ def test_traffic_lower_bound_is_the_cheapest_fallback_mix() -> None:
     expected = (min(w.sent for w in warm) + 3 * min(m.sent for m in main)) / (
         warm[0].fp32 + 3 * main[0].fp32)
     assert traffic_lower_bound(bindings, 2, STEPS) == expected
+    # on the buckets the simulator counts (DDP's first and rebuilt ones), as the study prices it
+    model = wl.build_model(0)
+    names = [n for n, _ in model.named_parameters()]
+    layouts = ddp_layouts(wl, model, names, 2, 0, None).named(names)
+    bound = traffic_lower_bound(bindings, 2, STEPS, layouts=layouts)
+    assert bound == expected  # one bucket here: the plan's bytes
     sim = simulate_run(wl, bindings, 2, STEPS, 0)
-    assert sim.traffic_fraction >= expected
+    assert sim.traffic_fraction >= bound
 
 
 #: A 3 Gbit/s link: the model gate admits `sign` for glyphs' one first-step bucket (all 1.03M
 #: parameters: DDP reduces its first step in one bucket per dtype) and refuses both buckets
 #: DDP rebuilds after it (0.65M and 0.38M parameters), whose fixed costs weigh more.
 SPLIT_BY_SIZE = {"link_gbps": 3.0, "latency_us": 10.0}
+#: 2 Gbit/s with the norms on fp32: the gate refuses the first-step bucket (its fp32 groups
+#: cost more than they save) and would admit the first rebuilt one; the hook never asks, since
+#: a refused phase goes out as plain DDP's from then on (`gated_off`).
+REFUSED_FIRST = {"link_gbps": 2.0, "latency_us": 10.0}
+GATE_CASES = {"split": (SPLIT_BY_SIZE, []), "refused-first": (REFUSED_FIRST, [("*norm*", "fp32")])}
 
 
-def _glyphs_worker(rank: int, world: int, steps: int) -> dict:
+def _glyphs_bindings(model, world: int, steps: int, case: str):  # noqa: ANN001, ANN202
+    substrate, rules = GATE_CASES[case]
+    return compile_profile(static_profile(model, "sign", rules), model, world_size=world,
+                           total_steps=steps, substrate=substrate)
+
+
+def _glyphs_worker(rank: int, world: int, steps: int, case: str) -> dict:
     wl = get_workload("glyphs")
     model = wl.build_model(SEED)
     ddp = DDP(model)
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               total_steps=steps, substrate=SPLIT_BY_SIZE)
-    state = attach_with(ddp, bindings, total_steps=steps, seed=SEED)
+    state = attach_with(ddp, _glyphs_bindings(model, world, steps, case), total_steps=steps,
+                        seed=SEED)
     opt, sched = wl.make_optimizer(ddp.parameters(), steps)
     train_workload(ddp, state, wl, opt, sched, steps, rank, world, SEED)
     state.close()
@@ -294,22 +316,26 @@ def _glyphs_worker(rank: int, world: int, steps: int) -> dict:
             "events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events]}
 
 
-def test_the_gate_prices_the_buckets_ddp_reduces_at_each_step_in_both() -> None:
+@pytest.mark.parametrize("case", list(GATE_CASES))
+def test_the_gate_prices_the_buckets_ddp_reduces_at_each_step_in_both(case: str) -> None:
     """DDP's first step reduces one bucket, the later ones the buckets it rebuilt: the hook's
-    gate prices whichever it is handed, so the simulator must price the same (it priced the
-    bindings' plan at every step: here `sign` at step 0 in the run, fp32 in the simulation)."""
+    gate prices whichever it is handed, so the simulator must price the same. "split": it
+    priced the bindings' plan at every step (here `sign` at step 0 in the run, fp32 in the
+    simulation). "refused-first": a phase refused at step 0 goes out as plain DDP's after it,
+    which the simulator must not re-price on the rebuilt buckets."""
     world, steps = 2, 3
-    real = run_ranks(_glyphs_worker, world, steps)
+    real = run_ranks(_glyphs_worker, world, steps, case)
     wl = get_workload("glyphs")
     model = wl.build_model(SEED)
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               total_steps=steps, substrate=SPLIT_BY_SIZE)
-    assert real[0]["verdicts"] == {38: True, 8: False, 30: False}  # the premise
+    bindings = _glyphs_bindings(model, world, steps, case)
+    premise = {"split": {38: True, 8: False, 30: False}, "refused-first": {38: False}}[case]
+    assert real[0]["verdicts"] == premise
     sim = simulate_run(wl, bindings, world, steps, SEED, checkpoints=(steps,))
     for n, p in sim.model.named_parameters():
         torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
     assert sim.events == real[0]["events"]
-    assert sim.traffic_fraction == real[0]["fraction"] < 0.7  # step 0 on sign, then fp32
+    assert sim.traffic_fraction == real[0]["fraction"]
+    assert sim.traffic_fraction < 0.7 if case == "split" else sim.traffic_fraction == 1.0
 
 
 def _bn_worker(rank: int, world: int, steps: int) -> dict:
