@@ -156,7 +156,7 @@ class StepController:
         if self.plain and not self.passive:
             return StepDecision(False)
         if nonfinite and self.nonfinite == "pass" and not self.passive:
-            # a loss scaler's overflow: its to skip, and expected (a too-large scale), so
+            # a loss scaler's overflow: the scaler's to skip, and expected (a too-large scale), so
             # nothing is judged or held; the routes could not have made it (they never
             # encode a non-finite value)
             self.record_skip(step)
