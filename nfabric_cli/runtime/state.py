@@ -148,6 +148,8 @@ class FabricState:
         self._probe_cycle = {name: first.setdefault(specs, name)
                              for name, specs in routing.items()}
         self._loss: torch.Tensor | float | None = None
+        self._loss_fed: list[bool] | None = None  # whether backward ran through it (`observe`)
+        self._late_warned = False
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
         # the step's statistics, kept as tensors until the step's one host read (agree.py):
@@ -221,8 +223,25 @@ class FabricState:
         """Feed this step's local training loss to the health monitor (call before backward).
         A tensor is not read here: it is read with the step's other statistics, once."""
         value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        fed: list[bool] | None = None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad and not self._late_warned:
+            fed = [False]  # set when backward passes through this loss (`_check_observed`)
+            loss.register_hook(lambda grad: fed.__setitem__(0, True))
         with self._lock:
-            self._loss = value
+            self._loss, self._loss_fed = value, fed
+
+    def _check_observed(self, fed: list[bool] | None) -> None:
+        """A loss observed after its backward reaches the monitor one step late: a spike is
+        then judged, and its update held, on the step after it. Said once, on rank 0."""
+        if fed is None or fed[0] or self._late_warned:
+            return
+        self._late_warned = True
+        if self.rank == 0:
+            warnings.warn(
+                "nfabric: the loss given to observe() was not the one this step's backward ran "
+                "through (observed after backward?): the health monitor judges each loss one "
+                "step late. Call state.observe(loss) between the forward and loss.backward()",
+                stacklevel=2)
 
     def bytes_per_route(self) -> dict[str, int]:
         return self.meter.per_route()
@@ -395,7 +414,7 @@ class FabricState:
         guarded = self._direct_step and phase in self._lowbit_phases
         if is_last:
             with self._lock:
-                self._loss = None
+                self._loss, self._loss_fed = None, None  # no monitor on these steps
             self._advance(step)
         if not guarded:
             return work.get_future().then(lambda f: f.value()[0])
@@ -522,6 +541,8 @@ class FabricState:
         seconds) it carries."""
         with self._lock:
             loss, self._loss = self._loss, None
+            fed, self._loss_fed = self._loss_fed, None
+        self._check_observed(fed)
         timed, self._bucket_times = self._bucket_times, []
         stats = StatsRound(self.comm, self._scopes, self._grad_norms, loss,
                            lambda: _agreement(self._step_stats), [t for _, t in timed],
