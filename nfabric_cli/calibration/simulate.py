@@ -3,10 +3,10 @@ fabric hook would compute.
 
 Per step: the plan (route per parameter: the profile's, or fp32 while the health monitor
 holds its region or the capacity gate refuses its bucket; the gate's static verdicts, from
-the profile's substrate, on DDP's real buckets of that step); each simulated rank's gradient on its own batch
-(`train_batch(step, rank, W, seed)`), every parameter's aggregate under the plan with
-per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over forked
-ones; float routes add the ranks in the order gloo does in the real run's all-reduce of that
+the profile's substrate, on DDP's real buckets of that step); each simulated rank's gradient
+on its own batch (`train_batch(step, rank, W, seed)`), every parameter's aggregate under the
+plan with per-rank error feedback (`ranks.py`, `aggregate.py`: in one process or spread over
+forked ones; float routes add the ranks in the order gloo does in the real run's all-reduce of that
 step's DDP bucket or float group, `reduces.py`); the health statistics gathered the way the
 hook agrees them (per-region gradient norm = sqrt of the summed squared local norms, sign
 agreement from the routes' `agree_sum / agree_n`, loss = mean of the ranks' losses, any
