@@ -123,7 +123,8 @@ class SimulatedDDP:
         # per (phase, rebuilt): the buckets it routes anything low-bit in (`gated_off`)
         self._lowbit_buckets = {(p.name, rebuilt): bindings.lowbit_buckets(p.name, buckets)
                                 for p in bindings.phases
-                                for rebuilt, buckets in enumerate(self.buckets)}
+                                for rebuilt, buckets in zip((False, True), self.buckets,
+                                                            strict=True)}
         orders = None
         if world_size > 2:
             orders = ReduceOrders(layouts, [p.numel() for _, p in self.params], world_size)

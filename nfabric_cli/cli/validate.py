@@ -44,7 +44,8 @@ def validate(
     inject: list[str] = typer.Option(
         [], "--inject", help="Fault KIND@STEP[:RANK] (nan, spike, kill)."
     ),
-    seed: int = typer.Option(0, "--seed", help="Seed of weights, data order and dropout masks (every arm)."),
+    seed: int = typer.Option(
+        0, "--seed", help="Seed of weights, data order and dropout masks (every arm)."),
     seeds: str | None = typer.Option(
         None, "--seeds", help="Validate on several seeds (0-4, 0,2,5): per arm the mean, worst "
         "seed and 90% interval of the delta vs fp32; passes when the worst seed is within "

@@ -584,10 +584,7 @@ class FabricState:
         zeroed steps is what a loss scaler stuck on a too-large scale looks like: said once."""
         mode = self.controller.nonfinite
         for b in buffers:
-            if mode == "pass":
-                b.fill_(math.nan)
-            else:
-                b.zero_()
+            b.fill_(math.nan if mode == "pass" else 0.0)
         self.ef.reset()  # the residuals hold what a non-finite step did not send: nothing to keep
         skipped = self.controller.skipped_steps
         if (mode == "zero" and not self._scaler_warned and len(skipped) >= SCALER_HINT

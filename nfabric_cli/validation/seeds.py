@@ -1,8 +1,8 @@
 """`validate --seeds 0-4`: every arm on every seed, and a verdict that holds over seeds.
 
 Each seed is a complete validation (its own launch, `REPORT/seed-<s>/`): the same seed gives
-every arm the same initial weights, data order and dropout masks, as with one seed. The summary keeps a
-per-seed table and, per arm, the metric delta against fp32 over seeds: mean, worst seed, best,
+every arm the same initial weights, data order and dropout masks, as with one seed. The
+summary keeps a per-seed table and, per arm, the metric delta against fp32 over seeds: mean, worst seed, best,
 sample standard deviation, a two-sided 90 % t-interval of the mean and the one-sided 95 %
 bound in the bad direction.
 

@@ -10,8 +10,9 @@ Entry points:
 Each arm: build the model from the run's seed (same initial weights), wrap it in DDP with the
 run's bucket cap, set the arm up (`arms.make_arm`), train `steps` steps on the workload's
 batches for this rank (same data order; dropout masks from the seed's `RankRng`), then rank 0
-evaluates. Step time is the wall time of forward + backward + optimizer step. Loopback counters (shaped link only) are read by rank 0
-between barriers around the training loop, so DDP's start-up broadcast is not counted.
+evaluates. Step time is the wall time of forward + backward + optimizer step. Loopback
+counters (shaped link only) are read by rank 0 between barriers around the training loop, so
+DDP's start-up broadcast is not counted.
 """
 
 from __future__ import annotations

@@ -338,13 +338,21 @@ def test_the_gate_prices_the_buckets_ddp_reduces_at_each_step_in_both(case: str)
     assert sim.traffic_fraction < 0.7 if case == "split" else sim.traffic_fraction == 1.0
 
 
-def _bn_worker(rank: int, world: int, steps: int) -> dict:
-    wl = TinyBNWorkload()
+def _tiny(kind: str):  # noqa: ANN202 - a tiny workload
+    return TinyBNWorkload() if kind == "batchnorm" else TinyQuirksWorkload(kind)
+
+
+def _sign_bindings(model, world: int, steps: int):  # noqa: ANN001, ANN202
+    return compile_profile(static_profile(model, "sign"), model, world_size=world,
+                           total_steps=steps)
+
+
+def _tiny_worker(rank: int, world: int, kind: str, steps: int) -> dict:
+    wl = _tiny(kind)
     model = wl.build_model(SEED)
+    torch.manual_seed(1000 + rank)  # whatever the process drew before: training must not care
     ddp = DDP(model)  # broadcast_buffers: rank 0's statistics before every forward
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               total_steps=steps)
-    state = attach_with(ddp, bindings, total_steps=steps, seed=SEED)
+    state = attach_with(ddp, _sign_bindings(model, world, steps), total_steps=steps, seed=SEED)
     opt, sched = wl.make_optimizer(ddp.parameters(), steps)
     train_workload(ddp, state, wl, opt, sched, steps, rank, world, SEED)
     state.close()
@@ -359,12 +367,11 @@ def test_batchnorm_statistics_are_rank_zeros_as_ddp_broadcasts_them() -> None:
     moved the statistics (and counted W batches a step), and a BatchNorm model evaluated to
     another metric than the run it simulated."""
     world, steps = 3, 6
-    real = run_ranks(_bn_worker, world, steps)
-    wl = TinyBNWorkload()
+    real = run_ranks(_tiny_worker, world, "batchnorm", steps)
+    wl = _tiny("batchnorm")
     model = wl.build_model(SEED)
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               total_steps=steps)
-    sim = simulate_run(wl, bindings, world, steps, SEED, checkpoints=(steps,))
+    sim = simulate_run(wl, _sign_bindings(model, world, steps), world, steps, SEED,
+                       checkpoints=(steps,))
     buffers = dict(sim.model.named_buffers())
     assert int(buffers["norm.num_batches_tracked"]) == steps
     for n, b in buffers.items():
@@ -372,20 +379,6 @@ def test_batchnorm_statistics_are_rank_zeros_as_ddp_broadcasts_them() -> None:
     for n, p in sim.model.named_parameters():
         torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
     assert sim.metric == real[0]["metric"]
-
-
-def _quirks_worker(rank: int, world: int, quirk: str, steps: int) -> dict:
-    wl = TinyQuirksWorkload(quirk)
-    model = wl.build_model(SEED)
-    torch.manual_seed(1000 + rank)  # whatever the process drew before: training must not care
-    ddp = DDP(model)
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               total_steps=steps)
-    state = attach_with(ddp, bindings, total_steps=steps, seed=SEED)
-    opt, sched = wl.make_optimizer(ddp.parameters(), steps)
-    train_workload(ddp, state, wl, opt, sched, steps, rank, world, SEED)
-    state.close()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 @pytest.mark.parametrize("quirk", ["dropout", "channels_last"])
@@ -396,13 +389,12 @@ def test_models_as_users_have_them_train_alike(quirk: str) -> None:
     layout, so the hook's per-chunk scales see its elements in that order; so must the
     simulator's (it flattened them in logical order)."""
     world, steps = 2, 6
-    real = run_ranks(_quirks_worker, world, quirk, steps)
-    wl = TinyQuirksWorkload(quirk)
+    real = run_ranks(_tiny_worker, world, quirk, steps)
+    wl = _tiny(quirk)
     model = wl.build_model(SEED)
     if quirk == "channels_last":  # the premise: another order than the logical one
         assert not model.conv2.weight.is_contiguous()
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               total_steps=steps)
-    sim = simulate_run(wl, bindings, world, steps, SEED, checkpoints=(steps,))
+    sim = simulate_run(wl, _sign_bindings(model, world, steps), world, steps, SEED,
+                       checkpoints=(steps,))
     for n, p in sim.model.named_parameters():
         torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
