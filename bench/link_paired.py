@@ -84,9 +84,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
     """One rank: every arm on its own DDP model, trained block by block, arms in turn."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from nfabric_cli.ranks.loop import RankRng, workload_steps
+    from nfabric_cli.ranks.loop import RankRng, workload_ddp, workload_steps
     from nfabric_cli.validation.arms import ArmContext
     from nfabric_cli.workloads.registry import get_workload
 
@@ -97,7 +96,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict[str, list[float]]:
                      measure_gate=cfg["gate"] == "measure")
     arms = {}
     for name in cfg["arms"]:
-        ddp = DistributedDataParallel(wl.build_model(cfg["seed"]))
+        ddp = workload_ddp(wl, cfg["seed"])
         arm = _make_arm(name, ddp, ctx)
         arms[name] = (ddp, arm, *wl.make_optimizer(ddp.parameters(), steps),
                       RankRng(cfg["seed"]))  # each arm's own stream, carried across blocks

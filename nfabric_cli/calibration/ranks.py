@@ -163,6 +163,8 @@ class SimulatedRanks:
         self.out = torch.zeros(total)
         self.out_views = list(torch.split(self.out, self.numels))
         self.bad = torch.zeros(world_size, dtype=torch.bool)  # per rank: non-finite this step
+        # per rank and parameter: in the rank's autograd graph this step (`_update`)
+        self.used = torch.ones(world_size, len(params), dtype=torch.bool)
         self.shards = shard(self.numels, self.processes, groups)
         self.aggregators = [Aggregator(names, world_size, seed, owned, orders)
                             for owned in self.shards]
@@ -184,8 +186,9 @@ class SimulatedRanks:
             loss = self.workload.loss(self.model, batch)
             got = torch.autograd.grad(loss, self.params, allow_unused=True)
         norms = []
-        for view, g, p in zip(self.views[rank], got, self.params, strict=True):
-            if g is None:
+        for i, (view, g, p) in enumerate(zip(self.views[rank], got, self.params, strict=True)):
+            self.used[rank, i] = g is not None
+            if g is None:  # DDP (find_unused_parameters) reduces zeros for it
                 view.zero_()
             else:
                 as_bucketed(view, p).copy_(g.detach())
@@ -248,9 +251,11 @@ class SimulatedRanks:
                     agg.reset_feedback(i)
         if self.optimizer is None:
             return
-        mine = set(owned)
+        # DDP leaves the gradient of a parameter no rank used untouched (None after
+        # `zero_grad(set_to_none=True)`), so the optimizer skips it: no momentum, no decay
+        used = set(owned) & set(torch.nonzero(self.used.any(0)).flatten().tolist())
         for i, p in enumerate(self.params):
-            p.grad = as_bucketed(self.out_views[i], p) if i in mine else None
+            p.grad = as_bucketed(self.out_views[i], p) if i in used else None
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -331,7 +336,7 @@ class SimulatedRanks:
 
     # -- processes ---------------------------------------------------------------------------
     def _fork(self) -> None:
-        for t in (*self.params, *self.buffers, self.out, self.bad):
+        for t in (*self.params, *self.buffers, self.out, self.bad, self.used):
             t.detach().share_memory_()
         ctx = mp.get_context("fork")
         self.barrier = ctx.Barrier(self.processes)

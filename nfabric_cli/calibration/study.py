@@ -67,7 +67,7 @@ from nfabric_cli.calibration.workers import (
 )
 from nfabric_cli.profile.target import degradation, require_finite_reference, within_tolerance
 from nfabric_cli.runtime.gate import CapacityGate
-from nfabric_cli.workloads.base import Workload
+from nfabric_cli.workloads.base import Workload, find_unused
 
 
 class ProgressSink:
@@ -142,6 +142,7 @@ class Calibrator:
         return compile_profile(
             profile, self.model, world_size=world, bucket_cap_mb=None,
             total_steps=steps or self.spec.steps,
+            find_unused_parameters=find_unused(self.workload),
         )
 
     def lower_bound(self, bindings: Bindings) -> float:

@@ -153,6 +153,7 @@ def compile_profile_cmd(
     from nfabric_cli.binding.compile import compile_for_workload
     from nfabric_cli.profile import read_profile, resolve_profile
     from nfabric_cli.profile.proven import outside_proven
+    from nfabric_cli.workloads.base import find_unused as find_unused_of
 
     check_one_model_option(workload, model)
     prof = read_profile(resolve_profile(profile))
@@ -163,7 +164,7 @@ def compile_profile_cmd(
         sub = load_substrate(substrate)
     net, wl, _ = load_model_from(workload, model)
     bindings = compile_for_workload(prof, net, wl, world_size, bucket_cap_mb, total_steps, sub,
-                                    find_unused)
+                                    find_unused or find_unused_of(wl))
     if out is not None:
         write_bindings(bindings, out)
     summary = bindings.summary()

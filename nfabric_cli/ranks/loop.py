@@ -33,6 +33,17 @@ class RankRng:
             torch.set_rng_state(saved)
 
 
+def workload_ddp(workload: Any, seed: int, bucket_cap_mb: float | None = None) -> nn.Module:
+    """`workload`'s model from `seed` under DDP as every real rank here trains it: the
+    bucket cap given (None: DDP's default), find_unused_parameters as the workload says."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nfabric_cli.workloads.base import find_unused
+
+    return DistributedDataParallel(workload.build_model(seed), bucket_cap_mb=bucket_cap_mb,
+                                   find_unused_parameters=find_unused(workload))
+
+
 def workload_steps(ddp: nn.Module, state: Any, workload: Any, optimizer: Any, scheduler: Any,
                    steps: range | int, rank: int, world_size: int, seed: int,
                    before_step: Callable[[int], None] | None = None,

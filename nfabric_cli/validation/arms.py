@@ -148,20 +148,25 @@ def make_arm(name: str, ddp: DistributedDataParallel, ctx: ArmContext) -> Any:
     if name == "static":
         profile = static_profile(model, STATIC_ROUTE, world_size=ctx.world_size)
         bindings = compile_profile(
-            profile, model, ctx.world_size, ctx.bucket_cap_mb, total_steps=ctx.steps
+            profile, model, ctx.world_size, ctx.bucket_cap_mb, total_steps=ctx.steps,
+            find_unused_parameters=bool(ddp.find_unused_parameters),
         )
         return FabricArm(ddp, ctx, bindings, controlled=False)
     if name == "profile":
-        bindings = profile_bindings(ctx.source, model, ctx.world_size, ctx.steps, ctx.bucket_cap_mb)
+        bindings = profile_bindings(ctx.source, model, ctx.world_size, ctx.steps,
+                                    ctx.bucket_cap_mb, bool(ddp.find_unused_parameters))
         return FabricArm(ddp, ctx, bindings, controlled=True)
     return HookArm(ddp, ctx, name)
 
 
 def profile_bindings(
-    source: str, model: Any, world_size: int, steps: int, bucket_cap_mb: float | None
+    source: str, model: Any, world_size: int, steps: int, bucket_cap_mb: float | None,
+    find_unused_parameters: bool = False,
 ) -> Any:
     """The profile arm's bindings: a bindings file as compiled, or a profile compiled for
-    this model, world size, steps and DDP bucket cap (InputError on a mismatch)."""
+    this model, world size, steps, DDP bucket cap and `find_unused_parameters` (InputError on
+    a mismatch)."""
     return load_bindings_or_profile(
-        source, model, world_size=world_size, total_steps=steps, bucket_cap_mb=bucket_cap_mb
+        source, model, world_size=world_size, total_steps=steps, bucket_cap_mb=bucket_cap_mb,
+        find_unused_parameters=find_unused_parameters,
     )

@@ -99,6 +99,7 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     from nfabric_cli.profile.parquet import read_metadata
     from nfabric_cli.profile.store import resolve_profile
     from nfabric_cli.validation.arms import profile_bindings
+    from nfabric_cli.workloads.base import find_unused
     from nfabric_cli.workloads.registry import get_workload
 
     cfg.check()
@@ -118,7 +119,8 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     cfg.source = str(source.resolve())
     cfg.bucket_cap_mb = read_bindings(source).bucket_cap_mb if kind == "bindings" else None
     model = workload.build_model(cfg.seed)
-    bindings = profile_bindings(cfg.source, model, cfg.world_size, cfg.steps, cfg.bucket_cap_mb)
+    bindings = profile_bindings(cfg.source, model, cfg.world_size, cfg.steps, cfg.bucket_cap_mb,
+                                find_unused(workload))
     higher = bool(workload.higher_is_better)
     cfg.tolerance = resolve_tolerance(cfg.tolerance, bindings.meta.get("target"), higher)
     if not cfg.report_dir:

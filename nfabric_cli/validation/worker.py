@@ -124,16 +124,14 @@ def _run_arm(
     count_link: bool,
 ) -> ArmRecord:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from nfabric_cli.ranks.loop import workload_steps
+    from nfabric_cli.ranks.loop import workload_ddp, workload_steps
     from nfabric_cli.ranks.netns import read_lo_counters
     from nfabric_cli.runtime.inject import KILL_EXIT_CODE, should_kill
     from nfabric_cli.validation.arms import make_arm
 
     progress.update(name, index, 0)
-    model = workload.build_model(ctx.seed)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=ctx.bucket_cap_mb)
+    ddp = workload_ddp(workload, ctx.seed, ctx.bucket_cap_mb)
     arm = make_arm(name, ddp, ctx)
     optimizer, scheduler = workload.make_optimizer(ddp.parameters(), ctx.steps)
     losses: list[float] = []
@@ -160,7 +158,7 @@ def _run_arm(
         link = {k: after[k] - before[k] for k in after}
     arm.close()
     sent, received = arm.step_bytes()
-    metric = workload.evaluate(model) if ctx.rank == 0 else None
+    metric = workload.evaluate(ddp.module) if ctx.rank == 0 else None
     return ArmRecord(
         name, ctx.rank, losses, times, sent, received, arm.fp32_reference(),
         list(arm.events), metric, link,

@@ -43,6 +43,11 @@ class Workload(Protocol):
     batch_size: int  # per rank
     head_selector: str  # region selector of the sensitive head, e.g. "head.*"
 
+    # Optional (read with `find_unused`): True for a model that leaves parameters out of some
+    # steps' graphs (a branch, a mixture of experts); DDP is then built with
+    # find_unused_parameters=True, and every stage plans and simulates its buckets so.
+    # find_unused_parameters: bool
+
     def build_model(self, seed: int) -> nn.Module: ...
 
     def make_optimizer(
@@ -70,3 +75,9 @@ class Workload(Protocol):
     def data_fingerprint(self) -> str:
         """Hash of the data, recorded in profile provenance."""
         ...
+
+
+def find_unused(workload: Any) -> bool:
+    """Whether `workload` trains under DDP(find_unused_parameters=True) (its optional
+    `find_unused_parameters` attribute; default False, DDP's default)."""
+    return bool(getattr(workload, "find_unused_parameters", False))

@@ -74,6 +74,7 @@ class BaseWorkload:
     default_steps: int = 0
     batch_size: int = 0
     head_selector: str = "head.*"
+    find_unused_parameters: bool = False  # see `Workload`
 
     # ---- what a subclass provides -------------------------------------------------------
     def _train_size(self) -> int:

@@ -1,7 +1,9 @@
 """Tiny plugin workloads for validation tests: an MLP classifier on a fixed synthetic task.
 
 `build()` is small (fast multi-process tests); `build_wide()` has ~140k parameters so a shaped
-link carries enough bytes for its counters to be compared with the claimed traffic.
+link carries enough bytes for its counters to be compared with the claimed traffic;
+`build_branch()` routes each batch through one of two experts, so a step may leave parameters
+out of a rank's graph, or out of every rank's (DDP's find_unused_parameters=True).
 """
 
 from __future__ import annotations
@@ -75,3 +77,29 @@ def build() -> TinyWorkload:
 
 def build_wide() -> TinyWorkload:
     return TinyWorkload(hidden=256, features=256)
+
+
+class BranchMLP(MLP):
+    """`MLP` whose batch goes through expert `a` or `b`, by its first feature's mean against
+    the training set's (0.37): some steps leave an expert out of a rank's graph, some out of
+    every rank's."""
+
+    def __init__(self, features: int, hidden: int, classes: int) -> None:
+        super().__init__(features, hidden, classes)
+        self.a, self.b = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        expert = self.a if float(x[:, 0].mean()) > 0.37 else self.b
+        return self.head(torch.tanh(expert(self.body(x))))
+
+
+class BranchWorkload(TinyWorkload):
+    name = "tiny-branch"
+    find_unused_parameters = True
+
+    def _make_model(self) -> nn.Module:
+        return BranchMLP(self.features, self.hidden, self.classes)
+
+
+def build_branch() -> BranchWorkload:
+    return BranchWorkload()

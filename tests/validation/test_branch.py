@@ -1,0 +1,45 @@
+"""A model that leaves parameters out of some steps' graphs (`find_unused_parameters`), as
+`validate` runs it on real ranks and as the calibration simulator replays it."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from nfabric_cli.binding import compile_profile, static_profile
+from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.profile import write_profile
+from tests.validation.common import nfabric, summary
+from tests.validation.tiny import BranchWorkload
+
+pytestmark = pytest.mark.slow  # real multi-process runs
+BRANCH = "tests.validation.tiny:build_branch"
+STEPS, SEED = 12, 0
+
+
+def test_validate_trains_a_branching_model_as_the_simulator_replays_it(tmp_path) -> None:
+    """`validate` builds DDP with the workload's find_unused_parameters (without it DDP
+    refused the second step), and the simulator leaves a parameter that no rank used without
+    a gradient, as DDP does, so the optimizer skips it (it stepped it from zeros: momentum
+    moved it). Every step's mean loss and the final metric agree exactly."""
+    wl = BranchWorkload()
+    model = wl.build_model(SEED)
+    experts = [wl.train_batch(s, r, 2, SEED)[0][:, 0].mean() > 0.37
+               for s in range(STEPS) for r in range(2)]
+    pairs = list(zip(experts[::2], experts[1::2], strict=True))
+    assert (True, True) in pairs and (False, False) in pairs  # each expert unused by both
+    assert (True, False) in pairs or (False, True) in pairs  # and by one rank only
+    profile = static_profile(model, "sign", [("head.*", "fp32")], workload=wl.name)
+    path = write_profile(profile, tmp_path / "branch.v1.parquet")
+    report = tmp_path / "report"
+    r = nfabric("validate", path, "--workload", BRANCH, "--steps", STEPS, "--arms",
+                "fp32,profile", "--seed", SEED, "--tolerance", 1, "--report", report)
+    assert r.returncode == 0, r.stderr
+    frame = pd.read_parquet(report / "steps.parquet")
+    real = frame[frame.arm == "profile"].sort_values(["step", "rank"])
+    real_losses = [sum(real[real.step == s]["loss"].tolist()) / 2 for s in range(STEPS)]
+    bindings = compile_profile(profile, model, world_size=2, total_steps=STEPS,
+                               find_unused_parameters=True)
+    sim = simulate_run(wl, bindings, 2, STEPS, SEED, checkpoints=tuple(range(1, STEPS + 1)))
+    assert [loss for _, loss in sim.loss_curve] == real_losses
+    assert sim.metric == summary(report)["arms"]["profile"]["metric"]
