@@ -29,6 +29,7 @@ from typing import Any
 
 import optuna
 from optuna.trial import TrialState
+from torch import nn
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
@@ -122,6 +123,14 @@ class Calibrator:
         self.multi = spec.sampler == "nsga2"
         self.model = workload.build_model(spec.seed)
         check_float32([(tp.name, tp.param) for tp in trainable_parameters(self.model)])
+        synced = [n for n, m in self.model.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+        if synced:
+            self.sink.note(
+                f"warning: {len(synced)} SyncBatchNorm layer(s) ({synced[0]}"
+                f"{', ...' if len(synced) > 1 else ''}): the simulator normalises each rank's "
+                "batch on its own statistics, as BatchNorm does; real ranks normalise over every "
+                "rank's batch, so the calibrated metrics approximate theirs (docs/calibration.md, "
+                "Limits)")
         self.health = dict(spec.health)
         self.bindings_for(fp32_config(spec))  # dead or missing selectors fail here, exit 2
         self.reference: dict[str, Any] = {}

@@ -352,6 +352,20 @@ def test_cli_warns_when_the_fp32_reference_learns_nothing(tmp_path: Path) -> Non
     learns = CliRunner().invoke(app, ["calibrate", TINY, *args,
                                       "--storage", f"sqlite:///{tmp_path}/b.db"])
     assert learns.exit_code == 0 and "did not learn" not in learns.output, learns.output
+    assert "SyncBatchNorm" not in learns.output
+
+
+def test_cli_warns_that_sync_batchnorm_is_simulated_per_rank(tmp_path: Path) -> None:
+    """The simulator's ranks run one at a time, so SyncBatchNorm normalises each rank's batch
+    alone (outside a process group it is BatchNorm): the calibration says it approximates."""
+    (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(trials=1)))
+    res = CliRunner().invoke(app, ["calibrate", "tests.calibration.tiny:syncbn_workload",
+                                   "--spec", str(tmp_path / "spec.toml"),
+                                   "--out", str(tmp_path / "o"),
+                                   "--storage", f"sqlite:///{tmp_path}/s.db"])
+    assert res.exit_code == 0, res.output
+    assert ("warning: 1 SyncBatchNorm layer(s) (norm): the simulator normalises each rank's "
+            "batch on its own statistics") in " ".join(res.output.split())
 
 
 def test_cli_bad_hyperband_shape_in_the_spec_exits_2(tmp_path: Path) -> None:

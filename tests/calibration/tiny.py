@@ -83,6 +83,19 @@ class TinyBNWorkload(TinyWorkload):
         return net
 
 
+class TinySyncBNWorkload(TinyWorkload):
+    """`TinyWorkload` with SyncBatchNorm (which GPU ranks normalise over every rank's batch)."""
+
+    def _make_model(self) -> nn.Module:
+        net = TinyNet()
+        net.norm = nn.SyncBatchNorm(32)
+        return net
+
+
+def syncbn_workload() -> TinySyncBNWorkload:
+    return TinySyncBNWorkload()
+
+
 class QuirkNet(nn.Module):
     """Convolutions (channels_last when asked), dropout when asked."""
 
