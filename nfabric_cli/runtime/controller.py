@@ -38,7 +38,13 @@ from nfabric_cli.routes import FP32
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.guard import Held, UpdateGuard
-from nfabric_cli.runtime.health import ALL, HealthMonitor, HealthThresholds, StepStats
+from nfabric_cli.runtime.health import (
+    ALL,
+    HealthMonitor,
+    HealthThresholds,
+    StepStats,
+    absent_scopes,
+)
 
 SKIP_REASON = "nonfinite gradient or loss: update neutralised on every rank"
 SCALER_REASON = ("nonfinite gradient or loss: passed on not finite, for the loss scaler to skip "
@@ -172,8 +178,10 @@ class StepController:
             why = {scope: reason for _, scope, reason in self.monitor.detections[seen:]}
             if ALL in why:
                 why = {**dict.fromkeys(self.scopes, why.pop(ALL)), **why}
+            absent = absent_scopes(grad_norms)  # not judged, and nothing to hold
+            updates = {n: v for n, v in update_norms.items() if self.region(n) not in absent}
             held = [] if self.passive else self._guard(
-                step, update_norms, nonfinite, routed_fp32 | self.forced() | set(why), why)
+                step, updates, nonfinite, routed_fp32 | self.forced() | set(why), why)
         else:
             held = []
         skip = nonfinite and not self.passive

@@ -23,6 +23,8 @@ the scope's early norm: late in a run, converged, single hard batches jump 10-17
 that has fallen tenfold) is a detection handled in place: the controller's update guard holds
 that step's update and the scope keeps its route (`grad_blowup_trips` = 1 makes it trip the
 scope instead); a gradient-norm collapse and a sign-agreement collapse trip the one scope.
+A scope whose gradient is exactly zero on every rank (parameters no rank used this step: an
+expert not taken) is absent from that check, not collapsed (`absent_scopes`).
 Judgements compare against windowed medians of earlier steps; re-admission uses the stricter readmit
 thresholds, so a value between the readmit and the trip threshold keeps a scope on FP32
 without counting a trip (hysteresis). Re-admission asks whether what tripped has passed: a
@@ -198,6 +200,7 @@ class HealthMonitor:
         if unknown:
             raise ValueError(f"statistics for unknown scope(s): {', '.join(unknown)}")
         self._last_step = stats.step
+        stats = present(stats)
 
         nonfinite_reason = _nonfinite_reason(stats)
         events: list[HealthEvent] = []
@@ -455,6 +458,24 @@ class HealthMonitor:
             "scopes": {s: one(s) for s in [ALL, *self._scopes]},
             "events": [e.to_dict() for e in self._events],
         }
+
+
+def absent_scopes(grad_norms: Mapping[str, float]) -> set[str]:
+    """The scopes with no gradient this step: a norm of exactly zero over every rank, which
+    is what DDP reduces for parameters that no rank's graph used (a branch or an expert not
+    taken, under find_unused_parameters). Not a collapse: such a scope is not judged, its
+    windows do not take the zero, and DDP leaves its parameters untouched."""
+    return {s for s, n in grad_norms.items() if n == 0.0}
+
+
+def present(stats: StepStats) -> StepStats:
+    """`stats` without the absent scopes' statistics (`absent_scopes`)."""
+    absent = absent_scopes(stats.grad_norms)
+    if not absent:
+        return stats
+    return StepStats(stats.step, stats.loss, stats.nonfinite,
+                     {s: n for s, n in stats.grad_norms.items() if s not in absent},
+                     {s: a for s, a in stats.sign_agreement.items() if s not in absent})
 
 
 def _robust_z(value: float, window: deque[float]) -> float:

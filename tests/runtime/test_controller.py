@@ -74,6 +74,18 @@ def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step(trips: 
         assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
 
 
+def test_a_scope_no_rank_used_is_neither_held_nor_in_the_guards_window():
+    """DDP leaves the parameters of a scope no rank used untouched, so there is no update to
+    hold, and its norm (a low-bit route's output for zeros) is not a healthy update."""
+    c, log = controller()
+    for u in [1.0, 1.2, 0.8, 1.1, 0.9]:
+        step(c, 1.0, 1.0, u)
+    window = c.guard.state_dict()["windows"]["*"]
+    d = step(c, 1.0, 0.0, 30.0)  # no gradient anywhere; the route still sends something
+    assert d.scales == {} and log == [] and c.monitor.detections == []
+    assert c.guard.state_dict()["windows"]["*"] == window
+
+
 def test_every_held_step_is_capped_and_a_smaller_update_is_never_scaled_up():
     c, _ = controller(update_cap=1.5)
     for u in [2.0] * 6:

@@ -72,6 +72,24 @@ def test_collapse_and_sign_agreement_trip_their_scope_only():
     assert not m.forced_fp32("all")
 
 
+def test_a_scope_with_no_gradient_on_any_rank_is_absent_not_collapsed():
+    """Exactly zero over every rank is what DDP reduces for parameters no rank used (an expert
+    not taken): no verdict, no window entry, no healthy check towards re-admission. A norm
+    just above zero is still a collapse."""
+    m = make_monitor()
+    feed(m, [1, 1, 1])
+    assert m.check(StepStats(3, 1.0, False, {"a": 1.0, "b": 0.0}, {"b": 1.0})) == []
+    assert m.detections == [] and m.state()["scopes"]["b"]["status"] == "ok"
+    assert list(m._norm_windows["b"]) == [1.0, 1.0, 1.0]
+    events = m.check(StepStats(4, 1.0, False, {"a": 1.0, "b": 1e-30}))
+    assert as_tuples(events) == [(4, "b", "int8", "fp32", "grad-norm collapse 1e-30x median")]
+    for step in (5, 6, 7, 8):  # cooldown to 6, then probation: absent checks do not count
+        m.check(StepStats(step, 1.0, False, {"a": 1.0, "b": 0.0}))
+    assert m.forced_fp32("b")
+    feed(m, [1, 1], start=9)
+    assert not m.forced_fp32("b")  # re-admitted on two present healthy checks
+
+
 def test_a_collapse_on_a_batch_already_fit_is_no_trip():
     """A near-zero loss has a near-zero gradient with nothing wrong: transformer.v8 at 4x its
     length collapsed 1000x on losses 140-250x below the median. The collapse trips only while

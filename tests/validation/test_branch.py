@@ -21,7 +21,9 @@ def test_validate_trains_a_branching_model_as_the_simulator_replays_it(tmp_path)
     """`validate` builds DDP with the workload's find_unused_parameters (without it DDP
     refused the second step), and the simulator leaves a parameter that no rank used without
     a gradient, as DDP does, so the optimizer skips it (it stepped it from zeros: momentum
-    moved it). Every step's mean loss and the final metric agree exactly."""
+    moved it). Every step's mean loss and the final metric agree exactly. Each expert is a
+    region of its own: a step no rank routes through it is no gradient-norm collapse (the
+    monitor tripped each to fp32, then pinned one)."""
     wl = BranchWorkload()
     model = wl.build_model(SEED)
     experts = [wl.train_batch(s, r, 2, SEED)[0][:, 0].mean() > 0.37
@@ -29,7 +31,8 @@ def test_validate_trains_a_branching_model_as_the_simulator_replays_it(tmp_path)
     pairs = list(zip(experts[::2], experts[1::2], strict=True))
     assert (True, True) in pairs and (False, False) in pairs  # each expert unused by both
     assert (True, False) in pairs or (False, True) in pairs  # and by one rank only
-    profile = static_profile(model, "sign", [("head.*", "fp32")], workload=wl.name)
+    profile = static_profile(model, "sign", [("a.*", "sign"), ("b.*", "sign"), ("head.*", "fp32")],
+                             workload=wl.name)
     path = write_profile(profile, tmp_path / "branch.v1.parquet")
     report = tmp_path / "report"
     r = nfabric("validate", path, "--workload", BRANCH, "--steps", STEPS, "--arms",
@@ -43,3 +46,5 @@ def test_validate_trains_a_branching_model_as_the_simulator_replays_it(tmp_path)
     sim = simulate_run(wl, bindings, 2, STEPS, SEED, checkpoints=tuple(range(1, STEPS + 1)))
     assert [loss for _, loss in sim.loss_curve] == real_losses
     assert sim.metric == summary(report)["arms"]["profile"]["metric"]
+    assert summary(report)["arms"]["profile"]["fallbacks"] == 0
+    assert sim.events == [] and sim.detections == []
