@@ -32,7 +32,7 @@ be more or less chaotic than fp32's), so a worse pair is counted beyond static's
 
     python -m bench.robustness [--workloads vision,transformer,lm] [--seeds 0,1,2]
                                [--lengths 1,2,4] [--world-sizes 2,4] [--noise [N]]
-                               [--faults spike,nan|none] [--json]
+                               [--faults spike,nan|none] [--profiles DIR] [--json]
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch
 from bench.noise_floor import nudged_builds
 from nfabric_cli.binding import compile_profile, on_route
 from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.validation.run import default_steps
@@ -82,17 +83,23 @@ def _spread(m: dict[str, float], base: str, of: str) -> float | None:
     return max(gaps) if gaps else None
 
 
-def reference_steps(name: str) -> int:
+def reference_profile(name: str, profiles: Path = PROFILES) -> OperatingProfile:
+    """The newest profile of workload `name` (a built-in, or MODULE:FN) under
+    `profiles`/<its name>/, as `calibrate --out profiles` writes it."""
+    return read_profile(resolve_profile(profiles / get_workload(name).name))
+
+
+def reference_steps(name: str, profiles: Path = PROFILES) -> int:
     """The length the workload's reference profile was calibrated at, as `validate` defaults
     to (`validation.run.default_steps`)."""
-    meta = read_profile(resolve_profile(PROFILES / name)).meta
+    meta = reference_profile(name, profiles).meta
     return default_steps("profile", meta, get_workload(name).default_steps)
 
 
 def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
-             faults: tuple[str, ...] = FAULTS) -> dict:
+             faults: tuple[str, ...] = FAULTS, profiles: Path = PROFILES) -> dict:
     workload = get_workload(name)
-    profile = read_profile(resolve_profile(PROFILES / name))
+    profile = reference_profile(name, profiles)
     target = profile.meta["target"]
     model = workload.build_model(seed)
     bindings = compile_profile(profile, model, world_size=world, total_steps=steps)
@@ -251,6 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--faults", default=",".join(FAULTS),
                         help="faults injected, each in its own static and profile arm; "
                              "'none': the clean arms only")
+    parser.add_argument("--profiles", type=Path, default=PROFILES, metavar="DIR",
+                        help="where each workload's profile is, as DIR/<name>/<name>.vN.parquet "
+                             "(calibrate --out DIR); default the committed ones")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     faults = () if args.faults == "none" else tuple(f for f in args.faults.split(",") if f)
@@ -261,11 +271,12 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     cells = []
     for name in args.workloads.split(","):
-        base = reference_steps(name)
+        base = reference_steps(name, args.profiles)
         for mult in (int(x) for x in args.lengths.split(",")):
             for world in (int(x) for x in args.world_sizes.split(",")):
                 for seed in (int(x) for x in args.seeds.split(",")):
-                    cell = run_cell(name, seed, base * mult, world, args.noise, faults)
+                    cell = run_cell(name, seed, base * mult, world, args.noise, faults,
+                                    args.profiles)
                     cells.append(cell)
                     if not args.json:
                         show(cell)

@@ -25,6 +25,7 @@ from nfabric_cli.calibration.choice import (
     reference_job,
 )
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
+from nfabric_cli.calibration.quiet import spike_heights
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
 from nfabric_cli.calibration.spec import Cell
@@ -46,7 +47,7 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
         key, config = trial.user_attrs["key"], config_of(trial, spec)
         for cell in cells:
             where = _where(cell)
-            ref = _shared(cal, reference_job(cell), fp32_config(spec), cell, f"reference {where}")
+            ref = reference(cal, cell)
             require_finite_reference(ref["metric"], f"({where})")
             label = f"confirm trial {trial.number} {where}"
             _shared(cal, cell_job(key, cell), config, cell, label)
@@ -73,22 +74,37 @@ def _where(cell: Cell) -> str:
     return f"seed {cell.seed}, {cell.steps} steps{world}"
 
 
-def _shared(cal: Calibrator, job: str, config: Config, cell: Cell, label: str) -> dict[str, Any]:
+def reference(cal: Calibrator, cell: Cell) -> dict[str, Any]:
+    """The FP32 reference of `cell`, stored or run here (shared by every worker). The
+    detectors judge it passively: its loss spikes set the study's spike floor
+    (`Calibrator.quiet`, run before the search)."""
+    return _shared(cal, reference_job(cell), fp32_config(cal.spec), cell,
+                   f"reference {_where(cell)}", passive=True)
+
+
+def _shared(cal: Calibrator, job: str, config: Config, cell: Cell, label: str,
+            passive: bool = False) -> dict[str, Any]:
     assert cal.log is not None  # run_study sets it
-    return cal.log.shared(job, lambda: run_cell(cal, config, cell, label),
+    return cal.log.shared(job, lambda: run_cell(cal, config, cell, label, passive),
                           lambda holder: cal.sink.note(f"waiting for {label}: {holder} runs it"))
 
 
-def run_cell(cal: Calibrator, config: Config, cell: Cell, label: str) -> dict[str, Any]:
-    """`config` trained on one cell (seed, steps, world size), evaluated once, at its end."""
+def run_cell(cal: Calibrator, config: Config, cell: Cell, label: str,
+             passive: bool = False) -> dict[str, Any]:
+    """`config` trained on one cell (seed, steps, world size), evaluated once, at its end;
+    `passive`: the detectors judge every step, nothing acts, and the loss spikes they report
+    are kept (`quiet.spike_heights`)."""
     seed, steps, world = cell.seed, cell.steps, cell.ranks(cal.spec.world_size)
     cal.sink.trial_started(None, label, steps)
     start = time.perf_counter()
     result = simulate_run(cal.workload, cal.bindings_for(config, steps, world), world,
-                          steps, seed, (steps,), None, cal.sink.step, processes=cal.processes)
+                          steps, seed, (steps,), None, cal.sink.step, processes=cal.processes,
+                          passive=passive)
     out = {"metric": result.metric, "traffic_fraction": result.traffic_fraction,
            "steps_run": result.steps_run, "wall_s": round(time.perf_counter() - start, 2),
            "worker": cal.worker.id, KEY: code_fingerprint()}
+    if passive:
+        out["spikes"] = spike_heights(result.detections, result.losses, result.early_loss)
     cal.sink.trial_finished({"number": None, "kind": label, "state": "COMPLETE",
                              "traffic_fraction": out["traffic_fraction"], "metric": out["metric"],
                              "note": f"metric {out['metric']:.4f}, traffic "

@@ -141,7 +141,7 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
         "workload": wl.name,
         "model_fingerprint": fingerprint,
         "world_size": spec.world_size,
-        "health": HealthThresholds.from_dict(spec.health).to_dict(),
+        "health": HealthThresholds.from_dict(run.health).to_dict(),
         "target": {"metric": wl.metric_name, "reference": reference,
                    "tolerance": spec.tolerance, "higher_is_better": wl.higher_is_better},
         "provenance": base_provenance(

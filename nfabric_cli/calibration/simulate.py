@@ -66,6 +66,10 @@ class SimResult:
     #: (step, scope, reason) of every detection the health monitor's detectors gave (trip
     #: signals and blow-ups guarded in place), acted on or not (`HealthMonitor.detections`)
     detections: list[tuple[int, str, str]] = field(default_factory=list)
+    #: per step: the ranks' mean training loss, as the health monitor saw it
+    losses: list[float] = field(default_factory=list)
+    #: the monitor's early loss: the median of its first `window` healthy losses (None: none)
+    early_loss: float | None = None
 
     @property
     def metric(self) -> float:
@@ -308,4 +312,6 @@ def simulate_run(
         model=sim.model,
         loss_curve=loss_curve,
         detections=list(sim.monitor.detections),
+        losses=list(sim.losses),
+        early_loss=sim.monitor.early_loss(),
     )

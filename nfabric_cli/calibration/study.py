@@ -36,6 +36,7 @@ from nfabric_cli.binding.compile import compile_profile
 from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint, foreign_results
 from nfabric_cli.calibration.confirm import confirm
+from nfabric_cli.calibration.confirm import reference as confirm_reference
 from nfabric_cli.calibration.objective import (
     DEFAULT_INTERMEDIATE,
     INTERMEDIATE,
@@ -45,6 +46,7 @@ from nfabric_cli.calibration.objective import (
     objective_value,
     store_result,
 )
+from nfabric_cli.calibration.quiet import quiet_floor, spike_heights
 from nfabric_cli.calibration.reduces import ddp_layouts
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, check_float32, simulate_run
@@ -96,6 +98,10 @@ class StudyRun:
     multi_objective: bool
     extra: dict[str, Any] = field(default_factory=dict)
     worker: Worker = field(default_factory=Worker.current)
+
+    #: the health thresholds the study ran under: the spec's, and a spike floor its fp32
+    #: references raised (`quiet.py`)
+    health: dict[str, Any] = field(default_factory=dict)
 
 
 class Calibrator:
@@ -166,11 +172,12 @@ class Calibrator:
         return traffic_lower_bound(bindings, self.spec.world_size, self.spec.steps, gate,
                                    self._layouts)
 
-    def simulate(self, config: Config, on_checkpoint=None, bindings=None) -> SimResult:  # noqa: ANN001
+    def simulate(self, config: Config, on_checkpoint=None, bindings=None,  # noqa: ANN001
+                 passive: bool = False) -> SimResult:
         return simulate_run(
             self.workload, bindings or self.bindings_for(config), self.spec.world_size,
             self.spec.steps, self.spec.seed, self.spec.checkpoints(), on_checkpoint, self.sink.step,
-            processes=self.processes,
+            processes=self.processes, passive=passive,
         )
 
     def _prune_by_bound(self, trial: optuna.Trial, bindings: Bindings) -> None:
@@ -198,6 +205,20 @@ class Calibrator:
                                   "state": "PRUNED", "note": note})
         raise optuna.TrialPruned(note)
 
+    def quiet(self, reference: dict[str, Any]) -> None:
+        """Raise the loss-spike floor above the loss spikes of every fp32 reference the study
+        has: the search's, and each confirmation cell's (run here if not stored yet; the
+        confirmation needs them anyway). Every worker derives the same floor from the same
+        shared references (`quiet.py`)."""
+        heights = [tuple(h) for h in reference.get("spikes", [])]
+        if not self.multi:
+            for cell in self.spec.confirm_cells():
+                heights += [tuple(h) for h in confirm_reference(self, cell).get("spikes", [])]
+        raised, note = quiet_floor(heights, self.spec.health)
+        if note:
+            self.sink.note(note)
+        self.health.update(raised)
+
     def reference_for(self, study: optuna.Study) -> dict[str, Any]:
         """The study's FP32 reference: stored, or run here under a claim while any other
         worker waits for it (a claim whose holder died is taken over)."""
@@ -209,7 +230,9 @@ class Calibrator:
 
     def run_reference(self) -> dict[str, Any]:
         self.sink.trial_started(None, "reference", self.spec.steps)
-        result = self.simulate(fp32_config(self.spec))
+        # the detectors judge this healthy run (passive: nothing acts): a loss spike they
+        # report raises the spike floor for the whole study (`quiet.py`)
+        result = self.simulate(fp32_config(self.spec), passive=True)
         require_finite_reference(result.metric, f"(seed {self.spec.seed}, {self.spec.steps} steps)")
         untrained = float(self.workload.evaluate(self.workload.build_model(self.spec.seed)))
         if degradation(result.metric, untrained, self.workload.higher_is_better) >= 0:
@@ -220,6 +243,7 @@ class Calibrator:
                 "the workload's optimizer and data")
         ref = {"curve": [list(c) for c in result.curve], "metric": result.metric,
                "steps_run": result.steps_run, "loss_curve": [list(c) for c in result.loss_curve]}
+        ref["spikes"] = spike_heights(result.detections, result.losses, result.early_loss)
         self.sink.trial_finished({"number": None, "kind": "reference", "state": "COMPLETE",
                                   "traffic_fraction": 1.0, "metric": result.metric,
                                   "degradation": 0.0})
@@ -406,6 +430,7 @@ def run_study(
         study.sampler = make_sampler(spec, offset)
         fail_dead_trials(study, worker)  # a killed run's trial: failed, its sweep re-queued
         calibrator.reference = reference = calibrator.reference_for(study)
+        calibrator.quiet(reference)  # before any trial: the floor holds for all of them
         if resumed and (foreign := foreign_results(study)):
             calibrator.sink.note(
                 f"study {name}: {len(foreign)} stored result(s) ({', '.join(foreign[:4])}"
@@ -429,4 +454,5 @@ def run_study(
         confirm(calibrator, study)
         log.set("finishing")
     return StudyRun(study, spec, workload, reference, resumed, new, calibrator.multi,
-                    {"sensitivity": calibrator.sensitivity(study) or {}}, worker)
+                    {"sensitivity": calibrator.sensitivity(study) or {}}, worker,
+                    dict(calibrator.health))

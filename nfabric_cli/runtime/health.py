@@ -245,6 +245,12 @@ class HealthMonitor:
         if len(self._early[key]) < self.thresholds.window:
             self._early[key].append(value)
 
+    def early_loss(self) -> float | None:
+        """The run's early loss: the median of its first `window` healthy losses (what the
+        spike floor scales); None before any."""
+        early = self._early[ALL]
+        return statistics.median(early) if early else None
+
     def _floor(self, key: str, factor: float) -> float:
         """`factor` times the median of the early values under `key`."""
         return factor * statistics.median(self._early[key])
