@@ -13,8 +13,11 @@ The default rule (`confirm.rule = "worst"`) is `validate --seeds`' rule, the wor
 candidate holds when every cell is within tolerance of that cell's reference; cells are
 trained in order and a candidate stops at its first failing cell. `rule = "bound"` asks more:
 the one-sided 95 % prediction bound for one more seed, from the candidate's cells, within
-tolerance (every cell is trained). The cheapest candidate that holds wins; when none does, the
-profile is all fp32 (the reference itself: nothing unproven ships).
+tolerance (every cell is trained). Of the candidates that hold, the one with the least traffic
+over its cells wins (a profile whose monitor falls back on other seeds or world sizes sends
+those fp32 steps too): after a candidate holds, the next ones are confirmed only while their
+search traffic is below its mean over the cells. When none holds, the profile is all fp32 (the
+reference itself: nothing unproven ships).
 
 This module only reads: results live in the study's user attributes under `cell_job` names
 (`confirm.py` trains them), so a resumed study and every worker see the same verdicts.
@@ -142,9 +145,17 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
     if status == "holds" and not worst_rule and not within_tolerance(
             bound if bound is not None else max(degrs), spec.tolerance):
         status = "fails"
+    traffic = [c["traffic_fraction"] for c in cells]
     return {"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
             "status": status, "cells": cells, "worst_degradation": max(degrs),
-            "mean_degradation": sum(degrs) / len(degrs), "bound95": bound}
+            "mean_degradation": sum(degrs) / len(degrs), "bound95": bound,
+            "traffic_mean": sum(traffic) / len(traffic)}
+
+
+def beaten(search_traffic: float, best: dict[str, Any] | None) -> bool:
+    """Whether a candidate that measured `search_traffic` in the search need not be
+    confirmed: a holder measured no more than that over its cells (`traffic_mean`)."""
+    return best is not None and search_traffic >= best["traffic_mean"]
 
 
 def verdicts(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
@@ -157,14 +168,19 @@ def verdicts(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
 
 def decide(found: list[dict[str, Any]]) -> tuple[int | None, bool]:
     """From the candidates' verdicts, in order: (the winning trial's number or None, whether a
-    candidate before any that holds is still pending). Nothing after a pending candidate may
-    win: it is not confirmed (yet)."""
+    candidate that could still win is pending). The winner is the holder with the least
+    traffic over its cells (`traffic_mean`: the fp32 steps its fallbacks sent on the other
+    seeds, lengths and world sizes count), among the candidates up to the first whose search
+    traffic is no less than that (`beaten`); a pending one before it leaves the choice open."""
+    best = None
     for v in found:
-        if v["status"] == "holds":
-            return v["trial"], False
+        if beaten(v["traffic_fraction"], best):
+            break
         if v["status"] == "pending":
             return None, True
-    return None, False
+        if v["status"] == "holds" and (best is None or v["traffic_mean"] < best["traffic_mean"]):
+            best = v
+    return (None if best is None else best["trial"]), False
 
 
 def robust_winner(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,

@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
 from nfabric_cli.calibration.choice import (
+    beaten,
     candidate_verdict,
     candidates,
     cell_job,
@@ -36,14 +37,18 @@ if TYPE_CHECKING:
 
 
 def confirm(cal: Calibrator, study: optuna.Study) -> None:
-    """Train confirmation cells until a candidate holds on all of them or none is left."""
+    """Train confirmation cells until the winner is known (`choice.decide`): the holder with
+    the least traffic over its cells, or none."""
     spec = cal.spec
     cells = spec.confirm_cells()
     if not cells or cal.multi:
         return
     _wait_for_trials(cal, study)
     higher = cal.workload.higher_is_better
+    best = None  # the verdict of the holder with the least traffic over its cells so far
     for trial in candidates(study, spec):
+        if beaten(trial.user_attrs["traffic_fraction"], best):
+            return
         key, config = trial.user_attrs["key"], config_of(trial, spec)
         for cell in cells:
             where = _where(cell)
@@ -62,8 +67,11 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
             bound = "n/a" if mine["bound95"] is None else f"{mine['bound95']:+.4f}"
             if mine["status"] == "holds":
                 cal.sink.note(f"trial {trial.number} holds on every confirmation cell "
-                              f"(worst {mine['worst_degradation']:+.4f}, bound {bound})")
-                return
+                              f"(worst {mine['worst_degradation']:+.4f}, bound {bound}; "
+                              f"traffic {mine['traffic_mean']:.4f} over its cells)")
+                if best is None or mine["traffic_mean"] < best["traffic_mean"]:
+                    best = mine
+                continue
             cal.sink.note(f"trial {trial.number} fails the {spec.confirm_rule} rule: worst "
                           f"{mine['worst_degradation']:+.4f}, bound {bound}")
 
