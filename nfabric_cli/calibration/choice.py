@@ -185,8 +185,9 @@ def decide(found: list[dict[str, Any]]) -> tuple[int | None, bool]:
 
 def robust_winner(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
                   reference: dict[str, Any]) -> FrozenTrial | None:
-    """The winner: without a grid, the cheapest admissible trial; with one, the cheapest
-    candidate whose every cell is stored and within tolerance (None: all fp32)."""
+    """The winner: without a grid, the cheapest admissible trial; with one, of the
+    candidates whose every cell is stored and within tolerance, the one with the least
+    traffic over its cells (`decide`; None: all fp32)."""
     if not spec.confirm_cells():
         return best_admissible(study, spec.tolerance)
     number, _ = decide(verdicts(study, spec, higher_is_better, reference))

@@ -55,7 +55,8 @@ class Outcome:
 
 
 def pick_winner(run: StudyRun) -> FrozenTrial | None:
-    """The cheapest admissible trial that holds on the confirmation grid (`choice.py`)."""
+    """The admissible trial that holds on the confirmation grid with the least traffic over
+    it (`choice.py`)."""
     return robust_winner(run.study, run.spec, run.workload.higher_is_better, run.reference)
 
 
