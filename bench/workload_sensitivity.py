@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from nfabric_cli.routes import RouteSpec, make_route
-from nfabric_cli.workloads.base import Workload
+from nfabric_cli.workloads.base import Workload, held_out_metric
 from nfabric_cli.workloads.registry import BUILTINS, get_workload
 
 ARMS = ("fp32", "sign", "head-fp32")
@@ -85,7 +85,7 @@ def train_arm(workload: Workload, arm: str, world_size: int, steps: int, seed: i
         opt.step()
         if scheduler is not None:
             scheduler.step()
-    metric = workload.evaluate(model)
+    metric = held_out_metric(workload, model)
     return ArmResult(workload.name, arm, seed, metric, traffic, time.perf_counter() - start)
 
 

@@ -36,7 +36,7 @@ from nfabric_cli.interrupt import deferred_sigint
 from nfabric_cli.routes.spec import FP32, RouteSpec
 from nfabric_cli.runtime.controller import StepController, StepDecision
 from nfabric_cli.runtime.inject import Injection
-from nfabric_cli.workloads.base import Workload
+from nfabric_cli.workloads.base import Workload, held_out_metric
 
 #: Called after each checkpoint with (step, metric, projected traffic fraction of the whole
 #: run: measured so far plus the profile's planned routes for the steps left, mean training
@@ -231,7 +231,7 @@ class SimulatedDDP:
         self.controller.advance(step)
 
     def evaluate(self) -> float:
-        return float(self.workload.evaluate(self.model))
+        return held_out_metric(self.workload, self.model)
 
 
 def _all_fp32(name: str) -> RouteSpec:

@@ -70,7 +70,7 @@ from nfabric_cli.calibration.workers import (
 )
 from nfabric_cli.profile.target import degradation, require_finite_reference, within_tolerance
 from nfabric_cli.runtime.gate import CapacityGate
-from nfabric_cli.workloads.base import Workload, find_unused
+from nfabric_cli.workloads.base import Workload, find_unused, held_out_metric
 
 
 class ProgressSink:
@@ -234,7 +234,7 @@ class Calibrator:
         # report raises the spike floor for the whole study (`quiet.py`)
         result = self.simulate(fp32_config(self.spec), passive=True)
         require_finite_reference(result.metric, f"(seed {self.spec.seed}, {self.spec.steps} steps)")
-        untrained = float(self.workload.evaluate(self.workload.build_model(self.spec.seed)))
+        untrained = held_out_metric(self.workload, self.workload.build_model(self.spec.seed))
         if degradation(result.metric, untrained, self.workload.higher_is_better) >= 0:
             self.sink.note(
                 f"warning: the fp32 reference did not learn: {self.workload.metric_name} "

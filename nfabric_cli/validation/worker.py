@@ -129,6 +129,7 @@ def _run_arm(
     from nfabric_cli.ranks.netns import read_lo_counters
     from nfabric_cli.runtime.inject import KILL_EXIT_CODE, should_kill
     from nfabric_cli.validation.arms import make_arm
+    from nfabric_cli.workloads.base import held_out_metric
 
     progress.update(name, index, 0)
     ddp = workload_ddp(workload, ctx.seed, ctx.bucket_cap_mb)
@@ -158,7 +159,7 @@ def _run_arm(
         link = {k: after[k] - before[k] for k in after}
     arm.close()
     sent, received = arm.step_bytes()
-    metric = workload.evaluate(ddp.module) if ctx.rank == 0 else None
+    metric = held_out_metric(workload, ddp.module) if ctx.rank == 0 else None
     return ArmRecord(
         name, ctx.rank, losses, times, sent, received, arm.fp32_reference(),
         list(arm.events), metric, link,

@@ -81,3 +81,18 @@ def find_unused(workload: Any) -> bool:
     """Whether `workload` trains under DDP(find_unused_parameters=True) (its optional
     `find_unused_parameters` attribute; default False, DDP's default)."""
     return bool(getattr(workload, "find_unused_parameters", False))
+
+
+def held_out_metric(workload: Any, model: nn.Module) -> float:
+    """`workload.evaluate(model)` as the protocol promises it: in eval mode (the mode is
+    restored after), without gradients, and with the global random state left as it was. A
+    plugin's `evaluate` that does none of this itself (the breast-cancer example) ran with
+    dropout on: a metric of random masks, which neither `validate` nor the simulator could
+    reproduce."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            return float(workload.evaluate(model))
+    finally:
+        model.train(was_training)
