@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.workloads.base import held_out_metric
 from nfabric_cli.workloads.registry import describe, get_workload, list_workloads, load_model
 from tests.workloads.helpers import train
 
@@ -194,3 +195,27 @@ def test_example_plugin_file(monkeypatch: pytest.MonkeyPatch) -> None:
         "head.weight",
         "head.bias",
     ]
+
+
+class _BareEvaluate:
+    """A plugin's evaluate that sets no mode and takes no care: dropout stays as it finds it."""
+
+    def evaluate(self, model: torch.nn.Module) -> float:
+        self.saw_training = model.training
+        return float(model(torch.ones(64, 8)).sum())
+
+
+def test_a_held_out_metric_is_taken_in_eval_mode_without_touching_the_random_state() -> None:
+    """The protocol promises evaluate an eval-mode model: a plugin that does not set it itself
+    measured random dropout masks, which validate and the simulator drew differently."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+    wl = _BareEvaluate()
+    state = torch.get_rng_state()
+    first, second = held_out_metric(wl, model), held_out_metric(wl, model)
+    assert first == second == float(model.eval()(torch.ones(64, 8)).sum())
+    model.train()
+    assert held_out_metric(wl, model) == first and wl.saw_training is False
+    assert model.training  # the caller's mode is restored
+    assert torch.equal(torch.get_rng_state(), state)
+    assert float(model(torch.ones(64, 8)).sum()) != first  # the premise: training draws masks
