@@ -213,9 +213,11 @@ def test_a_held_out_metric_is_taken_in_eval_mode_without_touching_the_random_sta
     wl = _BareEvaluate()
     state = torch.get_rng_state()
     first, second = held_out_metric(wl, model), held_out_metric(wl, model)
-    assert first == second == float(model.eval()(torch.ones(64, 8)).sum())
+    with torch.no_grad():
+        assert first == second == float(model.eval()(torch.ones(64, 8)).sum())
     model.train()
     assert held_out_metric(wl, model) == first and wl.saw_training is False
     assert model.training  # the caller's mode is restored
     assert torch.equal(torch.get_rng_state(), state)
-    assert float(model(torch.ones(64, 8)).sum()) != first  # the premise: training draws masks
+    with torch.no_grad():  # the premise: training draws masks
+        assert float(model(torch.ones(64, 8)).sum()) != first
