@@ -270,13 +270,12 @@ def _confirmation(doc: dict[str, Any]) -> Table:
                         f"{cost['wall_s'] / 60:.1f} min")
     home = doc["candidates"][0]["cells"][0].get("world_size") if doc["candidates"] else None
     last = "cells: seed/steps degradation (/wN: at N ranks)"
-    for col in ("trial", "traffic", "over cells", "status", "worst", "mean", "bound95", last):
+    for col in ("trial", "traffic", "status", "worst", "mean", "bound95", last):
         table.add_column(col, justify="left" if col == last else "right")
     for v in doc["candidates"]:
         cells = ", ".join(f"{_cell_label(c, home)} {c['degradation']:+.4f}" for c in v["cells"])
         bound = "-" if v.get("bound95") is None else f"{v['bound95']:+.4f}"
-        over = "-" if v.get("traffic_mean") is None else f"{v['traffic_mean']:.4f}"
-        table.add_row(str(v["trial"]), f"{v['traffic_fraction']:.4f}", over, v["status"],
+        table.add_row(str(v["trial"]), f"{v['traffic_fraction']:.4f}", v["status"],
                       f"{v['worst_degradation']:+.4f}", f"{v['mean_degradation']:+.4f}", bound,
                       cells)
     return table
