@@ -53,6 +53,7 @@ from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.validation.run import default_steps
+from nfabric_cli.workloads.base import find_unused
 from nfabric_cli.workloads.registry import get_workload
 
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
@@ -102,8 +103,11 @@ def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
     profile = reference_profile(name, profiles)
     target = profile.meta["target"]
     model = workload.build_model(seed)
-    bindings = compile_profile(profile, model, world_size=world, total_steps=steps)
-    reference = compile_profile(on_route(profile, "fp32"), model, world_size=world, total_steps=steps)
+    unused = find_unused(workload)  # DDP's buckets as the workload trains
+    bindings = compile_profile(profile, model, world_size=world, total_steps=steps,
+                               find_unused_parameters=unused)
+    reference = compile_profile(on_route(profile, "fp32"), model, world_size=world,
+                                total_steps=steps, find_unused_parameters=unused)
     at = int(0.4 * steps)
     # fp32: the detectors judge every step (`passive`) and act on nothing: plain fp32 DDP
     arms = {"fp32": (reference, "passive", ()), "static": (bindings, False, ()),

@@ -154,7 +154,10 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
 
 def beaten(search_traffic: float, best: dict[str, Any] | None) -> bool:
     """Whether a candidate that measured `search_traffic` in the search need not be
-    confirmed: a holder measured no more than that over its cells (`traffic_mean`)."""
+    confirmed: a holder measured no more than that over its cells (`traffic_mean`). A
+    heuristic that bounds the confirmation's cost: a candidate's mean over its cells is
+    usually no less than its search traffic (its fallbacks elsewhere add fp32 steps), but may
+    be where other cells send fewer bytes or the search cell itself fell back."""
     return best is not None and search_traffic >= best["traffic_mean"]
 
 
@@ -187,8 +190,9 @@ def robust_winner(study: optuna.Study, spec: CalibrationSpec, higher_is_better: 
                   reference: dict[str, Any]) -> FrozenTrial | None:
     """The winner: without a grid, the cheapest admissible trial; with one, of the
     candidates whose every cell is stored and within tolerance, the one with the least
-    traffic over its cells (`decide`; None: all fp32)."""
-    if not spec.confirm_cells():
+    traffic over its cells (`decide`; None: all fp32). A multi-objective study is not
+    confirmed (`confirm.py`): its winner is the cheapest admissible trial."""
+    if not spec.confirm_cells() or len(study.directions) > 1:
         return best_admissible(study, spec.tolerance)
     number, _ = decide(verdicts(study, spec, higher_is_better, reference))
     return None if number is None else next(t for t in completed(study) if t.number == number)
@@ -197,4 +201,6 @@ def robust_winner(study: optuna.Study, spec: CalibrationSpec, higher_is_better: 
 def pending(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
             reference: dict[str, Any]) -> bool:
     """Whether confirmation still has a cell to train before the winner is known."""
+    if len(study.directions) > 1:  # not confirmed
+        return False
     return decide(verdicts(study, spec, higher_is_better, reference))[1]

@@ -26,7 +26,7 @@ from nfabric_cli.calibration.choice import (
     reference_job,
 )
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
-from nfabric_cli.calibration.quiet import spike_heights
+from nfabric_cli.calibration.quiet import spikes_of
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
 from nfabric_cli.calibration.spec import Cell
@@ -41,6 +41,9 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
     the least traffic over its cells, or none."""
     spec = cal.spec
     cells = spec.confirm_cells()
+    if cells and cal.multi:
+        cal.sink.note("no confirmation: a multi-objective study (nsga2) has a Pareto front, not "
+                      "a list of candidates; the profile is proven on the search's own cell")
     if not cells or cal.multi:
         return
     _wait_for_trials(cal, study)
@@ -112,7 +115,7 @@ def run_cell(cal: Calibrator, config: Config, cell: Cell, label: str,
            "steps_run": result.steps_run, "wall_s": round(time.perf_counter() - start, 2),
            "worker": cal.worker.id, KEY: code_fingerprint()}
     if passive:
-        out["spikes"] = spike_heights(result.detections, result.losses, result.early_loss)
+        out["spikes"] = spikes_of(result)
     cal.sink.trial_finished({"number": None, "kind": label, "state": "COMPLETE",
                              "traffic_fraction": out["traffic_fraction"], "metric": out["metric"],
                              "note": f"metric {out['metric']:.4f}, traffic "

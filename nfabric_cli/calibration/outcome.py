@@ -1,9 +1,10 @@
 """From a finished study to an operating profile: the winner, its evidence, the Pareto front.
 
 The winner is the completed trial with the lowest measured traffic fraction whose final metric
-is within tolerance of the FP32 reference (ties: smaller degradation, then earlier trial) and,
-when the spec has a confirmation grid, that holds on every cell of it (`choice.py`). If no
-trial qualifies, the all-FP32 profile wins: it is the reference itself. The profile records
+is within tolerance of the FP32 reference (ties: smaller degradation, then earlier trial); when
+the spec has a confirmation grid, of the candidates that hold on every cell of it, the one with
+the least traffic over its cells (`choice.py`). If no trial qualifies, the all-FP32 profile
+wins: it is the reference itself. The profile records
 where it was proven (`meta["proven"]`: seeds, lengths, world size, each cell's result), which
 `validate` and `attach` compare with the run they are given (`profile/proven.py`).
 """
@@ -184,7 +185,7 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
 def _confirmation(run: StudyRun) -> dict[str, Any] | None:
     """The confirmation grid, every candidate's verdict and what it cost (None: no grid)."""
     cells = run.spec.confirm_cells()
-    if not cells:
+    if not cells or run.multi_objective:  # a Pareto front, not a list of candidates
         return None
     home = run.spec.world_size
     return {"cells": [[c.seed, c.steps, c.ranks(home)] for c in cells],

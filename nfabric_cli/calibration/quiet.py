@@ -40,6 +40,11 @@ def spike_heights(detections: Sequence[tuple[int, str, str]], losses: Sequence[f
             if reason.startswith(_SPIKE) and step < len(losses) and math.isfinite(losses[step])]
 
 
+def spikes_of(result: Any) -> list[tuple[int, float]]:
+    """`spike_heights` of a passive simulated run (a `SimResult`)."""
+    return spike_heights(result.detections, result.losses, result.early_loss)
+
+
 def quiet_floor(heights: Sequence[tuple[int, float]], health: Mapping[str, Any]
                 ) -> tuple[dict[str, float], str | None]:
     """The thresholds to change (`loss_spike_floor`, or none) and a note saying why, for the

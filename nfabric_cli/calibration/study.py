@@ -46,7 +46,7 @@ from nfabric_cli.calibration.objective import (
     objective_value,
     store_result,
 )
-from nfabric_cli.calibration.quiet import quiet_floor, spike_heights
+from nfabric_cli.calibration.quiet import quiet_floor, spikes_of
 from nfabric_cli.calibration.reduces import ddp_layouts
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, check_float32, simulate_run
@@ -210,11 +210,14 @@ class Calibrator:
         has: the search's, and each confirmation cell's (run here if not stored yet; the
         confirmation needs them anyway). Every worker derives the same floor from the same
         shared references (`quiet.py`)."""
-        heights = [tuple(h) for h in reference.get("spikes", [])]
+        refs = [reference]
         if not self.multi:
-            for cell in self.spec.confirm_cells():
-                heights += [tuple(h) for h in confirm_reference(self, cell).get("spikes", [])]
-        raised, note = quiet_floor(heights, self.spec.health)
+            refs += [confirm_reference(self, cell) for cell in self.spec.confirm_cells()]
+        if any("spikes" not in r for r in refs):  # stored by older code: the study keeps its floor
+            self.sink.note("the loss-spike floor was not checked against the fp32 references: "
+                           "some were stored before nfabric judged them (a new --study does)")
+            return
+        raised, note = quiet_floor([tuple(h) for r in refs for h in r["spikes"]], self.spec.health)
         if note:
             self.sink.note(note)
         self.health.update(raised)
@@ -243,7 +246,7 @@ class Calibrator:
                 "the workload's optimizer and data")
         ref = {"curve": [list(c) for c in result.curve], "metric": result.metric,
                "steps_run": result.steps_run, "loss_curve": [list(c) for c in result.loss_curve]}
-        ref["spikes"] = spike_heights(result.detections, result.losses, result.early_loss)
+        ref["spikes"] = spikes_of(result)
         self.sink.trial_finished({"number": None, "kind": "reference", "state": "COMPLETE",
                                   "traffic_fraction": 1.0, "metric": result.metric,
                                   "degradation": 0.0})

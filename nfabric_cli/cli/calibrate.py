@@ -87,7 +87,7 @@ def calibrate_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best, "
                                  "written_by} (with --status: the study's state)."),
 ) -> None:
-    """Search routes per region and phase (Optuna); write the cheapest profile within tolerance.
+    """Search routes per region and phase (Optuna); write the cheapest profile that holds.
 
     The FP32 reference, a sensitivity sweep, then the search; the profile goes to
     OUT/<workload>/<workload>.v<N>.parquet, with a PNG of the search.

@@ -100,15 +100,22 @@ def capacity(
 
 def _load_model(workload: str | None, model: str | None):
     """The model from --workload or --model, or None when neither is given."""
+    return _load_model_and_workload(workload, model)[0]
+
+
+def _load_model_and_workload(workload: str | None, model: str | None):
+    """(model, workload object or None) from --workload or --model; (None, None) without."""
     if workload is None and model is None:
-        return None
+        return None, None
     from nfabric_cli.cli.profile import load_model_from
 
-    return load_model_from(workload, model)[0]
+    net, wl, _ = load_model_from(workload, model)
+    return net, wl
 
 
 def _load_bindings(path: Path, workload, model, world_size, bucket_cap_mb):
     from nfabric_cli.binding import load_bindings_or_profile
+    from nfabric_cli.workloads.base import find_unused
 
     if not path.exists():
         raise InputError(f"file not found: {path}")
@@ -117,7 +124,10 @@ def _load_bindings(path: Path, workload, model, world_size, bucket_cap_mb):
         kwargs["world_size"] = world_size
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
-    return load_bindings_or_profile(path, _load_model(workload, model), **kwargs)
+    net, wl = _load_model_and_workload(workload, model)
+    if wl is not None and find_unused(wl):  # DDP's buckets as the workload trains
+        kwargs["find_unused_parameters"] = True
+    return load_bindings_or_profile(path, net, **kwargs)
 
 
 def _ms(seconds: float | None) -> str:

@@ -7,6 +7,8 @@ stage uses the same object: calibration (N simulated workers in one process), va
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -83,16 +85,24 @@ def find_unused(workload: Any) -> bool:
     return bool(getattr(workload, "find_unused_parameters", False))
 
 
-def held_out_metric(workload: Any, model: nn.Module) -> float:
-    """`workload.evaluate(model)` as the protocol promises it: in eval mode (the mode is
-    restored after), without gradients, and with the global random state left as it was. A
-    plugin's `evaluate` that does none of this itself (the breast-cancer example) ran with
-    dropout on: a metric of random masks, which neither `validate` nor the simulator could
-    reproduce."""
-    was_training = model.training
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode without gradients; each submodule's own mode is restored after
+    (a layer the workload keeps in eval, a frozen BatchNorm, stays so)."""
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            return float(workload.evaluate(model))
+        with torch.no_grad():
+            yield
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
+
+
+def held_out_metric(workload: Any, model: nn.Module) -> float:
+    """`workload.evaluate(model)` as the protocol promises it: in eval mode (`eval_mode`),
+    without gradients, and with the global CPU random state left as it was. A plugin's
+    `evaluate` that does none of this itself (the breast-cancer example) ran with dropout on:
+    a metric of random masks, which neither `validate` nor the simulator could reproduce."""
+    with eval_mode(model), torch.random.fork_rng(devices=[]):
+        return float(workload.evaluate(model))

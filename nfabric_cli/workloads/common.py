@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.workloads.base import eval_mode
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -132,15 +133,10 @@ class BaseWorkload:
         return self._gather(indices, int(step) // self.steps_per_epoch(world_size))
 
     def evaluate(self, model: nn.Module) -> float:
-        """The held-out metric, computed without gradients and in eval mode (mode restored)."""
+        """The held-out metric, computed without gradients and in eval mode (modes restored)."""
         inner = unwrap(model)
-        was_training = inner.training
-        inner.eval()
-        try:
-            with torch.no_grad():
-                return float(self._metric(inner))
-        finally:
-            inner.train(was_training)
+        with eval_mode(inner):
+            return float(self._metric(inner))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -26,7 +26,7 @@ from nfabric_cli.calibration.study import Calibrator
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.workloads.registry import get_workload
-from tests.calibration.helpers import TINY, tiny_spec, tiny_spec_dict, toml_text
+from tests.calibration.helpers import TINY, Notes, tiny_spec, tiny_spec_dict, toml_text
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -220,6 +220,20 @@ def test_nsga2_reports_a_pareto_front(tmp_path: Path) -> None:
     degr = [p["degradation"] for p in front]
     assert traffic == sorted(traffic) and degr == sorted(degr, reverse=True)  # a real front
     assert out.pruned == 0
+
+
+def test_a_multi_objective_study_with_a_confirmation_grid_writes_its_profile(tmp_path: Path) -> None:
+    """nsga2 has a Pareto front, not a list of candidates, so it is not confirmed; the profile
+    was never written ("confirmation cells are still in training"), waiting for cells nothing
+    would train. Now the cheapest admissible trial wins, proven on the search's own cell."""
+    wl = get_workload(TINY)
+    spec = tiny_spec(trials=3, sampler="nsga2", confirm={"seeds": [1]})
+    notes = Notes()
+    run, out = calibrate(wl, spec, f"sqlite:///{tmp_path}/s.db", None, tmp_path / "p", sink=notes)
+    assert not out.pending and out.path is not None and out.path.exists()
+    assert any(n.startswith("no confirmation: a multi-objective study (nsga2)") for n in notes.notes)
+    proven = read_profile(out.path).meta["proven"]
+    assert (proven["seeds"], proven["steps"]) == ([0], [spec.steps])
 
 
 def test_make_pruner_builds_hyperband_with_the_spec_shape() -> None:

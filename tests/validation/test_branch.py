@@ -8,6 +8,7 @@ import pytest
 
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.errors import InputError
 from nfabric_cli.profile import write_profile
 from tests.validation.common import nfabric, summary
 from tests.validation.tiny import BranchWorkload
@@ -48,3 +49,15 @@ def test_validate_trains_a_branching_model_as_the_simulator_replays_it(tmp_path)
     assert sim.metric == summary(report)["arms"]["profile"]["metric"]
     assert summary(report)["arms"]["profile"]["fallbacks"] == 0
     assert sim.events == [] and sim.detections == []
+
+
+def test_a_branching_model_that_does_not_say_so_is_refused_by_the_simulator() -> None:
+    """Real DDP fails at the next step when a rank's graph leaves a parameter out and DDP
+    does not look for unused ones: the simulator says so in one line, naming the parameter."""
+    wl = BranchWorkload()
+    wl.find_unused_parameters = False
+    model = wl.build_model(SEED)
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=2, total_steps=4)
+    with pytest.raises(InputError, match=r"^parameter b\.weight got no gradient on rank 0 at "
+                                         r"step 0: DDP refuses that unless"):
+        simulate_run(wl, bindings, 2, 4, SEED)
