@@ -103,3 +103,22 @@ class BranchWorkload(TinyWorkload):
 
 def build_branch() -> BranchWorkload:
     return BranchWorkload()
+
+
+class BareEvalWorkload(TinyWorkload):
+    """`TinyWorkload` with dropout, whose `evaluate` sets no mode and takes no care (as a
+    plugin may write it): the stages must call it in eval mode."""
+
+    name = "tiny-bare-eval"
+
+    def _make_model(self) -> nn.Module:
+        net = MLP(self.features, self.hidden, self.classes)
+        net.body.insert(2, nn.Dropout(0.5))
+        return net
+
+    def evaluate(self, model: nn.Module) -> float:
+        return float((model(self.x_test).argmax(-1) == self.y_test).float().mean())
+
+
+def build_bare_eval() -> BareEvalWorkload:
+    return BareEvalWorkload()
