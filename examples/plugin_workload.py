@@ -11,7 +11,9 @@ A workload is any object with the attributes and methods below (the protocol is
 - deterministic: the same seed gives the same initial weights and the same batches;
 - sharded: rank r of W trains only on its own shard (disjoint across ranks, covering the set);
 - random access: `train_batch(step, ...)` needs no earlier call (resumed runs, simulations);
-- DDP-friendly model: every parameter gets a gradient each step, no rank-specific buffers.
+- DDP-friendly model: every parameter gets a gradient each step (or the workload says
+  `find_unused_parameters = True`), no rank-specific buffers;
+- `evaluate` is called in eval mode, without gradients: it need not set either itself.
 """
 
 from __future__ import annotations
