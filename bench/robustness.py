@@ -43,6 +43,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,23 +85,24 @@ def _spread(m: dict[str, float], base: str, of: str) -> float | None:
     return max(gaps) if gaps else None
 
 
-def reference_profile(name: str, profiles: Path = PROFILES) -> OperatingProfile:
-    """The newest profile of workload `name` (a built-in, or MODULE:FN) under
-    `profiles`/<its name>/, as `calibrate --out profiles` writes it."""
-    return read_profile(resolve_profile(profiles / get_workload(name).name))
+def reference_profile(workload: Any, profiles: Path = PROFILES) -> OperatingProfile:
+    """The newest profile of `workload` under `profiles`/<its name>/, as `calibrate --out
+    profiles` writes it."""
+    return read_profile(resolve_profile(profiles / workload.name))
 
 
 def reference_steps(name: str, profiles: Path = PROFILES) -> int:
     """The length the workload's reference profile was calibrated at, as `validate` defaults
     to (`validation.run.default_steps`)."""
-    meta = reference_profile(name, profiles).meta
-    return default_steps("profile", meta, get_workload(name).default_steps)
+    workload = get_workload(name)
+    meta = reference_profile(workload, profiles).meta
+    return default_steps("profile", meta, workload.default_steps)
 
 
 def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
              faults: tuple[str, ...] = FAULTS, profiles: Path = PROFILES) -> dict:
     workload = get_workload(name)
-    profile = reference_profile(name, profiles)
+    profile = reference_profile(workload, profiles)
     target = profile.meta["target"]
     model = workload.build_model(seed)
     unused = find_unused(workload)  # DDP's buckets as the workload trains

@@ -17,12 +17,12 @@ from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
 from nfabric_cli.calibration.choice import (
-    beaten,
     candidate_verdict,
     candidates,
     cell_job,
     cell_verdict,
     config_of,
+    pending,
     reference_job,
 )
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
@@ -48,9 +48,8 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
         return
     _wait_for_trials(cal, study)
     higher = cal.workload.higher_is_better
-    best = None  # the verdict of the holder with the least traffic over its cells so far
     for trial in candidates(study, spec):
-        if beaten(trial.user_attrs["traffic_fraction"], best):
+        if not pending(study, spec, higher, cal.reference):  # the winner is known
             return
         key, config = trial.user_attrs["key"], config_of(trial, spec)
         for cell in cells:
@@ -72,8 +71,6 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
                 cal.sink.note(f"trial {trial.number} holds on every confirmation cell "
                               f"(worst {mine['worst_degradation']:+.4f}, bound {bound}; "
                               f"traffic {mine['traffic_mean']:.4f} over its cells)")
-                if best is None or mine["traffic_mean"] < best["traffic_mean"]:
-                    best = mine
                 continue
             cal.sink.note(f"trial {trial.number} fails the {spec.confirm_rule} rule: worst "
                           f"{mine['worst_degradation']:+.4f}, bound {bound}")

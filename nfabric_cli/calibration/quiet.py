@@ -22,13 +22,13 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nfabric_cli.runtime.health import SPIKE
 from nfabric_cli.runtime.thresholds import HealthThresholds
 
 #: The raised floor: this much above the highest spike the fp32 reference showed.
 MARGIN = 1.25
 #: No higher than the early loss itself.
 CAP = 1.0
-_SPIKE = "loss spike"
 
 
 def spike_heights(detections: Sequence[tuple[int, str, str]], losses: Sequence[float],
@@ -37,7 +37,7 @@ def spike_heights(detections: Sequence[tuple[int, str, str]], losses: Sequence[f
     if not early_loss or early_loss <= 0:
         return []
     return [(step, losses[step] / early_loss) for step, scope, reason in detections
-            if reason.startswith(_SPIKE) and step < len(losses) and math.isfinite(losses[step])]
+            if reason.startswith(SPIKE) and step < len(losses) and math.isfinite(losses[step])]
 
 
 def spikes_of(result: Any) -> list[tuple[int, float]]:

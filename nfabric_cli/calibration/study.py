@@ -207,9 +207,9 @@ class Calibrator:
 
     def quiet(self, reference: dict[str, Any]) -> None:
         """Raise the loss-spike floor above the loss spikes of every fp32 reference the study
-        has: the search's, and each confirmation cell's (run here if not stored yet; the
-        confirmation needs them anyway). Every worker derives the same floor from the same
-        shared references (`quiet.py`)."""
+        has: the search's, and each confirmation cell's (run here, before the search, if not
+        stored yet; the confirmation then finds them). Every worker derives the same floor
+        from the same shared references (`quiet.py`)."""
         refs = [reference]
         if not self.multi:
             refs += [confirm_reference(self, cell) for cell in self.spec.confirm_cells()]
@@ -245,8 +245,8 @@ class Calibrator:
                 "Every route will look harmless against it: train longer (--steps) or check "
                 "the workload's optimizer and data")
         ref = {"curve": [list(c) for c in result.curve], "metric": result.metric,
-               "steps_run": result.steps_run, "loss_curve": [list(c) for c in result.loss_curve]}
-        ref["spikes"] = spikes_of(result)
+               "steps_run": result.steps_run, "loss_curve": [list(c) for c in result.loss_curve],
+               "spikes": spikes_of(result)}
         self.sink.trial_finished({"number": None, "kind": "reference", "state": "COMPLETE",
                                   "traffic_fraction": 1.0, "metric": result.metric,
                                   "degradation": 0.0})

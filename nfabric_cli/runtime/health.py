@@ -56,7 +56,8 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.routes.spec import ROUTE_NAMES
 from nfabric_cli.runtime.thresholds import HealthThresholds
 
-__all__ = ["ALL", "HealthEvent", "HealthMonitor", "HealthThresholds", "StepStats"]
+__all__ = ["ALL", "SPIKE", "HealthEvent", "HealthMonitor", "HealthThresholds", "StepStats",
+           "absent_scopes"]
 
 #: The scope name that stands for every scope at once.
 ALL = "all"
@@ -102,6 +103,8 @@ _TRIP, _UNHEALTHY, _HEALTHY, _NONE = "trip", "unhealthy", "healthy", "none"
 #: (a gradient-norm blow-up unless `grad_blowup_trips`); unhealthy for the state machine.
 _GUARD = "guard"
 _COLLAPSE = "grad-norm collapse"
+#: How a loss spike's detection reason starts (`calibration/quiet.py` reads them).
+SPIKE = "loss spike"
 
 
 @dataclass
@@ -277,7 +280,7 @@ class HealthMonitor:
             floor = self._floor(ALL, t.loss_spike_floor)
             if z > t.loss_spike_z and float(stats.loss) > floor:
                 spread = f" ({z:.0f} robust sd)" if math.isfinite(z) else ""
-                return self._spike(stats.step, f"loss spike {ratio:.1f}x median{spread}")
+                return self._spike(stats.step, f"{SPIKE} {ratio:.1f}x median{spread}")
             return _UNHEALTHY, ""
         return (_UNHEALTHY, "") if ratio > t.loss_readmit else (_HEALTHY, "")
 

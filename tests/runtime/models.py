@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfabric_cli import attach
+from nfabric_cli.binding import compile_profile, static_profile
+from nfabric_cli.runtime.state import FabricState
+from tests.calibration.tiny import TinyWorkload
 
 
 class TinyNet(nn.Module):
@@ -44,3 +52,18 @@ def train_steps(ddp, opt, state, rank: int, start: int, stop: int) -> None:  # n
         opt.zero_grad()
         loss.backward()
         opt.step()
+
+
+def tiny_ddp(world: int, steps: int, route: str | None = "sign", **options: Any
+             ) -> tuple[TinyWorkload, nn.Module, DDP, FabricState | None]:
+    """The tiny calibration workload's model (seed 0) under DDP, with the fabric attached on
+    `route` for every parameter (`options`: `attach`'s) or, with None, plain DDP."""
+    wl = TinyWorkload()
+    model = wl.build_model(0)
+    ddp = DDP(model)
+    state = None
+    if route is not None:
+        bindings = compile_profile(static_profile(model, route), model, world_size=world,
+                                   total_steps=steps)
+        state = attach(ddp, bindings, total_steps=steps, **options)
+    return wl, model, ddp, state

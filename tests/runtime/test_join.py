@@ -7,25 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.algorithms.join import Join
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli import attach
-from nfabric_cli.binding import compile_profile, static_profile
-from tests.calibration.tiny import TinyWorkload
 from tests.distutil import run_ranks
+from tests.runtime.models import tiny_ddp
 
 STEPS = 6
 
 
 def _worker(rank: int, world: int, route: str | None) -> dict:
-    wl = TinyWorkload()
-    model = wl.build_model(0)
-    ddp = DDP(model)
-    state = None
-    if route is not None:
-        bindings = compile_profile(static_profile(model, route), model, world_size=world,
-                                   total_steps=STEPS)
-        state = attach(ddp, bindings, total_steps=STEPS)
+    wl, model, ddp, state = tiny_ddp(world, STEPS, route)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     with Join([ddp]):
         for step in range(STEPS - 2 * rank):  # the last rank runs out two steps early

@@ -13,26 +13,19 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli import attach
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.runtime.controller import SCALER_REASON
 from tests.calibration.tiny import TinyWorkload
 from tests.distutil import run_ranks
+from tests.runtime.models import tiny_ddp
 
 STEPS, START, FITS = 10, 2.0**24, 2.0**20
 
 
 def _worker(rank: int, world: int, mode: str | None) -> dict:
-    wl = TinyWorkload()
-    model = wl.build_model(0)
-    ddp = DDP(model)
-    state = None
-    if mode is not None:
-        bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                                   total_steps=STEPS)
-        state = attach(ddp, bindings, total_steps=STEPS, nonfinite=mode)
+    wl, model, ddp, state = tiny_ddp(world, STEPS, None if mode is None else "sign",
+                                     nonfinite=mode)
     start = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=START, growth_interval=10**6)

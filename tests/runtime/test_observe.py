@@ -8,23 +8,15 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli import attach
-from nfabric_cli.binding import compile_profile, static_profile
-from tests.calibration.tiny import TinyWorkload
 from tests.distutil import run_ranks
+from tests.runtime.models import tiny_ddp
 
 STEPS = 4
 
 
 def _worker(rank: int, world: int, late: bool) -> list[str]:
-    wl = TinyWorkload()
-    model = wl.build_model(0)
-    ddp = DDP(model)
-    bindings = compile_profile(static_profile(model, "sign"), model, world_size=world,
-                               total_steps=STEPS)
-    state = attach(ddp, bindings, total_steps=STEPS)
+    wl, _, ddp, state = tiny_ddp(world, STEPS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
