@@ -200,7 +200,6 @@ def robust_winner(study: optuna.Study, spec: CalibrationSpec, higher_is_better: 
 
 def pending(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
             reference: dict[str, Any]) -> bool:
-    """Whether confirmation still has a cell to train before the winner is known."""
-    if len(study.directions) > 1:  # not confirmed
-        return False
+    """Whether confirmation still has a cell to train before the winner is known (asked by
+    `confirm`, which a multi-objective study never reaches)."""
     return decide(verdicts(study, spec, higher_is_better, reference))[1]

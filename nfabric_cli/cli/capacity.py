@@ -99,11 +99,6 @@ def capacity(
 
 
 def _load_model(workload: str | None, model: str | None):
-    """The model from --workload or --model, or None when neither is given."""
-    return _load_model_and_workload(workload, model)[0]
-
-
-def _load_model_and_workload(workload: str | None, model: str | None):
     """(model, workload object or None) from --workload or --model; (None, None) without."""
     if workload is None and model is None:
         return None, None
@@ -124,7 +119,7 @@ def _load_bindings(path: Path, workload, model, world_size, bucket_cap_mb):
         kwargs["world_size"] = world_size
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
-    net, wl = _load_model_and_workload(workload, model)
+    net, wl = _load_model(workload, model)
     if wl is not None and find_unused(wl):  # DDP's buckets as the workload trains
         kwargs["find_unused_parameters"] = True
     return load_bindings_or_profile(path, net, **kwargs)
@@ -189,7 +184,7 @@ def _run_projection(sub, workload, model, shape, bucket_cap_mb, plot, json_out) 
 
     if sum(x is not None for x in (workload, model, shape)) != 1:
         raise InputError("--project needs exactly one of --workload, --model, --shape")
-    shapes = builtin_shapes(shape) if shape else model_shapes(_load_model(workload, model))
+    shapes = builtin_shapes(shape) if shape else model_shapes(_load_model(workload, model)[0])
     proj = project(shapes, sub, bucket_cap_mb=bucket_cap_mb)
     if plot:
         from nfabric_cli.substrate.plot import plot_projection
