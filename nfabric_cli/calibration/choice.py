@@ -190,9 +190,9 @@ def robust_winner(study: optuna.Study, spec: CalibrationSpec, higher_is_better: 
                   reference: dict[str, Any]) -> FrozenTrial | None:
     """The winner: without a grid, the cheapest admissible trial; with one, of the
     candidates whose every cell is stored and within tolerance, the one with the least
-    traffic over its cells (`decide`; None: all fp32). A multi-objective study is not
-    confirmed (`confirm.py`): its winner is the cheapest admissible trial."""
-    if not spec.confirm_cells() or len(study.directions) > 1:
+    traffic over its cells (`decide`; None: all fp32). A multi-objective study has no
+    grid (`CalibrationSpec.confirm_cells`): its winner is the cheapest admissible trial."""
+    if not spec.confirm_cells():
         return best_admissible(study, spec.tolerance)
     number, _ = decide(verdicts(study, spec, higher_is_better, reference))
     return None if number is None else next(t for t in completed(study) if t.number == number)

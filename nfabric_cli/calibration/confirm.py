@@ -41,10 +41,10 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
     the least traffic over its cells, or none."""
     spec = cal.spec
     cells = spec.confirm_cells()
-    if cells and cal.multi:
+    if spec.confirm_ignored():
         cal.sink.note("no confirmation: a multi-objective study (nsga2) has a Pareto front, not "
                       "a list of candidates; the profile is proven on the search's own cell")
-    if not cells or cal.multi:
+    if not cells:
         return
     _wait_for_trials(cal, study)
     higher = cal.workload.higher_is_better

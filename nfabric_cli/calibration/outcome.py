@@ -184,8 +184,8 @@ def build_outcome(run: StudyRun, storage_url: str | None, study_name: str,
 
 def _confirmation(run: StudyRun) -> dict[str, Any] | None:
     """The confirmation grid, every candidate's verdict and what it cost (None: no grid)."""
-    cells = run.spec.confirm_cells()
-    if not cells or run.multi_objective:  # a Pareto front, not a list of candidates
+    cells = run.spec.confirm_cells()  # none for a multi-objective study: a Pareto front
+    if not cells:
         return None
     home = run.spec.world_size
     return {"cells": [[c.seed, c.steps, c.ranks(home)] for c in cells],

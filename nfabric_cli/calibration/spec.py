@@ -133,7 +133,18 @@ class CalibrationSpec:
         return tuple(phase_names(len(self.boundaries) + 1))
 
     def confirm_cells(self) -> list[Cell]:
-        """The confirmation grid (`choice.py`): every seed times every length at the search's
+        """The cells the leading candidates are retrained on (`choice.py`): the spec's grid
+        (`grid_cells`), or none for a multi-objective (nsga2) study, which has a Pareto front,
+        not a list of candidates, and is proven on the search's own cell alone. Every part of
+        calibration that confirms asks this, so the rule lives here once."""
+        return [] if self.sampler == "nsga2" else self.grid_cells()
+
+    def confirm_ignored(self) -> bool:
+        """Whether the spec sets a confirmation grid that this study will not train (nsga2)."""
+        return bool(self.grid_cells()) and not self.confirm_cells()
+
+    def grid_cells(self) -> list[Cell]:
+        """The `[confirm]` grid as written: every seed times every length at the search's
         world size, less the search's own cell, then the whole grid at each other world size
         of `confirm_world_sizes` (a cell's `world_size` None: the search's). A grid that is
         only other world sizes also confirms at the search's seed and length."""
@@ -325,7 +336,7 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
                          f"{spec.confirm_rule!r}")
     if not 1 <= spec.confirm_candidates <= 100:
         raise InputError(f"confirm.candidates must be in [1, 100], got {spec.confirm_candidates}")
-    cells = len(spec.confirm_cells())
+    cells = len(spec.grid_cells())
     if cells > MAX_CONFIRM_CELLS:
         raise InputError(f"confirm: {cells} cells (seeds x lengths x world sizes) is more than "
                          f"{MAX_CONFIRM_CELLS}")

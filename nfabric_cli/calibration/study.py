@@ -210,9 +210,7 @@ class Calibrator:
         has: the search's, and each confirmation cell's (run here, before the search, if not
         stored yet; the confirmation then finds them). Every worker derives the same floor
         from the same shared references (`quiet.py`)."""
-        refs = [reference]
-        if not self.multi:
-            refs += [confirm_reference(self, cell) for cell in self.spec.confirm_cells()]
+        refs = [reference, *(confirm_reference(self, cell) for cell in self.spec.confirm_cells())]
         if any("spikes" not in r for r in refs):  # stored by older code: the study keeps its floor
             self.sink.note("the loss-spike floor was not checked against the fp32 references: "
                            "some were stored before nfabric judged them (a new --study does)")

@@ -24,6 +24,7 @@ from nfabric_cli.calibration.choice import (
     robust_winner,
     verdicts,
 )
+from nfabric_cli.calibration.publish import profile_key
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import config_profile
 from nfabric_cli.calibration.status import study_status
@@ -61,6 +62,23 @@ def test_the_grid_is_seeds_times_lengths_less_the_searchs_own_cell() -> None:
         tiny_spec(confirm={"seeds": list(range(1, 10)), "steps": list(range(10, 90, 10))})
     # confirmation is not part of the search key: a study is confirmed later without retraining
     assert tiny_spec(confirm={"seeds": [1]}).search_key() == tiny_spec().search_key()
+
+
+def test_a_multi_objective_study_has_no_confirmation_cells_and_one_profile_key() -> None:
+    """nsga2 is not confirmed, decided once in the spec: its grid, as written, is kept (and
+    still refused when too large) but trains nothing, and does not name its profile."""
+    grid = {"seeds": [1, 2]}
+    tpe, nsga2 = tiny_spec(confirm=grid), tiny_spec(sampler="nsga2", confirm=grid)
+    assert nsga2.grid_cells() == tpe.grid_cells() == tpe.confirm_cells() == [(1, 6, None),
+                                                                              (2, 6, None)]
+    assert nsga2.confirm_cells() == []
+    assert (nsga2.confirm_ignored(), tpe.confirm_ignored()) == (True, False)
+    assert not tiny_spec(sampler="nsga2").confirm_ignored()  # no grid written: nothing to say
+    assert profile_key(5, nsga2) == profile_key(5, tiny_spec(sampler="nsga2")) == "profile@5"
+    assert profile_key(5, tpe).startswith("profile@5+confirm-")
+    with pytest.raises(InputError, match="confirm: 89 cells"):
+        tiny_spec(sampler="nsga2", confirm={"seeds": list(range(1, 10)),
+                                             "steps": list(range(10, 90, 10))})
 
 
 def _study(spec, rows: dict[str, dict]) -> optuna.Study:  # noqa: ANN001
