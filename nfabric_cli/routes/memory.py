@@ -45,13 +45,18 @@ class ErrorFeedback:
     def compensate_flat(
         self, names: Sequence[str], route_label: str, grads: Sequence[torch.Tensor]
     ) -> torch.Tensor:
-        """cat(grad + residual) over a group of parameters (a new tensor)."""
+        """cat(grad + residual) over a group of parameters (a new tensor), in the dtype
+        `compensate`'s per-parameter adds promote to: a bf16 gradient plus its float32
+        residual is float32 either way (added into a bf16 copy, the residual was rounded
+        away, and a resumed run, whose first step takes the per-parameter path, differed)."""
         key = tuple(names)
         flat = self._flat.get(key)
         if flat is not None and all(
             self._owner.get(n) == key and self._route.get(n) == route_label for n in names
         ):
-            out = torch.cat(list(grads)) if len(grads) > 1 else grads[0].clone()
+            dtype = torch.promote_types(grads[0].dtype, flat.dtype)
+            out = (torch.cat(list(grads)).to(dtype) if len(grads) > 1
+                   else grads[0].to(dtype, copy=True))
             return out.add_(flat)
         parts = [self.compensate(n, route_label, g) for n, g in zip(names, grads, strict=True)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -158,13 +158,16 @@ class StepController:
         """Judge step `step` from agreed numbers: the ranks' mean loss, whether anything was
         not finite, each scope's gradient norm (before the reduce) and sign agreement, and
         each parameter's norm of the reduced update (identical on every rank). A step of a
-        plain phase is plain DDP's: nothing is judged, held or skipped (unless passive)."""
+        plain phase is plain DDP's: nothing is judged, held or skipped (unless passive).
+        A non-finite update from finite gradients is a non-finite step too: an `fp16` wire
+        overflows past 65504 (as PyTorch's fp16_compress_hook does), and its infinity must
+        not reach the optimizer (seen where update norms are taken: with the monitor on)."""
         if self.plain and not self.passive:
             return StepDecision(False)
+        nonfinite = nonfinite or not all(math.isfinite(v) for v in update_norms.values())
         if nonfinite and self.nonfinite == "pass" and not self.passive:
             # a loss scaler's overflow: the scaler's to skip, and expected (a too-large scale), so
-            # nothing is judged or held; the routes could not have made it (they never
-            # encode a non-finite value)
+            # nothing is judged or held (an fp16 wire's overflow shrinks with the scale too)
             self.record_skip(step)
             return StepDecision(True)
         if self.monitor_enabled:
@@ -280,3 +283,5 @@ class StepController:
         self.skipped_steps[:] = list(sd["skipped_steps"])
         self.step = int(sd["step"])
         self.phase = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
+        if self.monitor.phase != self.phase.name:  # resumed with another total_steps
+            self._enter_phase(self.phase, self.step)  # its routes, trips reset, pins released

@@ -157,6 +157,11 @@ class HealthMonitor:
 
     # ----- routes and phases -------------------------------------------------------------
 
+    @property
+    def phase(self) -> str | None:
+        """The phase the monitor last entered (None: none yet)."""
+        return self._phase
+
     def set_routes(self, routes: Mapping[str, str]) -> None:
         """Set the profile route per scope for the current phase (scopes not named keep theirs).
 

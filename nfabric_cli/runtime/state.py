@@ -71,10 +71,17 @@ class _Routing(NamedTuple):
     planned: bool
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def _norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Each tensor's 2-norm, stacked: one call for a bucket's parameters (on CPU the same
-    bits as `vector_norm` one by one, which the simulator takes)."""
-    return torch.stack(torch._foreach_norm(list(tensors)))
+    bits as `vector_norm` one by one, which the simulator takes). A half-precision bucket's
+    norms come out in float32: an fp16 norm overflows past 65504 (a million elements of
+    |g| ~ 66), which would read as a non-finite step and zero a finite one."""
+    ts = list(tensors)
+    wide = torch.float32 if ts and ts[0].dtype in _HALF else None
+    return torch.stack(torch._foreach_norm(ts, dtype=wide))
 
 
 def _full(dtype: torch.dtype):  # noqa: ANN202

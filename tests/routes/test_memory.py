@@ -3,6 +3,7 @@ change; the group calls give the per-parameter values bit for bit."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nfabric_cli.routes import ErrorFeedback, make_route
@@ -35,9 +36,13 @@ def _flat(ef: ErrorFeedback, names: list[str], label: str, grads: dict) -> torch
     return flat
 
 
-def test_group_calls_equal_per_parameter_calls_across_regrouping_and_route_changes() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_calls_equal_per_parameter_calls_across_regrouping_and_route_changes(
+        dtype: torch.dtype) -> None:
     """Steps 0-2 one group; step 3 the group splits (b leaves); step 4 'a' changes route
-    (its residual restarts); step 5 the group re-forms. Same compensated values every step."""
+    (its residual restarts); step 5 the group re-forms. Same compensated values every step,
+    for bf16 gradients too (their float32 residual is added in float32 on both paths: the
+    group path once added it into a bf16 copy and rounded most of it away)."""
     schedule = [
         [(["a", "b", "c"], "sign")]] * 3 + [
         [(["a", "c"], "sign"), (["b"], "sign")],
@@ -46,7 +51,7 @@ def test_group_calls_equal_per_parameter_calls_across_regrouping_and_route_chang
     ]  # fmt: skip
     one, many = ErrorFeedback(), ErrorFeedback()
     for step, groups in enumerate(schedule):
-        grads = _grads(step)
+        grads = {n: g.to(dtype) for n, g in _grads(step).items()}
         for names, label in groups:
             assert torch.equal(_per_param(one, names, label, grads),
                                _flat(many, names, label, grads)), (step, names)
@@ -67,3 +72,13 @@ def test_residual_is_what_the_roundtrip_lost_and_a_route_change_drops_it() -> No
     assert ef.residual("a") is None and torch.equal(ef.residual("c"), lost[300:])
     ef.reset()
     assert len(ef) == 0
+
+
+def test_a_bf16_gradient_keeps_its_whole_residual_on_the_group_path() -> None:
+    """256 in bf16 plus a residual of 0.75: 256.75 in float32 (bf16 would round it to 256)."""
+    ef = ErrorFeedback()
+    g = torch.full((4,), 256.0, dtype=torch.bfloat16)
+    first = ef.compensate_flat(["a"], "sign", [g])
+    ef.update_flat(["a"], first, first.float() - 0.75, (4,))  # the roundtrip lost 0.75 each
+    out = ef.compensate_flat(["a"], "sign", [g])
+    assert out.dtype == torch.float32 and torch.equal(out, torch.full((4,), 256.75))

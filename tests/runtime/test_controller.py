@@ -11,6 +11,7 @@ from torch import nn
 
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.phases import Phase
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.guard import UpdateGuard
 from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
@@ -142,6 +143,51 @@ def test_a_nonfinite_step_is_skipped_and_its_update_is_not_recorded():
     assert d.skip and c.skipped_steps == [5, 6]
     assert [e["to"] for e in log] == ["skipped", "fp32", "skipped"]
     assert c.guard.state_dict()["windows"]["*"] == [1.0] * 5
+
+
+@pytest.mark.parametrize("mode", ["zero", "pass"])
+def test_a_nonfinite_update_from_finite_gradients_is_a_nonfinite_step(mode: str):
+    """An fp16 wire overflows past 65504 with every input finite: the reduced update's norm
+    is what shows it, and the step is neutralised (or left to the loss scaler) as one whose
+    gradients were not finite, never passed to the optimizer."""
+    c, log = controller()
+    c.nonfinite = mode
+    for u in [1.0] * 5:
+        assert not step(c, 1.0, 1.0, u).skip
+    d = step(c, 1.0, 1.0, math.inf, nonfinite=False)
+    assert d.skip and d.scales == {} and c.skipped_steps == [5]
+    assert [e["to"] for e in log] == ["skipped"]
+    assert not step(c, 1.0, 1.0, 1.0).skip  # the next, finite, step goes through
+
+
+def test_a_resume_with_another_total_steps_enters_the_phase_it_lands_in():
+    """Step 10 of 100 is in the warm-up; resumed with total_steps 15 it is in the main phase.
+    The monitor takes that phase (its routes; trip counts reset), as a run crossing the
+    boundary would, instead of judging on under the saved phase."""
+    model = Net()
+    phases = [Phase("warmup", 0.0, 0.5), Phase("main", 0.5, 1.0)]
+    profile = static_profile(model, "sign", phases=phases, world_size=2)
+    bindings = compile_profile(profile, model, world_size=2, total_steps=100)
+    bindings.meta["health"] = dict(HEALTH)
+    log: list[dict] = []
+    c = StepController(bindings, 100, 2, log.append)
+    for u in [1.0] * 5:
+        step(c, 1.0, 1.0, u)
+    step(c, 1.0, 1.0, math.nan, nonfinite=True)
+    step(c, 1.0, 1.0, math.nan, nonfinite=True)  # the repeat trips the scope to fp32
+    for _ in range(3):
+        step(c, 1.0, 1.0, 1.0)
+    trips = {s: v["trips"] for s, v in c.monitor.state()["scopes"].items() if v["trips"]}
+    assert c.step == 10 and c.phase.name == "warmup" and trips
+    saved = json.loads(json.dumps(c.state_dict()))
+    same = StepController(bindings, 100, 2, log.append)
+    same.load_state_dict(saved)
+    assert same.monitor.phase == "warmup"
+    assert {s: v["trips"] for s, v in same.monitor.state()["scopes"].items() if v["trips"]} == trips
+    shorter = StepController(bindings, 15, 2, log.append)
+    shorter.load_state_dict(saved)
+    assert shorter.phase.name == shorter.monitor.phase == "main"
+    assert all(v["trips"] == 0 for v in shorter.monitor.state()["scopes"].values())
 
 
 def test_scopes_on_fp32_and_the_monitor_switched_off_are_never_scaled():
