@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,14 +45,25 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: t
         dist.destroy_process_group()
 
 
-def run_function_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_function_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+                       timeout: float | None = None) -> list[Any]:
     """Spawn `world_size` gloo ranks running ``fn(rank, world_size, *args)``; their results in
-    rank order. A rank that raises fails the call (torch.multiprocessing's ProcessRaisedException)."""
+    rank order. A rank that raises fails the call (torch.multiprocessing's ProcessRaisedException);
+    ranks still running after `timeout` seconds are killed and the call raises TimeoutError
+    (for a test of something that once hung: it fails instead of stalling the suite)."""
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
         mp.get_context(method).set_forkserver_preload(PRELOAD)  # once the server runs: no-op
     with tempfile.TemporaryDirectory(prefix="nfabric-ranks-") as tmp:
-        mp.start_processes(_entry, args=(fn, world_size, tmp, args, dict(os.environ)),
-                           nprocs=world_size, start_method=method)
+        ctx = mp.start_processes(_entry, args=(fn, world_size, tmp, args, dict(os.environ)),
+                                 nprocs=world_size, start_method=method, join=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ctx.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    p.kill()
+                    p.join()
+                raise TimeoutError(f"{world_size} ranks of {fn.__name__} still running after "
+                                   f"{timeout:g} s: killed")
         return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False)
                 for r in range(world_size)]

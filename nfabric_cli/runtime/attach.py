@@ -149,7 +149,11 @@ def create_state(
     group = pg
     if dedicated_group:
         ranks = None if pg is None or pg == dist.group.WORLD else dist.get_process_group_ranks(pg)
-        group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg))
+        # A subgroup's members alone create its copy (named from its ranks): DDP groups that
+        # split the world (replicas beside pipeline stages) each attach on their own ranks,
+        # and a world-wide `new_group` that only some ranks enter hangs their rendezvous.
+        group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg),
+                               use_local_synchronization=ranks is not None)
     trace = None
     if trace_dir is not None:
         trace = TraceRecorder(trace_dir, dist.get_rank(group), dist.get_world_size(group),

@@ -347,6 +347,31 @@ def test_unused_parameters_and_non_world_group(two_ranks: list[dict]) -> None:
     assert [r["unused"] for r in two_ranks] == [True, True]
 
 
+def _disjoint_worker(rank: int, world: int) -> dict:
+    """Two DDP replicas side by side, ranks {0, 1} and {2, 3} (as beside pipeline stages):
+    every rank creates both groups, then attaches to its own replica alone."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = make_model()
+    ddp = DDP(model, process_group=groups[rank // 2])
+    state = attach(ddp, static_profile(model, "sign"), total_steps=3)
+    _train(ddp, 3, state, rank)
+    state.close()
+    return {"ranks": dist.get_process_group_ranks(state.comm.group), "step": state.step,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.slow
+def test_replicas_on_disjoint_groups_each_attach_on_their_own_ranks() -> None:
+    """attach's dedicated group was made by a world-wide `new_group` that only the replica's
+    own ranks entered: the two replicas' rendezvous hung (now it would fail at 120 s)."""
+    r = run_ranks(_disjoint_worker, 4, timeout=120)
+    assert [x["ranks"] for x in r] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(x["step"] == 3 for x in r)
+    same = [all(torch.equal(a, b) for a, b in zip(r[i]["params"], r[j]["params"], strict=True))
+            for i, j in ((0, 1), (2, 3), (0, 2))]
+    assert same == [True, True, False]  # each replica agrees with itself; their data differ
+
+
 def _refused_worker(rank: int, world: int, case: str) -> str:
     from nfabric_cli.errors import InputError
 
