@@ -108,8 +108,11 @@ def attach_trainer(trainer: Trainer, profile: str | os.PathLike[str] | Any, *,
     @functools.wraps(train)
     def train_resumable(resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir)
-        callback.resume_from = resume_from_checkpoint or None
+            # (none found: True goes on, and the Trainer raises its own "No valid checkpoint
+            # found"; passing None on started the run from scratch)
+            resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir) or True
+        callback.resume_from = resume_from_checkpoint if isinstance(
+            resume_from_checkpoint, (str, os.PathLike)) else None
         return train(resume_from_checkpoint, *args, **kwargs)
 
     trainer.compute_loss = observed  # type: ignore[method-assign]

@@ -44,9 +44,11 @@ def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
             raise InputError(f"{option}: range {part!r} runs backwards")
-        seeds.update(range(lo, hi + 1))
-        if len(seeds) > MAX_SEEDS:
+        # a range alone past the limit is refused before it is built (0-4000000000 would
+        # fill the memory first)
+        if hi - lo + 1 > MAX_SEEDS or len(seeds.union(range(lo, hi + 1))) > MAX_SEEDS:
             raise InputError(f"{option}: at most {MAX_SEEDS} seeds, got {text!r}")
+        seeds.update(range(lo, hi + 1))
     return sorted(seeds)
 
 

@@ -119,3 +119,29 @@ def test_a_framework_loss_scaler_makes_nonfinite_pass_unless_the_user_said() -> 
     assert AttachOptions("p", None, {"seed": 1}).options(scaler) == {"seed": 1, "nonfinite": "pass"}
     assert AttachOptions("p", None, {"nonfinite": "zero"}).options(scaler) == {"nonfinite": "zero"}
     assert AttachOptions("p", None, {"seed": 1}).options(None) == {"seed": 1}
+
+
+@pytest.mark.slow
+def test_hf_resume_from_checkpoint_true_with_none_saved_is_the_trainers_own_error(
+        tmp_path: Path) -> None:
+    """`train(resume_from_checkpoint=True)` in an output folder with no checkpoint: the Trainer
+    refuses it; through `attach_trainer` the lookup's None was passed on, and the run started
+    from scratch as if resumed (here, one process, it then met attach's refusal instead)."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from nfabric_cli.integrations.hf_trainer import attach_trainer
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Linear(2, 1)
+
+        def forward(self, x: torch.Tensor) -> dict:
+            return {"loss": self.w(x).pow(2).mean()}
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
+    trainer = Trainer(model=Net(), args=args, train_dataset=[{"x": torch.ones(2)}] * 4)
+    attach_trainer(trainer, "profiles/vision")
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        trainer.train(resume_from_checkpoint=True)

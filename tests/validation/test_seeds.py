@@ -15,7 +15,8 @@ from tests.validation.common import TINY, head_fp32_profile, nfabric, summary
 
 @pytest.mark.parametrize(("text", "seeds"), [("0-4", [0, 1, 2, 3, 4]), ("0,2,5", [0, 2, 5]),
                                              ("1-3,7", [1, 2, 3, 7]), ("3", [3]),
-                                             (" 2 , 0-1 ", [0, 1, 2])])
+                                             (" 2 , 0-1 ", [0, 1, 2]),
+                                             ("0-40,20-63", list(range(64)))])
 def test_seeds_parse_as_lists_and_ranges(text: str, seeds: list[int]) -> None:
     assert parse_seeds(text) == seeds
 
@@ -23,7 +24,8 @@ def test_seeds_parse_as_lists_and_ranges(text: str, seeds: list[int]) -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("a", "--seeds: expected seeds like 0-4 or 0,2,5"), ("", "expected seeds like"),
     ("-1", "expected seeds like"), ("3-1", "range '3-1' runs backwards"),
-    ("0-100", "at most 64 seeds")])
+    ("0-100", "at most 64 seeds"), ("0-40,30-70", "at most 64 seeds"),
+    ("0-4000000000", "at most 64 seeds")])  # refused before the range is built
 def test_bad_seeds_are_refused(text: str, message: str) -> None:
     with pytest.raises(InputError, match=message):
         parse_seeds(text)
