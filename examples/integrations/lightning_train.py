@@ -2,9 +2,11 @@
 
     python examples/integrations/lightning_train.py --out /tmp/lt --steps 6 --accumulate 2
     python examples/integrations/lightning_train.py --out /tmp/lt --steps 10 --resume /tmp/lt/ckpt/last.ckpt
+    python examples/integrations/lightning_train.py --out /tmp/lt --steps 6 --then 8  # fit, fit on
 
 Lightning starts the second process itself (it re-runs this script). Each rank writes
-OUT/rank<r>.json: optimizer steps, the fabric's step and phase, bytes per route, events.
+OUT/rank<r>.json: optimizer steps, the fabric's step and phase, bytes per route, events (with
+`--then`, the first fit's as OUT/rank<r>.fit0.json).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Record(L.Callback):
     """Counts micro-batches and writes what each rank saw at the end of training."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.batches = out, 0
+        self.out, self.batches, self.fits = out, 0, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.batches += 1
@@ -58,6 +60,8 @@ class Record(L.Callback):
                "reference": fabric.meter.reference(),
                "nonfinite": fabric.controller.nonfinite}  # "pass" under a loss scaler
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(doc))
+        (self.out / f"rank{trainer.global_rank}.fit{self.fits}.json").write_text(json.dumps(doc))
+        self.fits += 1
 
 
 def main() -> None:
@@ -70,6 +74,8 @@ def main() -> None:
                     help="Lightning's; 'fp16-scaler': fp16 autocast with a GradScaler, as "
                          "16-mixed runs on a GPU (on the CPU Lightning makes 16-mixed bf16)")
     ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--then", type=int, default=None,
+                    help="fit on to this many steps from the last checkpoint, same Trainer")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -87,7 +93,11 @@ def main() -> None:
         callbacks=[Record(args.out), ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True)],
         enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(Classifier(), loader, ckpt_path=args.resume)
+    model = Classifier()
+    trainer.fit(model, loader, ckpt_path=args.resume)
+    if args.then is not None:  # Lightning's way to train on: a longer fit from "last"
+        trainer.fit_loop.epoch_loop.max_steps = args.then
+        trainer.fit(model, loader, ckpt_path="last")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,10 @@ class FabricDDPStrategy(DDPStrategy):
         return checkpoint
 
     def teardown(self) -> None:
+        # Forget this run's state: a later fit of the same Trainer attaches its own (and a
+        # checkpoint it resumes from is restored into that, not into this closed one); a state
+        # kept by `validate(ckpt_path=...)` must not reach it either.
         if self.fabric is not None:
             self.fabric.close()
+        self.fabric, self._resume = None, None
         super().teardown()

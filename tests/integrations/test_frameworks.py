@@ -3,6 +3,7 @@ gradient accumulation, a checkpoint and a resumed run, and the single-process mi
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -45,9 +46,14 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
     assert "nfabric/traffic_fraction" in logged and "nfabric/fallbacks" in logged
     resumed = run_example("lightning_train.py", "--out", str(out), "--steps", str(MORE),
                           "--accumulate", str(ACCUMULATE), "--resume",
-                          str(out / "ckpt" / "last.ckpt"))
+                          str(out / "ckpt" / "last.ckpt"), "--then", str(MORE + 2))
     check_clean(resumed)
-    _check_run(ranks_of(out), MORE, MORE)  # the counters went on from the checkpoint
+    # the counters went on from the checkpoint; then a second fit on the same Trainer from
+    # "last" went on again (its state was once restored into the first fit's closed one, and
+    # a fresh one attached at step 0: 2 steps where 8 are due)
+    _check_run([json.loads((out / f"rank{r}.fit0.json").read_text()) for r in (0, 1)],
+               MORE, MORE)
+    _check_run(ranks_of(out), MORE + 2, MORE + 2)
 
 
 @pytest.mark.slow
