@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nfabric_cli.errors import InputError
-from nfabric_cli.integrations.common import AttachOptions
+from nfabric_cli.integrations.common import AttachOptions, require_one_sync_per_step
 from nfabric_cli.runtime.state import FabricState
 
 
@@ -53,6 +53,7 @@ def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[s
             "nfabric: Accelerate started a single process, so nothing would be compressed; on "
             "CPU `accelerate launch --cpu` starts one: use torchrun --nproc_per_node N with "
             "Accelerator(cpu=True)")
+    require_one_sync_per_step(accelerator, accelerator.gradient_accumulation_steps, "Accelerate")
     source = str(profile) if isinstance(profile, (str, Path)) else profile
     state = AttachOptions(source, total_steps, attach_options).attach(
         model, None, "Accelerate", "pass the model that accelerator.prepare returned",

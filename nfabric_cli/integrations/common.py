@@ -62,6 +62,20 @@ def require_ddp(model: Any, framework: str, hint: str = "") -> None:
                          "network, so nothing would be compressed; start 2 or more")
 
 
+def require_one_sync_per_step(accelerator: Any, accumulation: int, framework: str) -> None:
+    """One line for Accelerate's `sync_each_batch` with gradient accumulation (the HF
+    Trainer's too, through its accelerator): DDP then reduces on every micro-batch, so the
+    hook would count micro-batches as steps (the phases squeezed into the run's first part)
+    and compress again the part of `.grad` already reduced."""
+    state = getattr(accelerator, "gradient_state", None)
+    kwargs = getattr(state, "plugin_kwargs", None) or {}
+    if accumulation > 1 and kwargs.get("sync_each_batch", False):
+        raise InputError(
+            f"nfabric: {framework} accumulates {accumulation} micro-batches with "
+            "sync_each_batch=True, so DDP reduces on every one of them: nfabric counts and "
+            "compresses one reduction per optimizer step; drop sync_each_batch")
+
+
 def fabric_metrics(state: FabricState) -> dict[str, float]:
     """Scalars for a framework's logger: bytes so far, traffic vs full precision, fallbacks."""
     summary = state.meter.summary()

@@ -30,7 +30,12 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from nfabric_cli.atomic import atomic_path
 from nfabric_cli.errors import InputError
-from nfabric_cli.integrations.common import STATE_FILE, AttachOptions, fabric_metrics
+from nfabric_cli.integrations.common import (
+    STATE_FILE,
+    AttachOptions,
+    fabric_metrics,
+    require_one_sync_per_step,
+)
 from nfabric_cli.runtime.state import FabricState
 
 _HINT = ("run under torchrun --nproc_per_node N (on CPU with TrainingArguments(use_cpu=True, "
@@ -47,6 +52,8 @@ class FabricCallback(TrainerCallback):
         self.resume_from: str | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        require_one_sync_per_step(getattr(self.trainer, "accelerator", None),
+                                  args.gradient_accumulation_steps, "the HF Trainer")
         self.fabric = self.options.attach(
             self.trainer.model_wrapped, state.max_steps, "the HF Trainer", _HINT,
             scaler=getattr(getattr(self.trainer, "accelerator", None), "scaler", None))

@@ -151,3 +151,29 @@ def test_hf_resume_from_checkpoint_true_with_none_saved_is_the_trainers_own_erro
     attach_trainer(trainer, "profiles/vision")
     with pytest.raises(ValueError, match="No valid checkpoint found"):
         trainer.train(resume_from_checkpoint=True)
+
+
+def test_sync_each_batch_with_accumulation_is_refused_in_one_line() -> None:
+    """Accelerate's `sync_each_batch` (the HF Trainer's through its accelerator) makes DDP
+    reduce every micro-batch: the hook would count micro-batches as steps and compress the
+    already-reduced part of `.grad` again. Refused before attaching; alone (no accumulation)
+    it changes nothing and passes."""
+    from types import SimpleNamespace
+
+    from nfabric_cli.errors import InputError
+    from nfabric_cli.integrations.accelerate import attach_accelerate
+    from nfabric_cli.integrations.common import require_one_sync_per_step
+
+    def accelerator(sync: bool, steps: int) -> SimpleNamespace:
+        return SimpleNamespace(num_processes=2, gradient_accumulation_steps=steps,
+                               gradient_state=SimpleNamespace(plugin_kwargs={"sync_each_batch": sync}))
+
+    with pytest.raises(InputError, match=r"^nfabric: Accelerate accumulates 2 micro-batches "
+                                         r"with sync_each_batch=True.*drop sync_each_batch$"):
+        attach_accelerate(accelerator(True, 2), object(), "profiles/vision", 10)
+    with pytest.raises(InputError, match="the HF Trainer accumulates 4 micro-batches"):
+        require_one_sync_per_step(accelerator(True, 4), 4, "the HF Trainer")
+    for ok in (accelerator(True, 1), accelerator(False, 2), None):
+        require_one_sync_per_step(ok, 2 if ok is None else ok.gradient_accumulation_steps, "x")
+    with pytest.raises(InputError, match="did not wrap the model"):  # past the check: attach's
+        attach_accelerate(accelerator(False, 2), object(), "profiles/vision", 10)
