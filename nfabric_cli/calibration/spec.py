@@ -141,7 +141,7 @@ class CalibrationSpec:
 
     def confirm_ignored(self) -> bool:
         """Whether the spec sets a confirmation grid that this study will not train (nsga2)."""
-        return bool(self.grid_cells()) and not self.confirm_cells()
+        return self.sampler == "nsga2" and bool(self.grid_cells())
 
     def grid_cells(self) -> list[Cell]:
         """The `[confirm]` grid as written: every seed times every length at the search's

@@ -52,11 +52,11 @@ class FabricCallback(TrainerCallback):
         self.resume_from: str | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        require_one_sync_per_step(getattr(self.trainer, "accelerator", None),
-                                  args.gradient_accumulation_steps, "the HF Trainer")
+        accelerator = getattr(self.trainer, "accelerator", None)
+        require_one_sync_per_step(accelerator, args.gradient_accumulation_steps, "the HF Trainer")
         self.fabric = self.options.attach(
             self.trainer.model_wrapped, state.max_steps, "the HF Trainer", _HINT,
-            scaler=getattr(getattr(self.trainer, "accelerator", None), "scaler", None))
+            scaler=getattr(accelerator, "scaler", None))
         if self.resume_from is not None:
             path = Path(self.resume_from) / STATE_FILE
             if not path.is_file():

@@ -44,11 +44,11 @@ def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
             raise InputError(f"{option}: range {part!r} runs backwards")
-        # a range alone past the limit is refused before it is built (0-4000000000 would
-        # fill the memory first)
-        if hi - lo + 1 > MAX_SEEDS or len(seeds.union(range(lo, hi + 1))) > MAX_SEEDS:
+        # a range alone past the limit is never built (0-4000000000 would fill the memory)
+        if hi - lo + 1 <= MAX_SEEDS:
+            seeds.update(range(lo, hi + 1))
+        if hi - lo + 1 > MAX_SEEDS or len(seeds) > MAX_SEEDS:
             raise InputError(f"{option}: at most {MAX_SEEDS} seeds, got {text!r}")
-        seeds.update(range(lo, hi + 1))
     return sorted(seeds)
 
 

@@ -138,7 +138,7 @@ class _Big(torch.nn.Module):
         return (self.w.float() * x).sum()  # the loss in float32: -1e7 after one step
 
 
-def _fp16_worker(rank: int, world: int, route: str = "sign", model_dtype: torch.dtype =
+def _big_worker(rank: int, world: int, route: str = "sign", model_dtype: torch.dtype =
                  torch.float16, grad: float = 1000.0) -> dict:
     model = _Big()
     profile = static_profile(model, route)
@@ -161,7 +161,7 @@ def _fp16_worker(rank: int, world: int, route: str = "sign", model_dtype: torch.
 def test_an_fp16_model_with_a_gradient_norm_past_65504_is_not_skipped() -> None:
     """The hook's norms of an fp16 bucket are taken in float32: a norm of 1e5 once came out
     inf, read as a non-finite step, and the finite step was zeroed on every rank."""
-    for r in run_ranks(_fp16_worker, 2):
+    for r in run_ranks(_big_worker, 2):
         assert r["skipped"] == []
         # sign at two ranks: every element moves by lr x the chunk's mean |g| (1000) a step
         assert r["w"] == [pytest.approx(-STEPS * 1e-3 * 1000, rel=1e-2)]
@@ -172,6 +172,6 @@ def test_an_fp16_wire_that_overflows_is_a_skipped_step_not_an_infinite_update() 
     """fp32 model, `fp16` route, gradient 1e5 on both ranks: each sends 5e4, and their fp16
     sum overflows (as with PyTorch's fp16_compress_hook). The reduced update's norm shows it,
     and the step is zeroed on every rank instead of reaching SGD as -inf."""
-    for r in run_ranks(_fp16_worker, 2, "fp16", torch.float32, 1e5):
+    for r in run_ranks(_big_worker, 2, "fp16", torch.float32, 1e5):
         assert r["skipped"] == list(range(STEPS))
         assert r["w"] == [0.0]
