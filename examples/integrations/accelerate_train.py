@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 import nfabric_cli  # noqa: E402
-from examples.integrations.task import Net, dataset, loss_of, make_profile  # noqa: E402
+from examples.integrations.task import Net, dataset, loss_of, make_profile, residual_digest  # noqa: E402
 from nfabric_cli.integrations.accelerate import attach_accelerate, optimizer_steps  # noqa: E402
 
 
@@ -41,8 +41,10 @@ def main() -> None:
     model, opt, loader = accelerator.prepare(model, opt, loader)
     state = attach_accelerate(accelerator, model, make_profile(),
                               optimizer_steps(accelerator, loader))   # <- the one call
+    loaded = None
     if a.resume:
         accelerator.load_state(str(a.out / "state"))
+        loaded = residual_digest(state)
     start = state.step * a.accumulate  # skip the batches the first run consumed
     done = 0
     for i, (x, y) in enumerate(loader):
@@ -61,7 +63,7 @@ def main() -> None:
     accelerator.wait_for_everyone()
     doc = {"rank": accelerator.process_index, "optimizer_steps": done, "fabric_step": state.step,
            "total_steps": state.total_steps, "bytes": state.bytes_per_route(),
-           "events": state.events}
+           "events": state.events, "loaded": loaded, "saved": residual_digest(state)}
     (a.out / f"rank{accelerator.process_index}.json").write_text(json.dumps(doc))
     state.close()
 

@@ -18,10 +18,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywher
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import nfabric_cli  # noqa: E402
-from examples.integrations.task import Net, dataset, loss_of, make_profile  # noqa: E402
+from examples.integrations.task import (  # noqa: E402
+    Net,
+    dataset,
+    loss_of,
+    make_profile,
+    residual_digest,
+)
 from nfabric_cli.integrations.hf_trainer import attach_trainer  # noqa: E402
 
 
@@ -49,6 +55,17 @@ class Rows(torch.utils.data.Dataset):
         return {"x": x, "labels": y}
 
 
+class Loaded(TrainerCallback):
+    """Reads the residuals when training begins: after nfabric's callback (first in line)
+    attached and loaded a checkpoint."""
+
+    def __init__(self, nfabric) -> None:  # noqa: ANN001 - the FabricCallback
+        self.nfabric, self.digest = nfabric, None
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+        self.digest = residual_digest(self.nfabric.fabric)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -65,12 +82,15 @@ def main() -> None:
     )
     trainer = Trainer(model=Model(), args=args, train_dataset=Rows())
     nfabric = attach_trainer(trainer, make_profile())      # <- the one line
+    loaded = Loaded(nfabric)
+    trainer.add_callback(loaded)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     fabric, rank = nfabric.fabric, int(os.environ.get("RANK", 0))
     doc = {"rank": rank, "global_step": trainer.state.global_step, "fabric_step": fabric.step,
            "total_steps": fabric.total_steps, "bytes": fabric.bytes_per_route(),
            "events": fabric.events, "logged": [k for k in trainer.state.log_history[-2]
-                                               if k.startswith("nfabric/")]}
+                                               if k.startswith("nfabric/")],
+           "loaded": loaded.digest, "saved": residual_digest(fabric)}
     (a.out / f"rank{rank}.json").write_text(json.dumps(doc))
     nfabric.fabric.close()  # join the hook's worker
 

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 
-from examples.integrations.task import Net, dataset, loss_of, make_profile  # noqa: E402
+from examples.integrations.task import Net, dataset, loss_of, make_profile, residual_digest  # noqa: E402
 from nfabric_cli.integrations.lightning import FabricDDPStrategy  # noqa: E402
 
 
@@ -46,10 +46,13 @@ class Record(L.Callback):
     """Counts micro-batches and writes what each rank saw at the end of training."""
 
     def __init__(self, out: Path) -> None:
-        self.out, self.batches, self.fits = out, 0, 0
+        self.out, self.batches, self.fits, self.loaded = out, 0, 0, ""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
         self.batches += 1
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self.loaded = residual_digest(trainer.strategy.fabric)  # after a checkpoint's restore
 
     def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
         fabric = trainer.strategy.fabric
@@ -58,7 +61,8 @@ class Record(L.Callback):
                "total_steps": fabric.total_steps, "phase": fabric.phase.name,
                "bytes": fabric.bytes_per_route(), "events": fabric.events,
                "reference": fabric.meter.reference(),
-               "nonfinite": fabric.controller.nonfinite}  # "pass" under a loss scaler
+               "nonfinite": fabric.controller.nonfinite,  # "pass" under a loss scaler
+               "loaded": self.loaded, "saved": residual_digest(fabric)}
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(doc))
         (self.out / f"rank{trainer.global_rank}.fit{self.fits}.json").write_text(json.dumps(doc))
         self.fits += 1

@@ -9,6 +9,8 @@ wrappers add prefixes such as `net.` or `module.`; nfabric strips them).
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,3 +43,13 @@ def loss_of(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def make_profile() -> OperatingProfile:
     torch.manual_seed(0)
     return static_profile(Net(), "sign", [("head.*", "fp32")], error_feedback=True)
+
+
+def residual_digest(fabric) -> str:  # noqa: ANN001 - a FabricState
+    """A hash of this rank's error-feedback residuals (names and bits): a resumed run's,
+    read right after it loaded the checkpoint, must equal the run's that saved it."""
+    h = hashlib.sha256()
+    for name, r in sorted(fabric.ef.state_dict()["residual"].items()):
+        h.update(name.encode())
+        h.update(r.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

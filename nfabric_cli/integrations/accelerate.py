@@ -12,9 +12,10 @@
 
 The prepared model is a DistributedDataParallel when 2 or more processes run (on CPU:
 `torchrun --nproc_per_node N` with `Accelerator(cpu=True)`; `accelerate launch --cpu` starts one
-process). The state is registered with `accelerator.register_for_checkpointing`: `save_state`
-calls its `state_dict()` on every process (the gather of every rank's residuals is safe there)
-and writes rank 0's copy, which holds them all; `load_state` gives each rank its own part.
+process). `save_state` (which every process calls) has each rank write its own state as
+`nfabric_state_<rank>.pt`, beside Accelerate's own `random_states_<rank>.pkl`, and `load_state`
+has each rank read its own (save and load pre-hooks: `register_for_checkpointing` would save the
+main process's object only, so every rank's residuals would have to be gathered onto it).
 `accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once per
 optimizer step: `optimizer_steps` counts those, not batches.
 """
@@ -29,7 +30,12 @@ from typing import Any
 import torch.distributed as dist
 
 from nfabric_cli.errors import InputError
-from nfabric_cli.integrations.common import AttachOptions, require_one_sync_per_step
+from nfabric_cli.integrations.common import (
+    AttachOptions,
+    load_rank_state,
+    require_one_sync_per_step,
+    save_rank_state,
+)
 from nfabric_cli.runtime.state import FabricState
 
 
@@ -58,5 +64,8 @@ def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[s
     state = AttachOptions(source, total_steps, attach_options).attach(
         model, None, "Accelerate", "pass the model that accelerator.prepare returned",
         scaler=getattr(accelerator, "scaler", None))
-    accelerator.register_for_checkpointing(state)
+    accelerator.register_save_state_pre_hook(
+        lambda models, weights, output_dir: save_rank_state(state, output_dir))
+    accelerator.register_load_state_pre_hook(
+        lambda models, input_dir: load_rank_state(state, input_dir, "Accelerate"))
     return state

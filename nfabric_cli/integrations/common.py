@@ -1,21 +1,55 @@
-"""What the framework adapters share: the attach options, the one-line errors, the metrics."""
+"""What the framework adapters share: the attach options, the one-line errors, the metrics,
+the per-rank state files."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from nfabric_cli.atomic import atomic_path
 from nfabric_cli.errors import InputError
 from nfabric_cli.runtime.controller import fallbacks as count_fallbacks
 from nfabric_cli.runtime.state import FabricState
 
-#: Where a checkpoint keeps the fabric state (a key in a checkpoint dict, a file in a folder).
+#: Where a checkpoint keeps the fabric state: a key in a checkpoint dict (every rank's part,
+#: gathered onto the writer), or one file per rank in a checkpoint folder, named as the
+#: frameworks name their own per-rank RNG files (`rng_state_<rank>.pth`, `random_states_<i>.pkl`)
 CHECKPOINT_KEY = "nfabric"
-STATE_FILE = "nfabric_state.pt"
+RANK_FILE = "nfabric_state_{rank}.pt"
+#: a folder saved by nfabric before the per-rank files: every rank's part in one file
+GATHERED_FILE = "nfabric_state.pt"
+
+
+def save_rank_state(fabric: FabricState, folder: str | os.PathLike[str]) -> Path:
+    """Write this rank's fabric state (the shared part and its own residuals, byte counters
+    and events: `state_dict(all_ranks=False)`) to `folder`, atomically; every rank calls it.
+    No collective, and no rank holds another's residuals: gathering them (W x the compressed
+    parameters in float32 on a rank) would not fit a large model's host memory."""
+    path = Path(folder) / RANK_FILE.format(rank=fabric.rank)
+    state = fabric.state_dict(all_ranks=False)
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+    return path
+
+
+def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framework: str) -> None:
+    """Restore this rank's state from `folder` (`save_rank_state`; or the one gathered file
+    an earlier nfabric wrote there). One line when the folder holds neither."""
+    folder = Path(folder)
+    path = folder / RANK_FILE.format(rank=fabric.rank)
+    if not path.is_file() and (folder / GATHERED_FILE).is_file():
+        path = folder / GATHERED_FILE
+    if not path.is_file():
+        raise InputError(f"nfabric: {framework} resumes from {folder}, which holds no "
+                         f"{RANK_FILE.format(rank=fabric.rank)} for this rank (saved without "
+                         "nfabric, or on another node: each rank reads its own file)")
+    fabric.load_state_dict(torch.load(path, weights_only=True))
 
 
 @dataclass

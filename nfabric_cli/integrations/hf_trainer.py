@@ -12,9 +12,11 @@ the health monitor before backward) and `train` (to learn which checkpoint a run
 The callback attaches at `on_train_begin`, when the Trainer has wrapped the model, with
 `total_steps = state.max_steps` (optimizer steps: with `gradient_accumulation_steps` the Trainer
 skips DDP's sync on the other micro-batches, so the hook fires once per optimizer step). At
-every checkpoint (`on_save`, on every rank) the fabric state is gathered and rank 0 writes it as
-`checkpoint-N/nfabric_state.pt`; a resumed run loads it back. `nfabric/*` values join every
-log line (and `state.log_history`); the state closes at `on_train_end`.
+every checkpoint (`on_save`, on every rank) each rank writes its own state as
+`checkpoint-N/nfabric_state_<rank>.pt`, beside the Trainer's own `rng_state_<rank>.pth` (in the
+trial's `run-<id>` folder under a hyperparameter search); a resumed run's ranks each load theirs.
+`nfabric/*` values join every log line (and `state.log_history`); the state closes at
+`on_train_end`.
 """
 
 from __future__ import annotations
@@ -24,17 +26,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from nfabric_cli.atomic import atomic_path
-from nfabric_cli.errors import InputError
 from nfabric_cli.integrations.common import (
-    STATE_FILE,
     AttachOptions,
     fabric_metrics,
+    load_rank_state,
     require_one_sync_per_step,
+    save_rank_state,
 )
 from nfabric_cli.runtime.state import FabricState
 
@@ -58,20 +58,19 @@ class FabricCallback(TrainerCallback):
             self.trainer.model_wrapped, state.max_steps, "the HF Trainer", _HINT,
             scaler=getattr(accelerator, "scaler", None))
         if self.resume_from is not None:
-            path = Path(self.resume_from) / STATE_FILE
-            if not path.is_file():
-                raise InputError(f"nfabric: resuming from {self.resume_from}, which holds no "
-                                 f"{STATE_FILE} (saved without nfabric?)")
-            self.fabric.load_state_dict(torch.load(path, weights_only=True))
+            load_rank_state(self.fabric, self.resume_from, "the HF Trainer")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.fabric is None:
-            return
-        fabric = self.fabric.state_dict()  # every rank calls on_save: the gather is safe
-        if args.should_save:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            with atomic_path(folder / STATE_FILE) as tmp:
-                torch.save(fabric, tmp)
+        if self.fabric is not None:  # every rank, into the folder the Trainer just wrote
+            save_rank_state(self.fabric, Path(self._run_dir(args)) /
+                            f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+    def _run_dir(self, args: Any) -> str:
+        """Where the Trainer puts this run's checkpoints: `output_dir`, or under a
+        hyperparameter search the trial's own folder in it (`Trainer._get_output_dir`)."""
+        trial = getattr(self.trainer, "_trial", None)
+        run_dir = getattr(self.trainer, "_get_output_dir", None)
+        return run_dir(trial=trial) if run_dir is not None else args.output_dir
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None,
                **kwargs: Any) -> None:

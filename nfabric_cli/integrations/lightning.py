@@ -11,8 +11,8 @@ steps: with `accumulate_grad_batches` Lightning skips DDP's sync on the other mi
 the hook fires once per optimizer step). A profile made from the bare network fits the
 LightningModule (its `net.` prefix is stripped, `binding/matching.py`), `bf16-true` included.
 The loss reaches the health monitor in `backward`; the fabric state rides in every checkpoint
-(`checkpoint["nfabric"]`, gathered from every rank before rank 0 writes) and is restored by
-`fit(ckpt_path=...)`; `nfabric/*` metrics go to the Trainer's loggers; the state closes in
+(`checkpoint["nfabric"]`, every rank's part gathered onto rank 0, which alone writes the file)
+and is restored by `fit(ckpt_path=...)`; `nfabric/*` metrics go to the Trainer's loggers; the state closes in
 `teardown`, before the process group goes.
 """
 
@@ -72,9 +72,10 @@ class FabricDDPStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any = None) -> None:
         # Called on every rank (Trainer.save_checkpoint), so the gather in state_dict() is safe;
-        # only rank 0 writes, and its copy holds every rank's residuals.
+        # only rank 0 writes, so only its copy holds every rank's residuals (the others'
+        # hold their own: W copies of them on every rank would not fit a large model).
         if self.fabric is not None:
-            checkpoint[CHECKPOINT_KEY] = self.fabric.state_dict()
+            checkpoint[CHECKPOINT_KEY] = self.fabric.state_dict(dst=0)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -82,6 +83,10 @@ class FabricDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
+            # every rank read every rank's residuals: keep this rank's (the others go now)
+            mine = state.get("ranks", {}).get(self.global_rank)
+            if mine is not None:
+                state["ranks"] = {self.global_rank: mine}
             if self.fabric is not None:
                 self.fabric.load_state_dict(state)
             else:

@@ -5,10 +5,17 @@ Shared by every rank (the decisions are agreed): the step controller's state (th
 the phase and the stochastic rounding noise continue; the health monitor; the update guard's
 windows; the capacity gate's verdicts and revocations; the skipped steps). Per rank: the error-feedback residuals (each rank's own compression
 error), its byte counters, its event log and the reduce times not yet agreed (the last
-bucket's ride in the next step's statistics round). `state_dict(all_ranks=True)` gathers every
-rank's part on every rank (one collective: call it on all ranks, between steps), so a
-framework that writes the checkpoint from rank 0 only still saves everything; with
-`all_ranks=False` each rank returns only its own part (for frameworks that save per rank).
+bucket's ride in the next step's statistics round). Three ways to save it, as the framework
+writes checkpoints:
+- per rank (`all_ranks=False`): each rank returns the shared part and its own, and writes
+  its own file (the HF Trainer and Accelerate adapters, beside the frameworks' own per-rank
+  RNG files): no collective, and no rank holds more than its own residuals;
+- to one writer (`dst=r`): every rank's part is gathered onto group rank r only (one
+  `gather_object`; the others get their own part back), for a framework that writes one
+  file from one rank (the Lightning adapter): only the writer holds W ranks' residuals;
+- to every rank (the default): an all-gather, so any rank may write it, at the price of
+  every rank holding W ranks' residuals (in host memory: residuals are saved as CPU copies).
+The gathers are collectives: call them on every rank, between steps.
 A state from other bindings (another model or profile), another world size or a newer
 version is refused with one line; a resumed run may be longer or shorter (extending training),
 with a warning when that moves the phase boundaries.
@@ -44,16 +51,28 @@ def bindings_key(bindings: Bindings) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def fabric_state_dict(state: FabricState, all_ranks: bool = True) -> dict[str, Any]:
+def fabric_state_dict(state: FabricState, all_ranks: bool = True,
+                      dst: int | None = None) -> dict[str, Any]:
+    """The checkpoint (module docstring): `all_ranks` gathers every rank's part onto every
+    rank, or only onto group rank `dst` when given (the other ranks get their own part)."""
     if state._pending:
         raise RuntimeError("state_dict() during a step: call it between optimizer steps")
+    if dst is not None and not 0 <= dst < state.world_size:
+        raise InputError(f"state_dict(dst={dst}): dst is a rank of the fabric's group, "
+                         f"0 to {state.world_size - 1}")
     mine = _rank_part(state.ef, state.meter, state.events, state.step_times)
     mine["bucket_seconds"] = [s for _, s in state._bucket_times]
     ranks = {state.rank: mine}
     if all_ranks and state.world_size > 1:
-        gathered: list[Any] = [None] * state.world_size
-        dist.all_gather_object(gathered, (state.rank, mine), group=state.comm.group)
-        ranks = dict(gathered)
+        gathered: list[Any] | None = [None] * state.world_size
+        if dst is None:
+            dist.all_gather_object(gathered, (state.rank, mine), group=state.comm.group)
+        else:
+            gathered = gathered if state.rank == dst else None
+            dist.gather_object((state.rank, mine), gathered, group=state.comm.group,
+                               group_dst=dst)
+        if gathered is not None:
+            ranks = dict(gathered)
     return {
         "kind": KIND,
         "version": STATE_VERSION,
@@ -102,7 +121,7 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
     if mine is None:
         saved = sorted(sd["ranks"])
         msg = (f"fabric state holds rank(s) {saved} only, not rank {state.rank}: save it with "
-               "state_dict(all_ranks=True) (the default) or per rank")
+               "state_dict(all_ranks=True) (the default), or load each rank's own file")
         if strict:
             raise InputError(msg)
         notes.append(msg + "; this rank starts with no error-feedback residuals")

@@ -260,15 +260,17 @@ class FabricState:
         """Parameter -> route label in force now (after health fallbacks)."""
         return {n: self._effective(n).label() for n in self.bindings.params}
 
-    def state_dict(self, all_ranks: bool = True) -> dict[str, Any]:
+    def state_dict(self, all_ranks: bool = True, dst: int | None = None) -> dict[str, Any]:
         """The fabric's checkpoint: step (hence phase), health monitor, capacity gate,
         error-feedback residuals, byte counters and events (`runtime/checkpoint.py`). With
-        `all_ranks` (default) every rank's part is gathered onto every rank, so rank 0 alone
-        may save it: a collective, so call it on every rank, between optimizer steps."""
+        `all_ranks` (default) every rank's part is gathered onto every rank, or only onto
+        group rank `dst` when given, so that rank alone may save it: a collective, so call it
+        on every rank, between optimizer steps. `all_ranks=False`: this rank's part only, for
+        a checkpoint each rank writes itself (no rank then holds the others' residuals)."""
         from nfabric_cli.runtime.checkpoint import fabric_state_dict
 
         self._saved_at = self.step
-        return fabric_state_dict(self, all_ranks)
+        return fabric_state_dict(self, all_ranks, dst)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Restore a `state_dict()` (after `attach`, before the resumed run's first step); the

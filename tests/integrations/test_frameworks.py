@@ -27,6 +27,13 @@ def _check_run(docs: list[dict], steps: int, total: int) -> None:
     assert docs[0]["bytes"] == docs[1]["bytes"]
 
 
+def _check_residuals(first: list[dict], resumed: list[dict]) -> None:
+    """Each rank resumed with the error-feedback residuals it saved, its own (they differ by
+    rank: a rank given another's would pass a count check)."""
+    assert [d["loaded"] for d in resumed] == [d["saved"] for d in first]
+    assert first[0]["saved"] != first[1]["saved"]
+
+
 @pytest.mark.slow
 def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "lt"
@@ -41,6 +48,7 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
     import torch
 
     ckpt = torch.load(out / "ckpt" / "last.ckpt", weights_only=True)
+    # rank 0 wrote the file, every rank's residuals gathered onto it (and onto it only)
     assert ckpt["nfabric"]["step"] == STEPS and sorted(ckpt["nfabric"]["ranks"]) == [0, 1]
     logged = (out / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "nfabric/traffic_fraction" in logged and "nfabric/fallbacks" in logged
@@ -51,8 +59,9 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
     # the counters went on from the checkpoint; then a second fit on the same Trainer from
     # "last" went on again (its state was once restored into the first fit's closed one, and
     # a fresh one attached at step 0: 2 steps where 8 are due)
-    _check_run([json.loads((out / f"rank{r}.fit0.json").read_text()) for r in (0, 1)],
-               MORE, MORE)
+    fit0 = [json.loads((out / f"rank{r}.fit0.json").read_text()) for r in (0, 1)]
+    _check_run(fit0, MORE, MORE)
+    _check_residuals(docs, fit0)
     _check_run(ranks_of(out), MORE + 2, MORE + 2)
 
 
@@ -79,11 +88,17 @@ def test_hf_trainer_callback_trains_checkpoints_and_resumes(tmp_path: Path) -> N
     assert all(d["global_step"] == STEPS for d in docs)
     assert docs[0]["logged"] == ["nfabric/traffic_fraction", "nfabric/bytes",
                                  "nfabric/fallbacks", "nfabric/skipped_steps"]
-    assert (out / f"checkpoint-{STEPS}" / "nfabric_state.pt").is_file()
+    import torch
+
+    for rank in (0, 1):  # each rank wrote its own state, beside the Trainer's rng_state_<r>
+        saved = torch.load(out / f"checkpoint-{STEPS}" / f"nfabric_state_{rank}.pt",
+                           weights_only=True)
+        assert saved["step"] == STEPS and list(saved["ranks"]) == [rank]
     resumed = run_example("hf_trainer_train.py", *args, "--steps", str(MORE), "--resume",
                           torchrun=True)
     check_clean(resumed)
     _check_run(ranks_of(out), MORE, MORE)
+    _check_residuals(docs, ranks_of(out))
 
 
 @pytest.mark.slow
@@ -95,8 +110,11 @@ def test_accelerate_helper_trains_checkpoints_and_resumes(tmp_path: Path) -> Non
     docs = ranks_of(out)
     _check_run(docs, STEPS, 2 * STEPS)
     assert all(d["optimizer_steps"] == STEPS for d in docs)
+    assert sorted(p.name for p in (out / "state").glob("nfabric_state_*")) == [
+        "nfabric_state_0.pt", "nfabric_state_1.pt"]  # one per rank, beside random_states_<r>
     check_clean(run_example("accelerate_train.py", *args, "--resume", torchrun=True))
     _check_run(ranks_of(out), 2 * STEPS, 2 * STEPS)
+    _check_residuals(docs, ranks_of(out))
 
 
 @pytest.mark.slow
@@ -133,10 +151,36 @@ def test_hf_resume_from_checkpoint_true_with_none_saved_is_the_trainers_own_erro
     """`train(resume_from_checkpoint=True)` in an output folder with no checkpoint: the Trainer
     refuses it; through `attach_trainer` the lookup's None was passed on, and the run started
     from scratch as if resumed (here, one process, it then met attach's refusal instead)."""
-    import torch
-    from transformers import Trainer, TrainingArguments
+    from nfabric_cli.integrations.hf_trainer import attach_trainer
+
+    trainer = _one_process_trainer(tmp_path)
+    attach_trainer(trainer, "profiles/vision")
+    with pytest.raises(ValueError, match="No valid checkpoint found"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+@pytest.mark.slow
+def test_hf_checkpoints_of_a_hyperparameter_search_trial_go_to_its_run_folder(
+        tmp_path: Path) -> None:
+    """Under `trainer.hyperparameter_search` the Trainer saves a trial's checkpoints in
+    `output_dir/run-<trial>`; the fabric state went to `output_dir/checkpoint-N`, a folder the
+    Trainer never resumes from (and the next trial overwrote)."""
+    from types import SimpleNamespace
+
+    from transformers.trainer_utils import HPSearchBackend
 
     from nfabric_cli.integrations.hf_trainer import attach_trainer
+
+    trainer = _one_process_trainer(tmp_path)
+    callback = attach_trainer(trainer, "profiles/vision")
+    assert callback._run_dir(trainer.args) == str(tmp_path)
+    trainer.hp_search_backend, trainer._trial = HPSearchBackend.OPTUNA, SimpleNamespace(number=3)
+    assert callback._run_dir(trainer.args) == str(tmp_path / "run-3")
+
+
+def _one_process_trainer(out: Path):  # noqa: ANN202 - a transformers.Trainer
+    import torch
+    from transformers import Trainer, TrainingArguments
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -146,11 +190,8 @@ def test_hf_resume_from_checkpoint_true_with_none_saved_is_the_trainers_own_erro
         def forward(self, x: torch.Tensor) -> dict:
             return {"loss": self.w(x).pow(2).mean()}
 
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
-    trainer = Trainer(model=Net(), args=args, train_dataset=[{"x": torch.ones(2)}] * 4)
-    attach_trainer(trainer, "profiles/vision")
-    with pytest.raises(ValueError, match="No valid checkpoint found"):
-        trainer.train(resume_from_checkpoint=True)
+    args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=1)
+    return Trainer(model=Net(), args=args, train_dataset=[{"x": torch.ones(2)}] * 4)
 
 
 def test_sync_each_batch_with_accumulation_is_refused_in_one_line() -> None:

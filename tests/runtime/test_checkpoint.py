@@ -59,12 +59,14 @@ def _whole(rank: int, world: int) -> dict:
             "events": state.events, "residuals": len(state.ef)}
 
 
-def _first_half(rank: int, world: int, path: str, all_ranks: bool) -> dict:
+def _first_half(rank: int, world: int, path: str, how: str) -> dict:
     ddp, state, opt = _setup(rank)
     _steps(ddp, state, opt, rank, 0, TOTAL // 2)
-    fabric = state.state_dict(all_ranks=all_ranks)
-    if all_ranks:  # a framework that writes from rank 0 only
-        if rank == 0:
+    fabric = (state.state_dict(dst=1) if how == "gather-to-writer"
+              else state.state_dict(all_ranks=how == "gather-to-all"))
+    writer = 1 if how == "gather-to-writer" else 0
+    if how != "per-rank":  # a framework that writes from one rank only
+        if rank == writer:
             torch.save({"model": ddp.module.state_dict(), "opt": opt.state_dict(),
                         "fabric": fabric}, path)
     else:
@@ -91,19 +93,23 @@ def _second_half(rank: int, world: int, path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def whole() -> list[dict]:
-    """The uninterrupted run, trained once for both ways of writing the checkpoint."""
+    """The uninterrupted run, trained once for every way of writing the checkpoint."""
     return run_ranks(_whole, 2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("all_ranks", [True, False], ids=["rank0-writes-all", "per-rank"])
+@pytest.mark.parametrize("how", ["gather-to-all", "gather-to-writer", "per-rank"])
 def test_resume_is_bit_identical_to_an_uninterrupted_run(
-    tmp_path: Path, all_ranks: bool, whole: list[dict]
+    tmp_path: Path, how: str, whole: list[dict]
 ) -> None:
     path = str(tmp_path / "ckpt.pt")
-    first = run_ranks(_first_half, 2, path, all_ranks)
+    first = run_ranks(_first_half, 2, path, how)
     assert all(r["residuals"] > 0 for r in first)  # error feedback was carrying residuals
-    assert first[0]["ranks"] == ([0, 1] if all_ranks else [0])
+    # whose residuals each rank held: every rank's, only the writer (rank 1) every rank's, or
+    # each its own
+    assert [r["ranks"] for r in first] == {"gather-to-all": [[0, 1], [0, 1]],
+                                           "gather-to-writer": [[0], [0, 1]],
+                                           "per-rank": [[0], [1]]}[how]
     resumed = run_ranks(_second_half, 2, path)  # new processes: nothing survives but the files
     for a, b in zip(whole, resumed, strict=True):
         assert a["step"] == b["step"] == TOTAL and a["phase"] == b["phase"] == "late"
@@ -121,6 +127,8 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(
 
 
 def _refusals(rank: int, world: int, path: str) -> list[str]:
+    from nfabric_cli.integrations.common import load_rank_state
+
     ddp, state, opt = _setup(rank)
     good = state.state_dict()
     out = []
@@ -145,6 +153,16 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
         out.append(str(caught[0].message) if caught else "no warning")
         state.load_state_dict({**good, "total_steps": TOTAL // 2})  # a longer run resumed
         out.append(str(caught[-1].message) if len(caught) > 1 else "no warning")
+        try:
+            state.state_dict(dst=2)
+            out.append("gathered")
+        except InputError as exc:
+            out.append(str(exc))
+        try:  # a framework's checkpoint folder without this rank's file
+            load_rank_state(state, path, "X")
+            out.append("loaded")
+        except InputError as exc:
+            out.append(str(exc))
         another.close()
         state.close()
     return out
@@ -153,7 +171,7 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
 @pytest.mark.slow
 def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path: Path) -> None:
     for rank, out in enumerate(run_ranks(_refusals, 2, str(tmp_path))):
-        other, newer, alien, missing, lenient, longer = out
+        other, newer, alien, missing, lenient, longer, writer, no_file = out
         assert other.startswith("fabric state is from other bindings") and \
             other.endswith("another model or profile")
         assert "the run was 20 steps long and is now 40: phase boundaries" in longer
@@ -161,6 +179,10 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
         assert alien == "not an nfabric fabric state (expected FabricState.state_dict())"
         assert missing.startswith(f"fabric state holds rank(s) [{1 - rank}] only, not rank {rank}")
         assert "this rank starts with no error-feedback residuals" in lenient
+        assert writer == "state_dict(dst=2): dst is a rank of the fabric's group, 0 to 1"
+        assert no_file == (f"nfabric: X resumes from {tmp_path}, which holds no "
+                           f"nfabric_state_{rank}.pt for this rank (saved without nfabric, or on "
+                           "another node: each rank reads its own file)")
         assert all("\n" not in m for m in out)
 
 
