@@ -12,8 +12,8 @@ the hook fires once per optimizer step). A profile made from the bare network fi
 LightningModule (its `net.` prefix is stripped, `binding/matching.py`), `bf16-true` included.
 The loss reaches the health monitor in `backward`; the fabric state rides in every checkpoint
 (`checkpoint["nfabric"]`, every rank's part gathered onto rank 0, which alone writes the file)
-and is restored by `fit(ckpt_path=...)`; `nfabric/*` metrics go to the Trainer's loggers; the state closes in
-`teardown`, before the process group goes.
+and is restored by `fit(ckpt_path=...)`; `nfabric/*` metrics go to the Trainer's loggers; the
+state closes in `teardown`, before the process group goes.
 """
 
 from __future__ import annotations
