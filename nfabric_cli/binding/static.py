@@ -86,5 +86,5 @@ def on_route(profile: OperatingProfile, route: str = "fp32") -> OperatingProfile
     health scopes, and the same phases. The reference arm of a like-for-like comparison."""
     RouteSpec(route)
     rows = [dataclasses.replace(r, route=route, error_feedback=False, tau=None, rounding=None,
-                                mode=None, chunk=None) for r in profile.rows]
+                                mode=None, zeros=None, chunk=None) for r in profile.rows]
     return OperatingProfile(rows, dict(profile.meta))

@@ -27,10 +27,11 @@ from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_paramet
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.parquet import read_metadata, read_table, write_table
 from nfabric_cli.profile.phases import Phase
+from nfabric_cli.profile.schema import zeros_as_written
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.routes.spec import RouteSpec
 
-BINDINGS_SCHEMA_VERSION = "1.0.0"
+BINDINGS_SCHEMA_VERSION = "1.1.0"  # 1.1: `zeros`, sign's vote for an exact zero
 _REBIND_KEYS = {
     "world_size", "substrate", "bucket_cap_mb", "total_steps", "find_unused_parameters", "ready_order"
 }  # fmt: skip
@@ -48,6 +49,7 @@ BINDINGS_SCHEMA = pa.schema(
         pa.field("reducer", pa.string()),
         pa.field("rounding", pa.string()),
         pa.field("mode", pa.string()),
+        pa.field("zeros", pa.string()),
         pa.field("shape", pa.list_(pa.int64())),
         pa.field("numel", pa.int64()),
         pa.field("dtype", pa.string()),
@@ -118,6 +120,8 @@ def read_bindings(path: str | os.PathLike[str]) -> Bindings:
                     tuple(r["aliases"]),
                 )
             spec = {k: r[k] for k in _SPEC_FIELDS if k != "name"}
+            spec["zeros"] = zeros_as_written(r["route"], r["zeros"], meta["schema_version"],
+                                             "1.1.0") or "split"
             b.routes[r["phase"]] = RouteSpec(name=r["route"], **spec)
             b.regions[r["phase"]] = r["region"]
         return Bindings(

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nfabric_cli.routes import ErrorFeedback, make_route
-from nfabric_cli.routes.base import Route, rounding_noise
+from nfabric_cli.routes.base import Route, codec_noise
 from nfabric_cli.routes.ring import Piece, join_pieces, ring_pieces
 from nfabric_cli.routes.spec import RouteSpec
 
@@ -129,7 +129,7 @@ class Aggregator:
             else:
                 flats = [torch.cat([g[i] for i in idx]) if len(idx) > 1 else g[idx[0]]
                          for g in grads]
-            noise = [rounding_noise(spec, self.seed, step, r, names, segs)
+            noise = [codec_noise(spec, self.seed, step, r, names, segs)
                      for r in range(self.world_size)]
             stats: dict[str, float | torch.Tensor] = {}  # the torch path's margins: a tensor
             if spec.lowbit:

@@ -56,6 +56,7 @@ class ProfileRow:
     trials: int | None = None
     rounding: str | None = None
     mode: str | None = None
+    zeros: str | None = None  # sign's zero vote; None: "split" (spec.py, ZERO_VOTES)
 
     def spec(self) -> RouteSpec:
         """The route this row selects (raises InputError for an unknown route or option)."""
@@ -67,6 +68,7 @@ class ProfileRow:
             reducer=self.reducer,
             rounding=self.rounding or "nearest",
             mode=self.mode or "majority",
+            zeros=self.zeros or "split",
         )
 
     @property
@@ -83,12 +85,14 @@ ROW_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ProfileRow))
 def route_row(region: str, phase: Phase, priority: int, route: str, *,
               tau: float | None = None, error_feedback: bool = False, reducer: str = "sharded",
               rounding: str | None = None, mode: str | None = None,
-              any_lossy: bool = False, **evidence: Any) -> ProfileRow:
+              zeros: str | None = None, any_lossy: bool = False,
+              **evidence: Any) -> ProfileRow:
     """A row for `route` with each option set only where the route uses it, and defaults left
     unset (so profiles diff as they always did): `tau` for ternary, `rounding` for int8/int4
-    when not nearest, `mode` for sign when not majority, error feedback and the reducer for
-    the low-bit routes (with `any_lossy`, as `profile init` writes them: for every route but
-    fp32). `evidence`: traffic_fraction, metric_delta, trials. The one rule hand-written
+    when not nearest, `mode` and `zeros` for sign when not majority and split, error feedback
+    and the reducer for the low-bit routes (with `any_lossy`, as `profile init` writes them:
+    for every route but fp32). `evidence`: traffic_fraction, metric_delta, trials. The one
+    rule hand-written
     (`binding/static.py`) and calibrated (`calibration/space.py`) rows share."""
     lowbit = route != "fp32" if any_lossy else route in LOWBIT_ROUTES
     return ProfileRow(
@@ -100,6 +104,7 @@ def route_row(region: str, phase: Phase, priority: int, route: str, *,
         rounding=rounding if route in ("int8", "int4") and rounding not in (None, "nearest")
         else None,
         mode=mode if route == "sign" and mode not in (None, "majority") else None,
+        zeros=zeros if route == "sign" and zeros not in (None, "split") else None,
         **evidence,
     )
 

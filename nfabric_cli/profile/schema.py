@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.0.0"
+SCHEMA_VERSION = "1.1.0"  # 1.1: `zeros`, sign's vote for an exact zero
 
 PROFILE_SCHEMA = pa.schema(
     [
@@ -30,8 +30,20 @@ PROFILE_SCHEMA = pa.schema(
         pa.field("trials", pa.int64()),
         pa.field("rounding", pa.string()),
         pa.field("mode", pa.string()),
+        pa.field("zeros", pa.string()),
     ]
 )
 
 #: Values for columns a file of an older minor version does not have.
 PROFILE_COLUMN_DEFAULTS: dict[str, Any] = {"error_feedback": False, "reducer": "sharded"}
+
+
+def zeros_as_written(route: str, zeros: str | None, version: str, since: str) -> str | None:
+    """Sign's zero vote as a row of a file of schema `version` meant it: as written; or, in a
+    file older than `since` (the version that added the column), "negative" for a sign row,
+    the only rule there was then, so that a profile replays what it was proven with."""
+    from nfabric_cli.profile.parquet import parse_semver
+
+    if zeros is None and route == "sign" and parse_semver(version)[:2] < parse_semver(since)[:2]:
+        return "negative"
+    return zeros

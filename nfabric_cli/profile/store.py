@@ -15,7 +15,12 @@ import pyarrow as pa
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import ROW_FIELDS, OperatingProfile, ProfileRow
 from nfabric_cli.profile.parquet import read_table, write_table
-from nfabric_cli.profile.schema import PROFILE_COLUMN_DEFAULTS, PROFILE_SCHEMA, SCHEMA_VERSION
+from nfabric_cli.profile.schema import (
+    PROFILE_COLUMN_DEFAULTS,
+    PROFILE_SCHEMA,
+    SCHEMA_VERSION,
+    zeros_as_written,
+)
 
 _REQUIRED = ("region", "phase", "phase_start", "phase_end", "priority", "route")
 _VERSIONED = re.compile(r"^(?P<workload>.+)\.v(?P<n>\d+)\.parquet$")
@@ -61,6 +66,8 @@ def read_profile(path: str | os.PathLike[str]) -> OperatingProfile:
         missing = [k for k in _REQUIRED if record[k] is None]
         if missing:
             raise InputError(f"{path}: a row has no {', '.join(missing)}")
+        record["zeros"] = zeros_as_written(record["route"], record["zeros"],
+                                           meta["schema_version"], "1.1.0")
         rows.append(ProfileRow(**{k: record[k] for k in ROW_FIELDS}))
     try:
         return OperatingProfile(rows, meta).validate()

@@ -61,6 +61,8 @@ static inline vf v_abs(vf v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm25
 static inline vf v_nan(vf v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
 static inline vf v_num(vf v) { return _mm256_cmp_ps(v, v, _CMP_ORD_Q); }
 static inline vf v_gt0(vf v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GT_OQ); }
+static inline vf v_eq0(vf v) { return _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_EQ_OQ); }
+static inline vf v_ones(int64_t on) { return _mm256_castsi256_ps(_mm256_set1_epi32(on ? -1 : 0)); }
 #elif defined(__SSE2__)
 #include <emmintrin.h>
 #define NF_W 4
@@ -83,7 +85,16 @@ static inline vf v_abs(vf v) { return _mm_and_ps(v, _mm_castsi128_ps(_mm_set1_ep
 static inline vf v_nan(vf v) { return _mm_cmpunord_ps(v, v); }
 static inline vf v_num(vf v) { return _mm_cmpord_ps(v, v); }
 static inline vf v_gt0(vf v) { return _mm_cmpgt_ps(v, _mm_setzero_ps()); }
+static inline vf v_eq0(vf v) { return _mm_cmpeq_ps(v, _mm_setzero_ps()); }
+static inline vf v_ones(int64_t on) { return _mm_castsi128_ps(_mm_set1_epi32(on ? -1 : 0)); }
 #endif
+
+/* A sign vote: x > 0, or exact zeros (+0 and -0) too where `up` is set (all-ones lanes: this
+ * rank votes zeros up this step, sign.py). NaN never votes up. */
+#ifdef NF_W
+static inline vf v_vote(vf v, vf up) { return v_or(v_gt0(v), v_and(v_eq0(v), up)); }
+#endif
+static inline unsigned vote1(float e, int64_t up) { return (unsigned)((e > 0.0f) | (up && e == 0.0f)); }
 
 /* Which build this is (2: AVX2, 1: SSE2, 0: portable C), and whether the CPU could run AVX2. */
 int nf_isa(void) {
@@ -125,11 +136,12 @@ void nf_advise_huge(void *p, int64_t nbytes) {
 typedef __m256 acc8;
 static inline acc8 acc8_zero(void) { return _mm256_setzero_ps(); }
 static inline void acc8_store(float *s, acc8 a) { _mm256_storeu_ps(s, a); }
-static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, uint8_t m[8]) {
+static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, uint8_t m[8],
+                              vf up) {
     __m256 v[8];
     for (int k = 0; k < 8; ++k) {
         const __m256 raw = _mm256_loadu_ps(p + k * len + i);
-        m[k] = (uint8_t)_mm256_movemask_ps(v_gt0(raw));
+        m[k] = (uint8_t)_mm256_movemask_ps(v_vote(raw, up));
         v[k] = v_abs(raw);
     }
     const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
@@ -155,11 +167,12 @@ typedef struct { __m128 lo, hi; } acc8; /* rows 0-3, rows 4-7 */
 static inline acc8 acc8_zero(void) { acc8 a = {_mm_setzero_ps(), _mm_setzero_ps()}; return a; }
 static inline void acc8_store(float *s, acc8 a) { _mm_storeu_ps(s, a.lo); _mm_storeu_ps(s + 4, a.hi); }
 /* 4 rows x 4 elements: transpose so lane k is row k, add the 4 columns in order. */
-static inline __m128 rows4x4(const float *p, int64_t len, int64_t i, __m128 acc, int m[4]) {
+static inline __m128 rows4x4(const float *p, int64_t len, int64_t i, __m128 acc, int m[4],
+                             vf up) {
     __m128 v[4];
     for (int k = 0; k < 4; ++k) {
         const __m128 raw = _mm_loadu_ps(p + k * len + i);
-        m[k] = _mm_movemask_ps(v_gt0(raw));
+        m[k] = _mm_movemask_ps(v_vote(raw, up));
         v[k] = v_abs(raw);
     }
     _MM_TRANSPOSE4_PS(v[0], v[1], v[2], v[3]);
@@ -168,12 +181,13 @@ static inline __m128 rows4x4(const float *p, int64_t len, int64_t i, __m128 acc,
     acc = _mm_add_ps(acc, v[2]);
     return _mm_add_ps(acc, v[3]);
 }
-static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, uint8_t m[8]) {
+static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, uint8_t m[8],
+                              vf up) {
     int a[4], b[4], c[4], d[4];
-    acc.lo = rows4x4(p, len, i, acc.lo, a);
-    acc.lo = rows4x4(p, len, i + 4, acc.lo, b);
-    acc.hi = rows4x4(p + 4 * len, len, i, acc.hi, c);
-    acc.hi = rows4x4(p + 4 * len, len, i + 4, acc.hi, d);
+    acc.lo = rows4x4(p, len, i, acc.lo, a, up);
+    acc.lo = rows4x4(p, len, i + 4, acc.lo, b, up);
+    acc.hi = rows4x4(p + 4 * len, len, i, acc.hi, c, up);
+    acc.hi = rows4x4(p + 4 * len, len, i + 4, acc.hi, d, up);
     for (int k = 0; k < 4; ++k) {
         m[k] = (uint8_t)(a[k] | (b[k] << 4));
         m[k + 4] = (uint8_t)(c[k] | (d[k] << 4));
@@ -184,12 +198,15 @@ static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, 
 typedef struct { float s[8]; } acc8;
 static inline acc8 acc8_zero(void) { acc8 a; memset(&a, 0, sizeof a); return a; }
 static inline void acc8_store(float *s, acc8 a) { memcpy(s, a.s, sizeof a.s); }
-static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, uint8_t m[8]) {
+typedef int64_t vf; /* the portable build's `up`: a flag, not a lane mask */
+static inline vf v_ones(int64_t on) { return on; }
+static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, uint8_t m[8],
+                              vf up) {
     for (int k = 0; k < 8; ++k) {
         unsigned bits = 0;
         for (int j = 0; j < 8; ++j) {
             const float e = p[k * len + i + j];
-            bits |= (unsigned)(e > 0.0f) << j;
+            bits |= vote1(e, up) << j;
             acc.s[k] += fabsf(e);
         }
         m[k] = (uint8_t)bits;
@@ -200,12 +217,13 @@ static inline acc8 rows8_step(const float *p, int64_t len, int64_t i, acc8 acc, 
 
 /* Sums of |x| of 8 rows into out[0..7]; with `bits` (the byte of row 0's first element; only
  * when rows start on byte boundaries and len % 8 == 0) also their sign bytes. */
-static void sums8(const float *p, int64_t len, float *out, uint8_t *bits) {
+static void sums8(const float *p, int64_t len, float *out, uint8_t *bits, int64_t up) {
     acc8 acc = acc8_zero();
+    const vf upv = v_ones(up);
     int64_t i = 0;
     uint8_t m[8];
     for (; i + 8 <= len; i += 8) {
-        acc = rows8_step(p, len, i, acc, m);
+        acc = rows8_step(p, len, i, acc, m, upv);
         if (bits)
             for (int k = 0; k < 8; ++k) bits[(k * len + i) >> 3] = m[k];
     }
@@ -216,30 +234,31 @@ static void sums8(const float *p, int64_t len, float *out, uint8_t *bits) {
     memcpy(out, s, sizeof s);
 }
 
-/* Bits of x[i] > 0 for i in [a, b), little-endian within a byte; partial bytes are OR-ed in
- * (the caller zeroes the output), whole bytes are stored. */
-static void sign_bits_range(const float *x, int64_t a, int64_t b, uint8_t *out) {
+/* Vote bits (x[i] > 0, or >= 0 with `up`) for i in [a, b), little-endian within a byte;
+ * partial bytes are OR-ed in (the caller zeroes the output), whole bytes are stored. */
+static void sign_bits_range(const float *x, int64_t a, int64_t b, uint8_t *out, int64_t up) {
     int64_t i = a;
-    for (; i < b && (i & 7); ++i) out[i >> 3] |= (uint8_t)((x[i] > 0.0f) << (i & 7));
+    for (; i < b && (i & 7); ++i) out[i >> 3] |= (uint8_t)(vote1(x[i], up) << (i & 7));
 #ifdef NF_W
+    const vf upv = v_ones(up);
     for (; i + 8 <= b; i += 8) {
         unsigned m = 0;
-        for (int k = 0; k < 8; k += NF_W) m |= (unsigned)v_mask(v_gt0(v_load(x + i + k))) << k;
+        for (int k = 0; k < 8; k += NF_W) m |= (unsigned)v_mask(v_vote(v_load(x + i + k), upv)) << k;
         out[i >> 3] = (uint8_t)m;
     }
 #endif
-    for (; i < b; ++i) out[i >> 3] |= (uint8_t)((x[i] > 0.0f) << (i & 7));
+    for (; i < b; ++i) out[i >> 3] |= (uint8_t)(vote1(x[i], up) << (i & 7));
 }
 
-void nf_sign_bits(const float *x, int64_t n, uint8_t *out) {
+void nf_sign_bits(const float *x, int64_t n, uint8_t *out, int64_t up) {
     memset(out, 0, (size_t)((n + 7) / 8));
-    sign_bits_range(x, 0, n, out);
+    sign_bits_range(x, 0, n, out, up);
 }
 
 /* Per-chunk mean |x| (sum / length, vector_norm(ord=1) / length) and, if `bits` is not NULL,
- * the packed bits of x > 0, 8 chunks at a time. */
+ * the packed vote bits (x > 0, or x >= 0 with `up`), 8 chunks at a time. */
 void nf_sign_encode(const float *x, int64_t n, const int64_t *blocks, int64_t nblocks,
-                    float *scales, uint8_t *bits) {
+                    float *scales, uint8_t *bits, int64_t up) {
     if (bits) memset(bits, 0, (size_t)((n + 7) / 8));
     for (int64_t b = 0; b < nblocks; ++b) {
         const int64_t start = blocks[3 * b], nch = blocks[3 * b + 1], len = blocks[3 * b + 2];
@@ -248,15 +267,15 @@ void nf_sign_encode(const float *x, int64_t n, const int64_t *blocks, int64_t nb
         for (; r + NF_ROWS <= nch; r += NF_ROWS) {
             const int64_t a = start + r * len;
             const int fused = bits && (a & 7) == 0 && (len & 7) == 0;
-            sums8(x + a, len, scales + r, fused ? bits + (a >> 3) : 0);
-            if (bits && !fused) sign_bits_range(x, a, a + NF_ROWS * len, bits);
+            sums8(x + a, len, scales + r, fused ? bits + (a >> 3) : 0, up);
+            if (bits && !fused) sign_bits_range(x, a, a + NF_ROWS * len, bits, up);
         }
         for (; r < nch; ++r) {
             const float *p = x + start + r * len;
             float s = 0.0f;
             for (int64_t i = 0; i < len; ++i) s += fabsf(p[i]);
             scales[r] = s;
-            if (bits) sign_bits_range(x, start + r * len, start + (r + 1) * len, bits);
+            if (bits) sign_bits_range(x, start + r * len, start + (r + 1) * len, bits, up);
         }
         for (r = 0; r < nch; ++r) scales[r] = scales[r] / flen;
         scales += nch;

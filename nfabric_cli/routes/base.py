@@ -44,18 +44,41 @@ from nfabric_cli.routes.tally import Sink, Tally
 
 #: Element counts of the parameters a flat gradient holds, in order (None: one parameter).
 Segments = tuple[int, ...] | None
-#: Stochastic rounding's noise: the uniform draws themselves, a generator to draw them, or None.
-Noise = torch.Generator | torch.Tensor | None
+@dataclass(frozen=True)
+class ZeroVote:
+    """How this rank's sign codes vote an exact zero this step: up (a 1 bit) or down."""
+
+    up: bool
 
 
-def rounding_noise(
+#: A rank's per-step codec noise: stochastic rounding's uniform draws themselves, or a
+#: generator to draw them; sign's vote for exact zeros; or None.
+Noise = torch.Generator | torch.Tensor | ZeroVote | None
+
+
+def zero_vote(rank: int, step: int) -> ZeroVote:
+    """Sign's vote for an exact zero under ``zeros = "split"``: up where rank + step is even.
+    A 1-bit code has no zero, and a vote every rank cast the same way (down, before) moved
+    every element without a gradient (an embedding row not in the batch, a dead unit's
+    weights, a padding row) by the chunk's scale every step: without error feedback it
+    drifted without bound. Split, half the ranks vote each way at an even world size, so such
+    an element ties and gets exactly 0; at an odd one the majority alternates step by step,
+    so it oscillates instead of drifting. A rank with a zero among others' gradients casts an
+    unbiased vote either way."""
+    return ZeroVote((rank + step) % 2 == 0)
+
+
+def codec_noise(
     spec: RouteSpec, seed: int, step: int, rank: int, names: Sequence[str], numels: Sequence[int]
-) -> torch.Tensor | None:
-    """Stochastic rounding's uniform noise for a group of parameters on `rank` at `step`
-    (None for every other route): each parameter's share is drawn from its own generator,
-    seeded from (seed, step, rank, name), so the noise an element gets does not depend on how
-    DDP buckets or the simulator groups parameters. The hook, error feedback's roundtrip and
-    the calibration simulator draw the same noise; the global RNG is left alone."""
+) -> Noise:
+    """What the codec of `spec` draws on for a group of parameters on `rank` at `step`: sign's
+    zero vote (`zero_vote`), stochastic rounding's uniform noise, else None. Each parameter's
+    share of the noise is drawn from its own generator, seeded from (seed, step, rank, name),
+    so the noise an element gets does not depend on how DDP buckets or the simulator groups
+    parameters. The hook, error feedback's roundtrip and the calibration simulator draw the
+    same noise; the global RNG is left alone."""
+    if spec.name == "sign":
+        return zero_vote(rank, step) if spec.zeros == "split" else None
     if spec.rounding != "stochastic" or spec.name not in ("int8", "int4"):
         return None
     parts = []
@@ -167,9 +190,9 @@ class Route:
     def roundtrip(
         self, x: torch.Tensor, segments: Segments = None, noise: Noise = None
     ) -> torch.Tensor:
-        """decode(encode(x)) with local scales: what error feedback subtracts. `noise`:
-        stochastic rounding's uniform draws (int routes; see `rounding_noise`) or a generator
-        to draw them from; None: the global generator."""
+        """decode(encode(x)) with local scales: what error feedback subtracts. `noise`: the
+        rank's codec noise as sent (`codec_noise`): stochastic rounding's uniform draws or a
+        generator to draw them from (None: the global generator), sign's zero vote."""
         return self.decode(self.encode(x, segments, noise))
 
     def check_world(self, world_size: int) -> None:
@@ -246,6 +269,12 @@ class CodeRoute(Route):
         """How the native kernels decode combined values v: (scales s, mode, d), mode 0 `v * s`,
         1 `(v / d) * s`, 2 `((2v - d) / d) * s`; the same float ops as `decode_values`."""
         raise NotImplementedError
+
+    def default_noise(self, rank: int) -> Noise:
+        """The noise `reduce` and `simulate` give rank `rank` when the caller passes none (the
+        hook and the calibration simulator always pass `codec_noise`): None, except sign's
+        zero vote of step 0."""
+        return None
 
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
         raise NotImplementedError
@@ -416,11 +445,13 @@ class CodeRoute(Route):
         comm: Comm,
         segments: tuple[int, ...] | None = None,
         stats: Sink | None = None,
-        generator: torch.Generator | None = None,
+        generator: Noise = None,
     ) -> torch.Tensor:
         x = check_input(flat).float()
         w, n = comm.world_size, x.numel()
         self.check_world(w)
+        if generator is None:
+            generator = self.default_noise(comm.rank)
         if w == 1 or n == 0:
             return self.simulate([x], segments, stats, [generator])
         if self.spec.reducer == "sharded":  # a bucket of one piece (`exchange.py`)
@@ -451,14 +482,15 @@ class CodeRoute(Route):
         grads: Sequence[torch.Tensor],
         segments: tuple[int, ...] | None = None,
         stats: Sink | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
+        generators: Sequence[Noise] | None = None,
     ) -> torch.Tensor:
         xs = [check_input(g).float() for g in grads]
         w, n = len(xs), xs[0].numel()
         self.check_world(w)
         if n == 0:
             return torch.zeros(0, device=xs[0].device)
-        gens = list(generators) if generators is not None else [None] * w
+        gens = [self.default_noise(r) if g is None else g
+                for r, g in enumerate(generators if generators is not None else [None] * w)]
         segs = check_segments(n, segments)
         layout = chunk_layout(segs, self.spec.effective_chunk)
         if self.agreement(w) == "local":  # every rank's codes on its own scales, as gathered

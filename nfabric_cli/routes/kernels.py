@@ -42,8 +42,8 @@ _SIGNATURES: dict[str, list] = {
     "nf_cpu_has_avx2": [],
     "nf_advise_huge": [_P, _I],
     "nf_abs_max": [_P, _P, _I, _P],
-    "nf_sign_bits": [_P, _I, _P],
-    "nf_sign_encode": [_P, _I, _P, _I, _P, _P],
+    "nf_sign_bits": [_P, _I, _P, _I],
+    "nf_sign_encode": [_P, _I, _P, _I, _P, _P, _I],
     "nf_sign_decode": [_P, _P, _I, _P, _P],
     "nf_quantize": [_P, _P, _P, _I, _P, _F, _P],
     "nf_int_encode": [_P, _P, _I, _F, _P, _P, ctypes.c_int],
@@ -160,19 +160,21 @@ class Kernels:
 
     # -- sign -----------------------------------------------------------------------------
     def sign_encode(
-        self, x: torch.Tensor, layout: ChunkLayout, bits: bool = True
+        self, x: torch.Tensor, layout: ChunkLayout, bits: bool = True, up: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(per-chunk mean |x|, packed bits of x > 0 or None) in one visit per chunk."""
+        """(per-chunk mean |x|, packed bits of x > 0, or x >= 0 with `up`, or None) in one
+        visit per chunk."""
         n, blocks = x.numel(), _blocks(layout)
         scales = torch.empty(layout.nchunks)
         packed = torch.empty((n + 7) // 8, dtype=torch.uint8) if bits else None
         self.lib.nf_sign_encode(_src(x, layout).data_ptr(), n, blocks.data_ptr(), len(layout.blocks),
-                                scales.data_ptr(), _ptr(packed))
+                                scales.data_ptr(), _ptr(packed), int(up))
         return scales, packed
 
-    def sign_bits(self, x: torch.Tensor) -> torch.Tensor:
+    def sign_bits(self, x: torch.Tensor, up: bool = False) -> torch.Tensor:
+        """Packed bits of x > 0 (with `up`, x >= 0: exact zeros, -0 too, vote up)."""
         out = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8)
-        self.lib.nf_sign_bits(_src(x).data_ptr(), x.numel(), out.data_ptr())
+        self.lib.nf_sign_bits(_src(x).data_ptr(), x.numel(), out.data_ptr(), int(up))
         return out
 
     def sign_decode(self, codes: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """`sign` (G-Binary, sign-count): 1 bit per element on the way in.
 
-Each rank sends the packed bits of g > 0 (exact zeros vote negative) and its per-chunk mean |g|;
-ranks agree on the mean scale. The reducer counts positive votes per element, c in [0, W]:
+Each rank sends the packed bits of g > 0 and its per-chunk mean |g|; ranks agree on the mean
+scale. An exact zero has no sign: it votes as the rank's noise says (`base.zero_vote`, under
+the spec's default ``zeros = "split"``: half the ranks up, half down, alternating each step,
+so an element without a gradient on any rank ties at an even world size and stays put), or
+down on every rank (``zeros = "negative"``, the rule profiles of schema 1.0 were proven with). The reducer counts positive votes per element, c in [0, W]:
 - `majority` (default): the result is sign(2c - W). Tie rule: with an even world size a tie
   (c = W/2) gives 0, i.e. no update for that element; so the result travels in 1 bit for odd W
   and 2 bits for even W. Every rank decodes scale * result.
@@ -15,7 +18,15 @@ from collections.abc import Sequence
 import torch
 
 from nfabric_cli.routes import kernels
-from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_input
+from nfabric_cli.routes.base import (
+    CodeRoute,
+    Noise,
+    Payload,
+    Segments,
+    ZeroVote,
+    check_input,
+    zero_vote,
+)
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_bool, unpack_bool
 from nfabric_cli.routes.tally import Sink, Tally
@@ -40,8 +51,11 @@ class SignRoute(CodeRoute):
         )
 
     def encode_codes(self, x, layout, scales, gen, out=None):  # noqa: ANN001 - see CodeRoute
-        k = kernels.native(x)
-        return k.sign_bits(x) if k is not None else pack_bool(x > 0)
+        k, up = kernels.native(x), _zeros_up(gen)
+        return k.sign_bits(x, up) if k is not None else pack_bool(x >= 0 if up else x > 0)
+
+    def default_noise(self, rank: int) -> Noise:
+        return zero_vote(rank, 0) if self.spec.zeros == "split" else None
 
     def encode(
         self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,
@@ -54,7 +68,8 @@ class SignRoute(CodeRoute):
             return super().encode(x, segments, noise)
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
-        scales, bits = k.sign_encode(x, chunk_layout(segs, self.spec.effective_chunk))
+        scales, bits = k.sign_encode(x, chunk_layout(segs, self.spec.effective_chunk),
+                                     up=_zeros_up(noise))
         return Payload(bits, scales, x.numel(), segs)
 
     def combine(
@@ -126,3 +141,8 @@ class SignRoute(CodeRoute):
             return k.sign_decode(payload.codes, layout, payload.scales)
         bits = unpack_bool(payload.codes, payload.numel).float()
         return layout.scale_into(bits * 2 - 1, payload.scales, torch.empty_like(bits))
+
+
+def _zeros_up(noise: Noise) -> bool:
+    """Whether exact zeros vote up (a 1 bit): only where the noise is an up `ZeroVote`."""
+    return isinstance(noise, ZeroVote) and noise.up

@@ -17,6 +17,10 @@ LOWBIT_ROUTES: tuple[str, ...] = ("int8", "int4", "ternary", "sign")
 REDUCERS: tuple[str, ...] = ("sharded", "central")
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SIGN_MODES: tuple[str, ...] = ("majority", "count")
+#: How sign votes an exact zero: "split" (half the ranks up, half down, alternating each step:
+#: at an even world size an element no rank has a gradient for ties and gets exactly 0) or
+#: "negative" (every rank votes it down: what profiles of schema 1.0 were proven with).
+ZERO_VOTES: tuple[str, ...] = ("split", "negative")
 
 #: Default elements per scale chunk, per route (a chunk never spans two parameters).
 DEFAULT_CHUNK: dict[str, int] = {"int8": 2048, "int4": 512, "ternary": 4096, "sign": 4096}
@@ -33,6 +37,8 @@ class RouteSpec:
     - ``reducer``: ``sharded`` (all-to-all + all-gather) or ``central`` (fan-in to rank 0).
     - ``rounding``: int8/int4 rounding, ``nearest`` or ``stochastic``.
     - ``mode``: sign reducer output, ``majority`` (sign of the vote) or ``count`` (scaled count).
+    - ``zeros``: how sign votes an exact zero (`ZERO_VOTES`): ``split`` (default) or
+      ``negative`` (the rule before profile schema 1.1, kept so those profiles replay).
     """
 
     name: str = "fp32"
@@ -42,6 +48,7 @@ class RouteSpec:
     reducer: str = "sharded"
     rounding: str = "nearest"
     mode: str = "majority"
+    zeros: str = "split"
 
     def __post_init__(self) -> None:
         if self.name not in ROUTE_NAMES:
@@ -54,6 +61,8 @@ class RouteSpec:
             raise InputError(f"unknown rounding {self.rounding!r} (nearest or stochastic)")
         if self.mode not in SIGN_MODES:
             raise InputError(f"unknown sign mode {self.mode!r} (majority or count)")
+        if self.zeros not in ZERO_VOTES:
+            raise InputError(f"unknown sign zero vote {self.zeros!r} (split or negative)")
         if self.chunk is not None and self.chunk < 1:
             raise InputError(f"chunk must be >= 1, got {self.chunk}")
         if not (0.0 <= self.tau < 1.0):

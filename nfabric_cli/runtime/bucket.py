@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from nfabric_cli.routes import FP32, make_route
-from nfabric_cli.routes.base import CodeRoute, rounding_noise
+from nfabric_cli.routes.base import CodeRoute, codec_noise
 from nfabric_cli.routes.exchange import Exchange, Piece
 from nfabric_cli.routes.fp32 import FloatRoute
 from nfabric_cli.routes.groups import BucketGroup, whole_bucket
@@ -101,7 +101,7 @@ class BucketJob:
                 # each region's agreement apart, though they share the reduce
                 stats = (Tally.over([group.regions[k] for k in ks], part.segments,
                                     st._group_stats) if spec.lowbit else None)
-                gen = rounding_noise(spec, st.seed, self.step, st.rank, part.names, part.segments)
+                gen = codec_noise(spec, st.seed, self.step, st.rank, part.names, part.segments)
                 if isinstance(route, CodeRoute) and spec.reducer == "sharded" and not traced:
                     if part.x.numel():
                         pieces.append(Piece(route, part.x, part.segments, stats, gen))
@@ -207,7 +207,7 @@ class BucketJob:
             def feedback() -> None:
                 # One roundtrip per reduce (chunks never span parameters: the per-parameter
                 # roundtrips, concatenated), drawing stochastic rounding's noise as sent.
-                gen = rounding_noise(spec, st.seed, step, st.rank, group_names, segs)
+                gen = codec_noise(spec, st.seed, step, st.rank, group_names, segs)
                 sent = route.roundtrip(compensated, segs, gen)
                 st.ef.update_flat(group_names, compensated, sent, segs)
 

@@ -69,7 +69,7 @@ def test_show_json_and_table(prof, tmp_path):
         **{"region": "3.*", "phase": "warmup", "phase_start": 0.0, "phase_end": 0.1},
         **{"priority": 0, "route": "fp32", "tau": None, "chunk": None, "error_feedback": False},
         **{"reducer": "sharded", "traffic_fraction": None, "metric_delta": None, "trials": None},
-        **{"rounding": None, "mode": None},
+        **{"rounding": None, "mode": None, "zeros": None},
     }
     human = run("profile", "show", prof)
     assert human.exit_code == 0 and "type:LayerNorm" in human.stdout and MLP in human.stdout
@@ -180,7 +180,7 @@ def test_newer_schema_major(prof, tmp_path):
     meta = {**p.meta, "schema_version": "2.1.0"}
     write_table(tmp_path / "new.parquet", profile_table(p), "profile", meta)
     newer = "schema version 2.1.0 is newer"
-    bad_input(run("profile", "show", tmp_path / "new.parquet"), newer, "(1.0.0)")
+    bad_input(run("profile", "show", tmp_path / "new.parquet"), newer, "(1.1.0)")
     bad_input(run("diff-profile", prof, tmp_path / "new.parquet"), newer)
 
 

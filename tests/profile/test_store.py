@@ -146,7 +146,7 @@ def test_newer_major_refused_naming_both_versions(tmp_path):
         tmp_path / "p.parquet", profile_table(prof), {**prof.meta, "schema_version": "2.0.0"}
     )
     with pytest.raises(
-        InputError, match=r"schema version 2\.0\.0 is newer than this nfabric reads \(1\.0\.0\)"
+        InputError, match=r"schema version 2\.0\.0 is newer than this nfabric reads \(1\.1\.0\)"
     ):
         read_profile(tmp_path / "p.parquet")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nfabric_cli.routes import kernels, make_route
-from nfabric_cli.routes.base import rounding_noise
+from nfabric_cli.routes.base import codec_noise
 from nfabric_cli.routes.packing import (
     pack_trits,
     pack_uint,
@@ -66,7 +66,7 @@ def test_every_route_runs_on_its_tensors_device(spec: RouteSpec, world: int) -> 
     segs = (600, 37, 363)
     xs = [torch.empty(1000, device="meta") for _ in range(world)]
     assert kernels.native(xs[0]) is None
-    noise = [rounding_noise(spec, 0, 3, r, ["a", "b", "c"], segs) for r in range(world)]
+    noise = [codec_noise(spec, 0, 3, r, ["a", "b", "c"], segs) for r in range(world)]
     out = route.simulate(xs, segs, {}, noise)
     assert out.device.type == "meta" and out.shape == (1000,)
     back = route.roundtrip(xs[0], segs, noise[0])

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from nfabric_cli.routes import RouteSpec, kernels, make_route
+from nfabric_cli.routes.base import ZeroVote, codec_noise
 from nfabric_cli.routes.chunks import chunk_layout
+from nfabric_cli.routes.packing import unpack_bool
 from nfabric_cli.routes.tally import Tally
 
 HAVE_CC = shutil.which("cc") is not None or shutil.which("gcc") is not None
@@ -83,7 +85,7 @@ def _grads(n: int, world: int, seed: int, special: bool = False) -> list[torch.T
     out = []
     for r in range(world):
         g = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 3 * (r + 1)
-        g[r::97] = 0.0  # exact zeros vote negative (sign) and are never kept (ternary)
+        g[r::97] = 0.0  # exact zeros: sign's vote (spec.zeros), never kept by ternary
         g[1::89] = -0.0
         g[: min(n, 40)] = 0.0  # an all-zero chunk: zero scale
         if special and n > 5000:
@@ -106,6 +108,12 @@ def test_native_matches_torch_bit_for_bit(
         p_ref, p_nat = _both(isa, lambda x=x, segs=segs: route.encode(x, segs), monkeypatch)
         assert_same(p_ref.codes, p_nat.codes, "codes")
         assert_same(p_ref.scales, p_nat.scales, "scales")
+        if spec.name == "sign":  # exact zeros (+0, -0) voted up, as half the ranks do
+            up_ref, up_nat = _both(isa, lambda x=x, segs=segs: route.encode(x, segs, ZeroVote(True)),
+                                   monkeypatch)
+            assert_same(up_ref.codes, up_nat.codes, "codes, zeros up")
+            ones = [int(unpack_bool(p.codes, n).sum()) for p in (p_ref, up_ref)]
+            assert ones[1] - ones[0] == int((x == 0).sum()) > 0  # the zeros, -0 too, and no more
         d_ref, d_nat = _both(isa, lambda p=p_ref: route.decode(p), monkeypatch)
         assert_same(d_ref, d_nat, "decode")
         for world in (1, 2, 3, 5):
@@ -119,6 +127,12 @@ def test_native_matches_torch_bit_for_bit(
             (s_ref, st_ref), (s_nat, st_nat) = _both(isa, sim, monkeypatch)
             assert_same(s_ref, s_nat, f"simulate W={world}")
             assert st_ref == st_nat
+            if spec.name == "sign":  # each rank's zero vote as the hook casts it at step 3
+                votes = [codec_noise(spec, 0, 3, r, ["g"], [n]) for r in range(world)]
+                (z_ref, _), (z_nat, _) = _both(
+                    isa, lambda grads=grads, segs=segs, votes=votes:
+                    (route.simulate(grads, segs, {}, votes), None), monkeypatch)
+                assert_same(z_ref, z_nat, f"simulate W={world}, zeros split")
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -51,9 +51,13 @@ def test_sign_count_mode_is_scaled_vote_mean(world_size: int) -> None:
     assert torch.equal(out, expected)
 
 
-def test_sign_exact_zero_votes_negative() -> None:
-    out = make_route("sign").simulate([torch.tensor([0.0, 2.0]), torch.tensor([0.0, 2.0]), torch.tensor([0.0, 2.0])])
-    assert out.tolist() == [-1.0, 1.0]  # scale = mean |g| over the chunk = 1
+def test_sign_exact_zero_vote() -> None:
+    """Zeros split (step 0 with no noise given: even ranks up): a tie at W = 2, up at W = 3
+    (ranks 0 and 2); down on every rank under the old rule (tests/routes/test_sign_zeros.py)."""
+    g = [torch.tensor([0.0, 2.0])] * 3  # scale = mean |g| over the chunk = 1
+    assert make_route("sign").simulate(g[:2]).tolist() == [0.0, 1.0]
+    assert make_route("sign").simulate(g).tolist() == [1.0, 1.0]
+    assert make_route(RouteSpec("sign", zeros="negative")).simulate(g).tolist() == [-1.0, 1.0]
 
 
 @pytest.mark.parametrize("name,qmax", [("int8", 127), ("int4", 7)])
