@@ -18,6 +18,7 @@ Bindings are keyed by parameter name, so the runtime stays correct whichever lay
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,8 +56,8 @@ def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     `None` means DDP's default (25 MB with a 1 MB first bucket). On torch versions whose DDP
     has `_BucketCapacityConfig`, an explicit `bucket_cap_mb` also caps the first bucket.
     """
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-        raise InputError(f"bucket cap must be > 0 MB, got {bucket_cap_mb}")
+    if bucket_cap_mb is not None and not 0 < bucket_cap_mb < math.inf:
+        raise InputError(f"bucket cap must be a finite number > 0 MB, got {bucket_cap_mb}")
     try:
         from torch.nn.parallel.distributed import _BucketCapacityConfig
     except ImportError:  # older torch: a fixed small first bucket

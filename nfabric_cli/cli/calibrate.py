@@ -118,6 +118,9 @@ def calibrate_cmd(
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     if processes is not None and processes < 1:
         raise InputError(f"--processes must be >= 1, got {processes}")
+    if out.exists() and not out.is_dir():  # found before training, not after it
+        raise InputError(f"--out {out}: is a file; calibrate writes OUT/<workload>/"
+                         "<workload>.v<N>.parquet under a directory")
     wl = get_workload(workload, data_dir)
     cal = run_spec(wl, spec, steps=steps, sampler=sampler, pruner=pruner, substrate=substrate,
                    world_size=world_size, trials=trials, seed=seed, tolerance=tolerance,

@@ -8,6 +8,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import typer
@@ -27,7 +28,9 @@ def debug_enabled() -> bool:
 
 
 def handle_errors(fn: F) -> F:
-    """Turn library exceptions into one-line messages and exit codes (2 bad input, 1 failure)."""
+    """Turn library exceptions into one-line messages and exit codes: 2 bad input, 1 a
+    verdict (a validation that failed, profiles that differ), 3 a bug (an internal error, kept
+    apart from 1 so that CI does not read a crash as a verdict)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -58,7 +61,7 @@ def handle_errors(fn: F) -> F:
                     highlight=False,
                     soft_wrap=True,
                 )
-            raise typer.Exit(1) from None
+            raise typer.Exit(3) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -67,3 +70,23 @@ def print_json(obj: Any) -> None:
     """Print machine output: stable keys, no colour, one document on stdout."""
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
+
+
+def check_out(out: Path, kind: str) -> None:
+    """Refuse, before any work, an `--out` that would overwrite something other than an
+    nfabric `kind` file (the profile a bindings file is compiled from, a report, data) or
+    that is a directory: one line, exit 2."""
+    from nfabric_cli.profile.parquet import read_metadata
+
+    if out.is_dir():
+        raise InputError(f"--out {out}: is a directory, not a {kind} file to write")
+    if not out.exists():
+        return
+    try:
+        found: str | None = read_metadata(out)[0]
+    except InputError:
+        found = None
+    if found != kind:
+        what = f"a {found} file" if found else "not an nfabric file"
+        raise InputError(f"--out {out}: exists and is {what}; refusing to overwrite it with a "
+                         f"{kind} file")

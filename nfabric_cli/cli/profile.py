@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from nfabric_cli.cli.common import console, err_console, handle_errors, print_json
+from nfabric_cli.cli.common import check_out, console, err_console, handle_errors, print_json
 from nfabric_cli.errors import CheckFailed, InputError
 
 profile_app = typer.Typer(
@@ -75,6 +75,7 @@ def init_cmd(
     from nfabric_cli.binding import parse_rule, static_profile
     from nfabric_cli.profile import parse_phases, write_profile
 
+    check_out(out, "profile")
     parsed = [parse_rule(r) for r in rules]
     phase_list = parse_phases(phases)
     net, wl, label = load_model_from(workload, model)
@@ -156,6 +157,8 @@ def compile_profile_cmd(
     from nfabric_cli.workloads.base import find_unused as find_unused_of
 
     check_one_model_option(workload, model)
+    if out is not None:  # the profile itself, above all, must not become its bindings
+        check_out(out, "bindings")
     prof = read_profile(resolve_profile(profile))
     sub = None
     if substrate is not None:

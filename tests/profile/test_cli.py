@@ -229,8 +229,42 @@ def test_other_bad_options(prof, tmp_path):
     bad_input(init(out, "--tau", "1.5", route="ternary"), "tau must be in [0, 1)")
     compile_ = ("compile-profile", prof, "--model", MLP)
     bad_input(run(*compile_, "--world-size", "0"), "world size must be")
-    bad_input(run(*compile_, "--bucket-cap-mb", "0"), "bucket cap must be > 0")
+    bad_input(run(*compile_, "--bucket-cap-mb", "0"), "bucket cap must be a finite number > 0")
+    bad_input(run(*compile_, "--bucket-cap-mb", "inf"), "got inf")
     bad_input(run("diff-profile", prof, prof, "--json", "--md"), "choose one of --json or --md")
+
+
+def test_an_out_that_is_not_a_file_of_that_kind_is_refused_before_any_work(prof, tmp_path):
+    """`compile-profile P --out P` replaced the profile with its bindings (exit 0); a
+    directory or a path under a file was an internal error (exit 1), calibrate's only after
+    it had trained."""
+    before = prof.read_bytes()
+    compile_ = ("compile-profile", prof, "--model", MLP, "--out")
+    bad_input(run(*compile_, prof), f"--out {prof}: exists and is a profile file; refusing")
+    assert prof.read_bytes() == before
+    (tmp_path / "notes.txt").write_text("mine")
+    bad_input(run(*compile_, tmp_path / "notes.txt"), "exists and is not an nfabric file")
+    bad_input(run(*compile_, tmp_path), "is a directory, not a bindings file to write")
+    bad_input(init(tmp_path / "notes.txt" / "p.parquet"), "cannot write it (", "notes.txt is a file)")
+    assert run(*compile_, tmp_path / "b.parquet").exit_code == 0
+    assert run(*compile_, tmp_path / "b.parquet").exit_code == 0  # its own kind: replaced
+    bad_input(init(tmp_path / "b.parquet"), "exists and is a bindings file; refusing")
+    bad_input(run("calibrate", "vision", "--out", prof), f"--out {prof}: is a file")
+
+
+def test_an_internal_error_exits_3_apart_from_a_verdict() -> None:
+    """1 is a verdict (failed, different) for CI; a bug must not read as one."""
+    import typer
+
+    from nfabric_cli.cli.common import handle_errors
+
+    @handle_errors
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    with pytest.raises(typer.Exit) as exc:
+        broken()
+    assert exc.value.exit_code == 3
 
 
 def test_compile_with_substrate_file(tmp_path):
