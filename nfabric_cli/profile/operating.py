@@ -159,12 +159,17 @@ class OperatingProfile:
                 raise InputError(f"empty region selector in phase {row.phase!r}")
             row.spec()
         check_tiling(self.phases())
+        for key in ("target", "health", "provenance", "substrate", "proven"):
+            value = self.meta.get(key)
+            if value is not None and not isinstance(value, dict):
+                raise InputError(f"profile {key} must be a table of keys and values, got "
+                                 f"{type(value).__name__} {value!r:.60}")
         target = self.meta.get("target")
         if target is not None:
             missing = [k for k in TARGET_KEYS if k not in target]
             if missing:
                 raise InputError(f"profile target is missing {', '.join(missing)}")
         ws = self.meta.get("world_size")
-        if ws is not None and (not isinstance(ws, int) or ws < 1):
+        if ws is not None and (not isinstance(ws, int) or isinstance(ws, bool) or ws < 1):
             raise InputError(f"profile world_size must be a positive integer, got {ws!r}")
         return self

@@ -86,7 +86,10 @@ def _open(path: str | os.PathLike[str]) -> pq.ParquetFile:
 def read_metadata(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
     """(kind, meta) of an nfabric Parquet file, without reading its rows."""
     raw = _open(path).schema_arrow.metadata or {}
-    kv = {k.decode(): v.decode() for k, v in raw.items()}
+    try:
+        kv = {k.decode(): v.decode() for k, v in raw.items()}
+    except UnicodeDecodeError:
+        raise InputError(f"{path}: its metadata is not UTF-8 text") from None
     kind = kv.get(KIND_KEY)
     if kind not in KINDS:
         raise InputError(f"{path}: a Parquet file, but not an nfabric profile or bindings file")

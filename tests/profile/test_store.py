@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -227,3 +228,29 @@ def test_versioned_names_newest_wins(tmp_path):
         resolve_profile(root / "vision")
     with pytest.raises(InputError, match="bad workload name"):
         next_profile_path(root, "../x")
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("target", 5, "profile target must be a table of keys and values, got int 5"),
+    ("provenance", "x", "profile provenance must be a table of keys and values, got str 'x'"),
+    ("health", [1], "profile health must be a table"),
+    ("world_size", True, "profile world_size must be a positive integer, got True"),
+])
+def test_metadata_of_the_wrong_shape_is_one_line_not_a_crash(tmp_path, key, value, message):
+    """A `target` of 5 was a TypeError inside diff-profile (exit 1: "different" to CI)."""
+    prof = full_profile()
+    _raw_write(tmp_path / "p.parquet", profile_table(prof), {**prof.meta, key: value})
+    with pytest.raises(InputError, match=re.escape(message)):
+        read_profile(tmp_path / "p.parquet")
+
+
+def test_metadata_that_is_not_utf8_is_one_line(tmp_path):
+    import pyarrow.parquet as pq
+
+    prof = full_profile()
+    _raw_write(tmp_path / "p.parquet", profile_table(prof), prof.meta)
+    table = pq.read_table(tmp_path / "p.parquet")
+    meta = {**table.schema.metadata, b"nfabric.extra": b"\xff\xfe"}
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "bad.parquet")
+    with pytest.raises(InputError, match="its metadata is not UTF-8 text"):
+        read_profile(tmp_path / "bad.parquet")
