@@ -21,6 +21,9 @@ EVIDENCE_FIELDS: tuple[str, ...] = ("traffic_fraction", "metric_delta", "trials"
 EVIDENCE_META: tuple[str, ...] = ("proven.cells", "proven.worst_degradation", "proven.bound95")
 LONG_LIST = 8  # longer lists print as their length in tables (the JSON keeps them whole)
 _COMPARED = tuple(f for f in ROW_FIELDS if f not in ("region", "phase"))
+#: Route options of the same route, compared as it takes them: an unset `tau` and tau = 0.5
+#: (its default) are the same route, not a change for CI to fail on.
+_OPTIONS = ("tau", "chunk", "error_feedback", "reducer", "rounding", "mode", "zeros")
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,12 @@ def diff_profiles(
             old, new = (None, body) if ra is None else (body, None)
             diff.changes.append(RowChange(region, phase, "row", old, new, kind))
             continue
+        spec_a, spec_b = ra.spec(), rb.spec()
         for name in compared:
             va, vb = getattr(ra, name), getattr(rb, name)
+            if (name in _OPTIONS and ra.route == rb.route
+                    and getattr(spec_a, name) == getattr(spec_b, name)):
+                continue  # (another route: its options are shown as written)
             if not _same(va, vb):
                 diff.changes.append(RowChange(region, phase, name, va, vb, "changed"))
     flat_a, flat_b = flatten(a.meta), flatten(b.meta)

@@ -115,3 +115,19 @@ def test_long_lists_print_as_their_length_in_tables() -> None:
     params = [["layer.weight", [4, 4], "float32"]] * 20  # provenance.model_params
     assert format_value({"model_params": params, "seed": 0}) == "model_params=[20 items], seed=0"
     assert format_value([1, 2]) == "[1, 2]"
+
+
+def test_route_options_compare_as_the_route_takes_them():
+    """tau unset and tau = 0.5 (the default) are one route; a sign row's old zero vote
+    (schema 1.0, "negative") and the default (split) are two."""
+    a = base()
+    b = OperatingProfile([replace(a.rows[0]), replace(a.rows[1], tau=None)], dict(a.meta))
+    assert diff_profiles(a, b).equal
+    c = OperatingProfile([replace(a.rows[0]), replace(a.rows[1], tau=0.3)], dict(a.meta))
+    assert [(x.field, x.a, x.b) for x in diff_profiles(a, c).changes] == [("tau", 0.5, 0.3)]
+    sign = OperatingProfile([replace(a.rows[0]), replace(a.rows[1], route="sign", tau=None)],
+                            dict(a.meta))
+    old = OperatingProfile([replace(a.rows[0]), replace(sign.rows[1], zeros="negative")],
+                           dict(a.meta))
+    assert [(x.field, x.a, x.b) for x in diff_profiles(old, sign).changes] == [
+        ("zeros", "negative", None)]
