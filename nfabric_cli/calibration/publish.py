@@ -5,7 +5,9 @@ with several workers the one that finishes the last trial writes it and the othe
 The write is claimed (`workers.Claim`, job `profile@<trials>`, with a `+confirm-<hash>`
 suffix when the spec confirms) and recorded in the study's user attributes under the same
 key: a worker that finishes at the same moment, or a rerun of a complete study, reports the
-recorded profile instead of writing a second one. The file itself takes the next free version
+recorded profile instead of writing a second one, as long as that file still exists under the
+run's `--out`; a rerun into another `--out` (or after the file was moved away) writes it there,
+under a job and record of that folder's own (`_job`). The file itself takes the next free version
 in its folder without ever replacing one (`write_next_version`), so calibrations of different
 studies into one folder cannot clash.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,8 +60,8 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
         workers.fail_dead_trials(study, run.worker)
         seen = counted(study)  # before `build()`, which reads the study more than once
         outcome = build()
-        key = profile_key(outcome.trials, run.spec)
-        if _recorded(study, key, outcome):
+        key = _job(study, profile_key(outcome.trials, run.spec), out_root)
+        if _recorded(study, key, outcome, out_root):
             return outcome
         if not write:
             outcome.note = "--no-write: this worker contributes trials only"
@@ -79,14 +82,15 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
             continue
         done = False  # recorded, by this worker or another: the claim is not taken again
         try:
-            if done := _recorded(study, key, outcome):
+            if done := _recorded(study, key, outcome, out_root):
                 return outcome
             # a trial that started or finished since `build()` began changes what it saw
             now = counted(study)
             if _states(now) != _states(seen) or len(now) != outcome.trials:
                 continue
             _write(run, outcome, out_root)
-            study.set_user_attr(key, {"path": str(outcome.path), "png": str(outcome.png),
+            study.set_user_attr(key, {"path": str(outcome.path.resolve()),
+                                      "png": str(outcome.png.resolve()),
                                       "worker": run.worker.id, "written": time.time()})
             done = True
             return outcome
@@ -98,9 +102,26 @@ def _states(trials: list[Any]) -> list[tuple[int, TrialState]]:
     return sorted((t.number, t.state) for t in trials)
 
 
-def _recorded(study: Any, key: str, outcome: Outcome) -> bool:
+def _job(study: Any, key: str, out_root: str | Path) -> str:
+    """The job and record of this write: `key`, unless a profile recorded under it is not in
+    `out_root` (another `--out`, or moved away), then `key` and the folder's own name."""
     record = study.user_attrs.get(key)
-    if not record:
+    if not record or _in(record, out_root):
+        return key
+    root = str(Path(out_root).resolve())
+    return f"{key}@out-{hashlib.sha256(root.encode()).hexdigest()[:10]}"
+
+
+def _in(record: dict[str, Any], out_root: str | Path) -> bool:
+    """Whether a recorded profile still exists under `out_root` (a path recorded relative,
+    as before, is taken from the working directory)."""
+    path = Path(record["path"]).resolve()
+    return path.is_file() and path.is_relative_to(Path(out_root).resolve())
+
+
+def _recorded(study: Any, key: str, outcome: Outcome, out_root: str | Path) -> bool:
+    record = study.user_attrs.get(key)
+    if not record or not _in(record, out_root):
         return False
     outcome.path, outcome.png = Path(record["path"]), Path(record["png"])
     outcome.written_by = record["worker"]
@@ -116,6 +137,6 @@ def _write(run: StudyRun, outcome: Outcome, out_root: str | Path) -> None:
 
 def recorded_profiles(user_attrs: dict[str, Any]) -> list[dict[str, Any]]:
     """Every profile a study's `user_attrs` record as written: trials, path, worker, time."""
-    out = [{"trials": int(k[len(PROFILE_KEY):].split("+")[0]), **v}
+    out = [{"trials": int(re.match(r"\d+", k[len(PROFILE_KEY):]).group()), **v}  # type: ignore[union-attr]
            for k, v in user_attrs.items() if k.startswith(PROFILE_KEY) and isinstance(v, dict)]
     return sorted(out, key=lambda r: r["trials"])

@@ -313,6 +313,20 @@ def test_status_shows_trials_best_workers_and_profile(tmp_path: Path) -> None:
     again = json.loads(res.stdout)
     assert res.exit_code == 0 and again["profile"] == doc["profile"]
     assert len(list((tmp_path / "out" / "tiny").glob("*.parquet"))) == 1
+    # into another --out it is written there (it named the first folder's file, exit 0); then
+    # reported from there; and written again where the recorded one was moved away from
+    other = _cli(tmp_path, "--storage", url, "--study", "shared", "--json", "--out",
+                 str(tmp_path / "other"))
+    assert other.exit_code == 0, other.output
+    assert json.loads(other.stdout)["profile"] == str(tmp_path / "other" / "tiny" / "tiny.v1.parquet")
+    again = _cli(tmp_path, "--storage", url, "--study", "shared", "--json", "--out",
+                 str(tmp_path / "other"))
+    assert json.loads(again.stdout)["profile"] == json.loads(other.stdout)["profile"]
+    assert len(list((tmp_path / "other" / "tiny").glob("*.parquet"))) == 1
+    (tmp_path / "out").rename(tmp_path / "moved")
+    back = _cli(tmp_path, "--storage", url, "--study", "shared", "--json")
+    assert json.loads(back.stdout)["profile"] == doc["profile"]  # the same name, written anew
+    assert (tmp_path / "out" / "tiny" / "tiny.v1.parquet").is_file()
     missing = _cli(tmp_path, "--status", "--storage", url, "--study", "nope", workload=False)
     assert missing.exit_code == 2 and "no study 'nope'" in missing.output
     assert "its studies: shared" in missing.output  # claim studies are not listed
