@@ -21,7 +21,7 @@ from nfabric_cli.errors import InputError
 
 def study_status(storage_url: str | None, name: str) -> dict[str, Any]:
     """The named study's trials, counts, best admissible trial, workers and profiles."""
-    storage = open_storage(storage_url)
+    storage = open_storage(storage_url, create=False)  # a status only reads
     try:
         study = optuna.load_study(study_name=name, storage=storage)
     except KeyError:

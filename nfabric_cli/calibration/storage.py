@@ -49,9 +49,15 @@ def redact(url: str) -> str:
     return re.sub(r"://([^:/@]+):[^@/]*@", r"://\1:***@", url)
 
 
-def open_storage(url: str | None) -> optuna.storages.BaseStorage:
-    """Open (creating if needed) the storage at `url`; InputError if it cannot be opened."""
+def open_storage(url: str | None, create: bool = True) -> optuna.storages.BaseStorage:
+    """Open (creating if needed, unless not `create`) the storage at `url`; InputError if it
+    cannot be opened, or without `create` if its file does not exist (a status of a mistyped
+    path left an empty database, or `.nfabric/` in the working directory, behind)."""
     url = url or DEFAULT_STORAGE
+    if not create:
+        path = _file_of(url)
+        if path is not None and not path.is_file():
+            raise InputError(f"no storage at {redact(url)}: {path} does not exist")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -73,6 +79,21 @@ def open_storage(url: str | None) -> optuna.storages.BaseStorage:
             scheme = url.split(":", 1)[0].split("+", 1)[0]
             first = DRIVERS.get(scheme, f"{first.rstrip('.')} ({scheme})")
         raise InputError(f"cannot open storage {redact(url)}: {redact(first)}") from None
+
+
+def _file_of(url: str) -> Path | None:
+    """The file a journal or SQLite storage lives in; None for a server (or in-memory)."""
+    if url.startswith(JOURNAL_PREFIX):
+        return Path(url[len(JOURNAL_PREFIX) :])
+    if url.startswith("sqlite:"):
+        from sqlalchemy.engine import make_url
+
+        try:
+            database = make_url(url).database
+        except Exception:  # a malformed URL: opening it says what is wrong
+            return None
+        return Path(database) if database and database != ":memory:" else None
+    return None
 
 
 def _rdb(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:

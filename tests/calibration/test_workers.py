@@ -334,6 +334,20 @@ def test_status_shows_trials_best_workers_and_profile(tmp_path: Path) -> None:
     assert alone.exit_code == 2 and "--status needs --study NAME" in alone.output
 
 
+def test_a_status_of_a_storage_that_does_not_exist_creates_none(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """`--status` only reads: a mistyped path left an empty database (or journal, or
+    `.nfabric/studies.db` in the working directory) behind, then said it held no study."""
+    monkeypatch.chdir(tmp_path)
+    for url, shown in ((f"sqlite:///{tmp_path}/typo.db", "typo.db"),
+                       (f"journal:{tmp_path}/typo.log", "typo.log"),
+                       (None, ".nfabric/studies.db")):
+        res = _cli(tmp_path, "--status", "--study", "x",
+                   *(("--storage", url) if url else ()), workload=False)
+        assert res.exit_code == 2 and "no storage at" in res.output and shown in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 def test_no_write_worker_contributes_trials_only(tmp_path: Path) -> None:
     _spec(tmp_path)
     res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db", "--json", "--no-write")
