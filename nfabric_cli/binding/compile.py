@@ -66,6 +66,27 @@ def resolve_routes(
     return resolved
 
 
+def shadowed_rules(profile: OperatingProfile,
+                   params: list[TrainableParam]) -> dict[str, list[str]]:
+    """selector -> phases where its rule matches parameters but claims none (an earlier rule
+    takes each of them first): a rule that does nothing, most likely one in the wrong order.
+    The default rule `*` closing a phase is not counted (it may have nothing left)."""
+    shadowed: dict[str, list[str]] = {}
+    for phase in profile.phases():
+        rules = profile.rules(phase.name)
+        claimed = {r.key: 0 for r in rules}
+        for p in params:
+            rule = next((r for r in rules if selector_matches(r.region, p)), None)
+            if rule is not None:
+                claimed[rule.key] += 1
+        for i, rule in enumerate(rules):
+            default = rule.region == "*" and i == len(rules) - 1
+            if (not default and not claimed[rule.key]
+                    and any(selector_matches(rule.region, p) for p in params)):
+                shadowed.setdefault(rule.region, []).append(phase.name)
+    return shadowed
+
+
 def plan_layout(
     bindings: Bindings,
     params: list[TrainableParam],

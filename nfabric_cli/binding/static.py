@@ -13,10 +13,10 @@ from typing import Any
 
 from torch import nn
 
-from nfabric_cli.binding.compile import compile_profile
+from nfabric_cli.binding.compile import compile_profile, name_some, shadowed_rules
 from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
 from nfabric_cli.binding.matching import params_record
-from nfabric_cli.binding.selectors import check_selector
+from nfabric_cli.binding.selectors import check_selector, selector_matches
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile, route_row
 from nfabric_cli.profile.phases import Phase
@@ -78,6 +78,14 @@ def static_profile(
     }
     profile = OperatingProfile(rows, meta).validate()
     compile_profile(profile, model, world_size=world_size)  # fails now on a dead selector
+    params = trainable_parameters(model)
+    shadowed = shadowed_rules(profile, params)
+    if shadowed:  # a hand-written rule that does nothing: say so now, not in a run
+        sel = next(iter(shadowed))
+        mine = [p for p in params if selector_matches(sel, p)]
+        first = [s for s, _ in rules if s != sel and any(selector_matches(s, p) for p in mine)]
+        raise InputError(f"--set {sel!r} claims no parameter: every one it matches is claimed "
+                         f"first by {name_some([repr(f) for f in first])}; put it before them")
     return profile
 
 

@@ -151,7 +151,8 @@ def compile_profile_cmd(
 ) -> None:
     """Resolve a profile against a model: bindings, DDP bucket plan, modelled traffic."""
     from nfabric_cli.binding import write_bindings
-    from nfabric_cli.binding.compile import compile_for_workload
+    from nfabric_cli.binding.compile import compile_for_workload, shadowed_rules
+    from nfabric_cli.binding.fingerprint import trainable_parameters
     from nfabric_cli.profile import read_profile, resolve_profile
     from nfabric_cli.profile.proven import outside_proven
     from nfabric_cli.workloads.base import find_unused as find_unused_of
@@ -173,6 +174,10 @@ def compile_profile_cmd(
     summary = bindings.summary()
     for note in (bindings.meta.get("model_match") or {}).get("notes", []):
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+    for selector, phases in shadowed_rules(prof, trainable_parameters(net)).items():
+        err_console.print(f"[yellow]warning[/]: rule {selector!r} claims no parameter in "
+                          f"{', '.join(phases)}: an earlier rule claims every one it matches",
+                          highlight=False, soft_wrap=True)
     # the earliest point to say a run of this length or world size is not what was proven
     # (`attach` says it again at run time, `validate` beside its verdict)
     for line in outside_proven(bindings.meta, steps=bindings.total_steps,

@@ -4,13 +4,14 @@ every bad input as exit 2 with one line and no traceback."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
 
 from nfabric_cli.app import app
 from nfabric_cli.binding import model_fingerprint, read_bindings
-from nfabric_cli.profile import read_profile, write_profile
+from nfabric_cli.profile import OperatingProfile, read_profile, write_profile
 from nfabric_cli.profile.parquet import write_table
 from nfabric_cli.profile.store import profile_table
 from tests.binding import models
@@ -250,6 +251,25 @@ def test_an_out_that_is_not_a_file_of_that_kind_is_refused_before_any_work(prof,
     assert run(*compile_, tmp_path / "b.parquet").exit_code == 0  # its own kind: replaced
     bad_input(init(tmp_path / "b.parquet"), "exists and is a bindings file; refusing")
     bad_input(run("calibrate", "vision", "--out", prof), f"--out {prof}: is a file")
+
+
+def test_a_rule_that_claims_nothing_is_refused_at_init_and_warned_at_compile(tmp_path):
+    """`--set '*.weight=fp32' --set '0.weight=int4'`: every weight is fp32's first, so the
+    int4 rule did nothing, silently (its selector matched, so it was not "dead")."""
+    shadow = ("--set", "*.weight=fp32", "--set", "0.weight=int4")
+    bad_input(init(tmp_path / "s.parquet", *shadow, route="int8"),
+              "--set '0.weight' claims no parameter", "claimed first by '*.weight'")
+    ok = init(tmp_path / "s.parquet", *shadow[2:], *shadow[:2], route="int8")
+    assert ok.exit_code == 0, ok.stderr
+    prof = read_profile(tmp_path / "s.parquet")  # written by hand: a compile only warns
+    rows = [r for r in prof.rows if r.region != "*"]
+    rows = [r if r.region != "*.weight" else replace(r, priority=0) for r in rows]
+    rows = [r if r.region != "0.weight" else replace(r, priority=1) for r in rows]
+    star = [r for r in prof.rows if r.region == "*"]
+    write_profile(OperatingProfile(rows + star, prof.meta), tmp_path / "w.parquet")
+    res = run("compile-profile", tmp_path / "w.parquet", "--model", MLP)
+    assert res.exit_code == 0
+    assert "warning: rule '0.weight' claims no parameter in all" in res.stderr
 
 
 def test_an_internal_error_exits_3_apart_from_a_verdict() -> None:
