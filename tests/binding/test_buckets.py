@@ -172,7 +172,7 @@ def test_ready_order_rejects_unknown_names_and_appends_missing():
     assert bucket == [*order, "spare.bias", "spare.weight"]
     with pytest.raises(Exception, match="nope"):
         plan_buckets(params, ready_order=["nope"])
-    with pytest.raises(Exception, match="bucket cap must be > 0"):
+    with pytest.raises(Exception, match="bucket cap must be a finite number > 0"):
         plan_buckets(params, bucket_cap_mb=0)
 
 
