@@ -56,6 +56,8 @@ def static_profile(
     phases = phases or [Phase("all", 0.0, 1.0)]
     if reducer not in REDUCERS:
         raise InputError(f"unknown reducer {reducer!r} (choose from {', '.join(REDUCERS)})")
+    if tau is not None and not 0.0 <= tau < 1.0:  # checked even where no row is ternary
+        raise InputError(f"tau must be in [0, 1), got {tau}")
     if any(sel == DEFAULT_SELECTOR for sel, _ in rules):
         raise InputError("--set '*=ROUTE' duplicates the default rule; use --route ROUTE")
     ordered = [*rules, (DEFAULT_SELECTOR, default_route)]

@@ -84,6 +84,9 @@ def init_cmd(
         net, route, parsed, phase_list, label, tau, error_feedback, reducer, world_size, extra
     )
     write_profile(prof, out)
+    if tau is not None and all(r.route != "ternary" for r in prof.rows):
+        err_console.print("[yellow]warning[/]: --tau applies to ternary rows, and no rule is "
+                          "ternary: it was not written", highlight=False, soft_wrap=True)
     if json_out:
         print_json({"path": str(out), "rows": len(prof.rows), "meta": prof.meta})
         return

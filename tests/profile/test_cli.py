@@ -228,6 +228,9 @@ def test_other_bad_options(prof, tmp_path):
     bad_input(init(out, "--phases", "0.9,0.2"), "--phases '0.9,0.2'")
     bad_input(init(out, "--reducer", "ring"), "unknown reducer 'ring'")
     bad_input(init(out, "--tau", "1.5", route="ternary"), "tau must be in [0, 1)")
+    bad_input(init(out, "--tau", "5", route="int8"), "tau must be in [0, 1), got 5.0")
+    unused = init(out, "--tau", "0.3", route="int8")
+    assert unused.exit_code == 0 and "--tau applies to ternary rows, and no rule is" in unused.stderr
     compile_ = ("compile-profile", prof, "--model", MLP)
     bad_input(run(*compile_, "--world-size", "0"), "world size must be")
     bad_input(run(*compile_, "--bucket-cap-mb", "0"), "bucket cap must be a finite number > 0")
