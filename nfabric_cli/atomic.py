@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from nfabric_cli.errors import InputError
+from nfabric_cli.errors import WriteError
 
 
 def _umask() -> int:
@@ -30,14 +30,14 @@ def atomic_path(path: str | os.PathLike[str], exclusive: bool = False) -> Iterat
     hard-linked to its name, which fails if another writer got there first."""
     target = Path(path)
     if target.is_dir():
-        raise InputError(f"{target}: is a directory, not a file to write")
+        raise WriteError(f"{target}: is a directory, not a file to write")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:  # a parent that is a file, no permission, a full disk: one line
         blocked = next((p for p in target.parents if p.exists() and not p.is_dir()), None)
         why = f"{blocked} is a file" if blocked is not None else exc.strerror or str(exc)
-        raise InputError(f"{target}: cannot write it ({why})") from None
+        raise WriteError(f"{target}: cannot write it ({why})") from None
     os.close(fd)
     # mkstemp creates 0600; artefacts (profiles, reports) get the usual umask-based mode.
     os.chmod(tmp, 0o666 & ~_umask())

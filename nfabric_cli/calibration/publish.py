@@ -103,13 +103,21 @@ def _states(trials: list[Any]) -> list[tuple[int, TrialState]]:
 
 
 def _job(study: Any, key: str, out_root: str | Path) -> str:
-    """The job and record of this write: `key`, unless a profile recorded under it is not in
-    `out_root` (another `--out`, or moved away), then `key` and the folder's own name."""
+    """The job and record of this write: `key`, unless the profile recorded under it is not
+    in `out_root` (another `--out`, or moved away); then the folder's own job, a new
+    generation of it each time its profile went missing (a claim once done is never taken
+    again: reusing its name, the rerun waited for it forever)."""
     record = study.user_attrs.get(key)
     if not record or _in(record, out_root):
         return key
     root = str(Path(out_root).resolve())
-    return f"{key}@out-{hashlib.sha256(root.encode()).hexdigest()[:10]}"
+    base, generation = f"{key}@out-{hashlib.sha256(root.encode()).hexdigest()[:10]}", 1
+    while True:
+        job = base if generation == 1 else f"{base}#{generation}"
+        record = study.user_attrs.get(job)
+        if not record or _in(record, out_root):
+            return job
+        generation += 1
 
 
 def _in(record: dict[str, Any], out_root: str | Path) -> bool:

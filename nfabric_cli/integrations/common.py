@@ -46,9 +46,12 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
     if not path.is_file() and (folder / GATHERED_FILE).is_file():
         path = folder / GATHERED_FILE
     if not path.is_file():
+        saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
+        why = (f"it holds {saved} rank files: saved by {saved} ranks, and this run has "
+               f"{fabric.world_size}" if saved and saved != fabric.world_size else
+               "saved without nfabric, or on another node: each rank reads its own file")
         raise InputError(f"nfabric: {framework} resumes from {folder}, which holds no "
-                         f"{RANK_FILE.format(rank=fabric.rank)} for this rank (saved without "
-                         "nfabric, or on another node: each rank reads its own file)")
+                         f"{RANK_FILE.format(rank=fabric.rank)} for this rank ({why})")
     fabric.load_state_dict(torch.load(path, weights_only=True))
 
 

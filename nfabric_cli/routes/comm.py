@@ -49,7 +49,7 @@ class Comm:
         # on gloo every rank posts its sends and receives to each peer instead; NCCL and
         # others keep their native all-gather
         self._p2p_gather = dist.get_backend(group) == "gloo" and self.world_size > 1
-        self._peers = [self._global_rank(r) for r in range(self.world_size)]
+        self._peers = [self.global_rank(r) for r in range(self.world_size)]
         self._scratch: dict[object, torch.Tensor] = {}
 
     def scratch(self, key: object, numel: int, dtype: torch.dtype,
@@ -132,7 +132,7 @@ class Comm:
     def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Gather to group rank 0 (the central reducer); other ranks get None."""
         self._meter("gather", t.numel() * t.element_size())
-        dst = self._global_rank(0)
+        dst = self.global_rank(0)
         if self.rank == 0:
             outs = [torch.empty_like(t) for _ in range(self.world_size)]
             dist.gather(t, gather_list=outs, dst=dst, group=self.group)
@@ -143,10 +143,11 @@ class Comm:
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast from group rank 0 into `t` (same shape on every rank)."""
         self._meter("broadcast", t.numel() * t.element_size())
-        dist.broadcast(t, src=self._global_rank(0), group=self.group)
+        dist.broadcast(t, src=self.global_rank(0), group=self.group)
         return t
 
-    def _global_rank(self, group_rank: int) -> int:
+    def global_rank(self, group_rank: int) -> int:
+        """The global rank of rank `group_rank` of this group (collectives take global ranks)."""
         if self.group is None:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)

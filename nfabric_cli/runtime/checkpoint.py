@@ -69,8 +69,9 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True,
             dist.all_gather_object(gathered, (state.rank, mine), group=state.comm.group)
         else:
             gathered = gathered if state.rank == dst else None
+            # `dst` as a global rank: gather_object's `group_dst` is torch >= 2.6 only
             dist.gather_object((state.rank, mine), gathered, group=state.comm.group,
-                               group_dst=dst)
+                               dst=state.comm.global_rank(dst))
         if gathered is not None:
             ranks = dict(gathered)
     return {
