@@ -44,6 +44,8 @@ from nfabric_cli.routes.tally import Sink, Tally
 
 #: Element counts of the parameters a flat gradient holds, in order (None: one parameter).
 Segments = tuple[int, ...] | None
+
+
 @dataclass(frozen=True)
 class ZeroVote:
     """How this rank's sign codes vote an exact zero this step: up (a 1 bit) or down."""

@@ -4,7 +4,8 @@ Each rank sends the packed bits of g > 0 and its per-chunk mean |g|; ranks agree
 scale. An exact zero has no sign: it votes as the rank's noise says (`base.zero_vote`, under
 the spec's default ``zeros = "split"``: half the ranks up, half down, alternating each step,
 so an element without a gradient on any rank ties at an even world size and stays put), or
-down on every rank (``zeros = "negative"``, the rule profiles of schema 1.0 were proven with). The reducer counts positive votes per element, c in [0, W]:
+down on every rank (``zeros = "negative"``, the rule profiles of schema 1.0 were proven with).
+The reducer counts positive votes per element, c in [0, W]:
 - `majority` (default): the result is sign(2c - W). Tie rule: with an even world size a tie
   (c = W/2) gives 0, i.e. no update for that element; so the result travels in 1 bit for odd W
   and 2 bits for even W. Every rank decodes scale * result.
