@@ -66,23 +66,19 @@ def resolve_routes(
     return resolved
 
 
-def shadowed_rules(profile: OperatingProfile,
-                   params: list[TrainableParam]) -> dict[str, list[str]]:
-    """selector -> phases where its rule matches parameters but claims none (an earlier rule
-    takes each of them first): a rule that does nothing, most likely one in the wrong order.
-    The default rule `*` closing a phase is not counted (it may have nothing left)."""
+def shadowed_rules(profile: OperatingProfile, bindings: Bindings) -> dict[str, list[str]]:
+    """selector -> phases where its rule claims no parameter of `bindings` (compiled from
+    `profile`: a selector that matches nothing failed there, so every parameter it matches is
+    an earlier rule's): a rule that does nothing, most likely one in the wrong order. The
+    default rule `*` closing a phase is not counted (it may have nothing left)."""
+    claimed = {(region, phase) for b in bindings.params.values()
+               for phase, region in b.regions.items()}
     shadowed: dict[str, list[str]] = {}
     for phase in profile.phases():
         rules = profile.rules(phase.name)
-        claimed = {r.key: 0 for r in rules}
-        for p in params:
-            rule = next((r for r in rules if selector_matches(r.region, p)), None)
-            if rule is not None:
-                claimed[rule.key] += 1
         for i, rule in enumerate(rules):
             default = rule.region == "*" and i == len(rules) - 1
-            if (not default and not claimed[rule.key]
-                    and any(selector_matches(rule.region, p) for p in params)):
+            if not default and (rule.region, phase.name) not in claimed:
                 shadowed.setdefault(rule.region, []).append(phase.name)
     return shadowed
 

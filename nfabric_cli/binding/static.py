@@ -79,12 +79,11 @@ def static_profile(
         ),
     }
     profile = OperatingProfile(rows, meta).validate()
-    compile_profile(profile, model, world_size=world_size)  # fails now on a dead selector
-    params = trainable_parameters(model)
-    shadowed = shadowed_rules(profile, params)
+    bindings = compile_profile(profile, model, world_size=world_size)  # fails on a dead selector
+    shadowed = shadowed_rules(profile, bindings)
     if shadowed:  # a hand-written rule that does nothing: say so now, not in a run
         sel = next(iter(shadowed))
-        mine = [p for p in params if selector_matches(sel, p)]
+        mine = [p for p in trainable_parameters(model) if selector_matches(sel, p)]
         first = [s for s, _ in rules if s != sel and any(selector_matches(s, p) for p in mine)]
         raise InputError(f"--set {sel!r} claims no parameter: every one it matches is claimed "
                          f"first by {name_some([repr(f) for f in first])}; put it before them")

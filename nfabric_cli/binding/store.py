@@ -120,8 +120,8 @@ def read_bindings(path: str | os.PathLike[str]) -> Bindings:
                     tuple(r["aliases"]),
                 )
             spec = {k: r[k] for k in _SPEC_FIELDS if k != "name"}
-            spec["zeros"] = zeros_as_written(r["route"], r["zeros"], meta["schema_version"],
-                                             "1.1.0") or "split"
+            spec["zeros"] = zeros_as_written(r["route"], r["zeros"],
+                                             meta["schema_version"]) or "split"
             b.routes[r["phase"]] = RouteSpec(name=r["route"], **spec)
             b.regions[r["phase"]] = r["region"]
         return Bindings(

@@ -15,6 +15,7 @@ studies into one folder cannot clash.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import time
@@ -107,17 +108,14 @@ def _job(study: Any, key: str, out_root: str | Path) -> str:
     in `out_root` (another `--out`, or moved away); then the folder's own job, a new
     generation of it each time its profile went missing (a claim once done is never taken
     again: reusing its name, the rerun waited for it forever)."""
-    record = study.user_attrs.get(key)
-    if not record or _in(record, out_root):
-        return key
-    root = str(Path(out_root).resolve())
-    base, generation = f"{key}@out-{hashlib.sha256(root.encode()).hexdigest()[:10]}", 1
-    while True:
-        job = base if generation == 1 else f"{base}#{generation}"
+    root = hashlib.sha256(str(Path(out_root).resolve()).encode()).hexdigest()[:10]
+    for generation in itertools.count():
+        job = key if not generation else f"{key}@out-{root}" + (
+            f"#{generation}" if generation > 1 else "")
         record = study.user_attrs.get(job)
         if not record or _in(record, out_root):
             return job
-        generation += 1
+    raise AssertionError("unreachable")
 
 
 def _in(record: dict[str, Any], out_root: str | Path) -> bool:

@@ -155,7 +155,6 @@ def compile_profile_cmd(
     """Resolve a profile against a model: bindings, DDP bucket plan, modelled traffic."""
     from nfabric_cli.binding import write_bindings
     from nfabric_cli.binding.compile import compile_for_workload, shadowed_rules
-    from nfabric_cli.binding.fingerprint import trainable_parameters
     from nfabric_cli.profile import read_profile, resolve_profile
     from nfabric_cli.profile.proven import outside_proven
     from nfabric_cli.workloads.base import find_unused as find_unused_of
@@ -177,7 +176,7 @@ def compile_profile_cmd(
     summary = bindings.summary()
     for note in (bindings.meta.get("model_match") or {}).get("notes", []):
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
-    for selector, phases in shadowed_rules(prof, trainable_parameters(net)).items():
+    for selector, phases in shadowed_rules(prof, bindings).items():
         err_console.print(f"[yellow]warning[/]: rule {selector!r} claims no parameter in "
                           f"{', '.join(phases)}: an earlier rule claims every one it matches",
                           highlight=False, soft_wrap=True)

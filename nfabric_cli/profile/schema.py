@@ -38,12 +38,16 @@ PROFILE_SCHEMA = pa.schema(
 PROFILE_COLUMN_DEFAULTS: dict[str, Any] = {"error_feedback": False, "reducer": "sharded"}
 
 
-def zeros_as_written(route: str, zeros: str | None, version: str, since: str) -> str | None:
+#: The profile and bindings schema that added `zeros` (both went 1.0 -> 1.1 with it).
+ZEROS_SINCE = (1, 1)
+
+
+def zeros_as_written(route: str, zeros: str | None, version: str) -> str | None:
     """Sign's zero vote as a row of a file of schema `version` meant it: as written; or, in a
-    file older than `since` (the version that added the column), "negative" for a sign row,
-    the only rule there was then, so that a profile replays what it was proven with."""
+    file older than `ZEROS_SINCE`, "negative" for a sign row, the only rule there was then,
+    so that a profile replays what it was proven with."""
     from nfabric_cli.profile.parquet import parse_semver
 
-    if zeros is None and route == "sign" and parse_semver(version)[:2] < parse_semver(since)[:2]:
+    if zeros is None and route == "sign" and parse_semver(version)[:2] < ZEROS_SINCE:
         return "negative"
     return zeros

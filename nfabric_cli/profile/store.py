@@ -67,7 +67,7 @@ def read_profile(path: str | os.PathLike[str]) -> OperatingProfile:
         if missing:
             raise InputError(f"{path}: a row has no {', '.join(missing)}")
         record["zeros"] = zeros_as_written(record["route"], record["zeros"],
-                                           meta["schema_version"], "1.1.0")
+                                           meta["schema_version"])
         rows.append(ProfileRow(**{k: record[k] for k in ROW_FIELDS}))
     try:
         return OperatingProfile(rows, meta).validate()

@@ -26,7 +26,7 @@ from nfabric_cli.routes.base import (
     Segments,
     ZeroVote,
     check_input,
-    zero_vote,
+    codec_noise,
 )
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.packing import pack_bool, unpack_bool
@@ -56,7 +56,7 @@ class SignRoute(CodeRoute):
         return k.sign_bits(x, up) if k is not None else pack_bool(x >= 0 if up else x > 0)
 
     def default_noise(self, rank: int) -> Noise:
-        return zero_vote(rank, 0) if self.spec.zeros == "split" else None
+        return codec_noise(self.spec, 0, 0, rank, (), ())  # step 0's zero vote, if split
 
     def encode(
         self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,

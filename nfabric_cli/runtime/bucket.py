@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from nfabric_cli.routes import FP32, make_route
-from nfabric_cli.routes.base import CodeRoute, codec_noise
+from nfabric_cli.routes.base import CodeRoute, Noise, codec_noise
 from nfabric_cli.routes.exchange import Exchange, Piece
 from nfabric_cli.routes.fp32 import FloatRoute
 from nfabric_cli.routes.groups import BucketGroup, whole_bucket
@@ -45,11 +45,13 @@ if TYPE_CHECKING:
 
 
 class _Part(NamedTuple):
-    """What one reduce works on: its float tensor, its parameters' sizes and names."""
+    """What one reduce works on: its float tensor, its parameters' sizes and names, and the
+    codec noise it is encoded with (error feedback's roundtrip reuses the same)."""
 
     x: torch.Tensor
     segments: tuple[int, ...]
     names: list[str]
+    noise: Noise
 
 
 def _timed(fn: Callable[[BucketJob], None]) -> Callable[[BucketJob], None]:
@@ -101,15 +103,14 @@ class BucketJob:
                 # each region's agreement apart, though they share the reduce
                 stats = (Tally.over([group.regions[k] for k in ks], part.segments,
                                     st._group_stats) if spec.lowbit else None)
-                gen = codec_noise(spec, st.seed, self.step, st.rank, part.names, part.segments)
                 if isinstance(route, CodeRoute) and spec.reducer == "sharded" and not traced:
                     if part.x.numel():
-                        pieces.append(Piece(route, part.x, part.segments, stats, gen))
+                        pieces.append(Piece(route, part.x, part.segments, stats, part.noise))
                         self._labels.append(spec.label())
                 elif isinstance(route, FloatRoute) and not traced:
                     self._issue_float(route, part.x, spec)
                 else:  # the central reducer, or a traced run: one blocking reduce
-                    self._blocking(route, part, spec, stats, gen, gi)
+                    self._blocking(route, part, spec, stats, gi)
         if pieces:
             self._exchange = Exchange(pieces, st.comm, slot=self.index,  # buffers per bucket
                                       rider=self.rider)
@@ -166,11 +167,11 @@ class BucketJob:
         self._after.insert(0, land)
         self.state.meter.add(self.step, self.phase, spec.label(), self.state.comm.take())
 
-    def _blocking(self, route, part: _Part, spec: RouteSpec, stats, gen, gi: int) -> None:  # noqa: ANN001
+    def _blocking(self, route, part: _Part, spec: RouteSpec, stats, gi: int) -> None:  # noqa: ANN001
         st = self.state
         local = part.x.clone() if st.trace is not None else None
         t0 = time.perf_counter()
-        out = route.reduce(part.x, st.comm, part.segments, stats, gen)
+        out = route.reduce(part.x, st.comm, part.segments, stats, part.noise)
         if out.data_ptr() != part.x.data_ptr():
             part.x.copy_(out)
         seconds = time.perf_counter() - t0
@@ -188,10 +189,12 @@ class BucketJob:
         (routes decode into their input): nothing to copy back for a float32 bucket. Error
         feedback compensates a copy (and updates the residual from what was sent); parameters
         that are not consecutive are concatenated and copied back."""
-        st, step = self.state, self.step
+        st = self.state
         group_names = [self.names[i] for i in idx]
         parts = [self.slices[i] for i in idx]
         segs = tuple(p.numel() for p in parts)
+        # drawn once: the wire and error feedback's roundtrip encode with the same noise
+        noise = codec_noise(spec, st.seed, self.step, st.rank, group_names, segs)
         if spec.error_feedback:
             x = st.ef.compensate_flat(group_names, spec.label(), parts)
         elif idx == list(range(idx[0], idx[0] + len(idx))):
@@ -206,9 +209,8 @@ class BucketJob:
 
             def feedback() -> None:
                 # One roundtrip per reduce (chunks never span parameters: the per-parameter
-                # roundtrips, concatenated), drawing stochastic rounding's noise as sent.
-                gen = codec_noise(spec, st.seed, step, st.rank, group_names, segs)
-                sent = route.roundtrip(compensated, segs, gen)
+                # roundtrips, concatenated), with the noise as sent.
+                sent = route.roundtrip(compensated, segs, noise)
                 st.ef.update_flat(group_names, compensated, sent, segs)
 
             self._after.append(feedback)
@@ -220,7 +222,7 @@ class BucketJob:
                     off += part.numel()
 
             self._after.append(copy_back)
-        return _Part(x, segs, group_names)
+        return _Part(x, segs, group_names, noise)
 
     def _meter_pieces(self, pieces: list[Piece], measured: WireBytes) -> None:
         """Credit the exchange's bytes to each piece's route: its own plan's bytes (what it
