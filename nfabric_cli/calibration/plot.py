@@ -12,7 +12,8 @@ from nfabric_cli.atomic import atomic_path
 from nfabric_cli.calibration.outcome import trial_rows
 from nfabric_cli.calibration.study import StudyRun
 
-_COLOURS = {"sweep": "tab:orange", "derived": "tab:green", "search": "tab:blue"}
+_COLOURS = {"sweep": "tab:orange", "derived": "tab:green", "warm": "tab:purple",
+            "search": "tab:blue"}
 
 
 def plot_search(run: StudyRun, winner: FrozenTrial | None, path: Path) -> Path:

@@ -48,13 +48,14 @@ from nfabric_cli.calibration.objective import (
 )
 from nfabric_cli.calibration.quiet import quiet_floor, spikes_of
 from nfabric_cli.calibration.reduces import ddp_layouts
-from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
+from nfabric_cli.calibration.seeding import LIVE, enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, check_float32, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, suggest
 from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec
 from nfabric_cli.calibration.storage import load_or_create, open_storage
 from nfabric_cli.calibration.strategy import default_study_name, make_pruner, make_sampler
 from nfabric_cli.calibration.traffic import traffic_lower_bound
+from nfabric_cli.calibration.warm import WarmStart, enqueue_warm
 from nfabric_cli.calibration.workers import (
     Dropped,
     Worker,
@@ -406,9 +407,12 @@ def run_study(
     traffic_bound: bool = True,
     processes: int | None = None,
     intermediate: str = DEFAULT_INTERMEDIATE,
+    warm: Sequence[WarmStart] = (),
 ) -> StudyRun:
     """Reference, sweep and trials until the named study (created or resumed) holds
     `spec.trials` finished trials, all workers' together.
+
+    `warm`: configurations enqueued first, unless the study holds them (`warm.py`).
 
     `sweep=False` leaves out the sweep and its seeds, `traffic_bound=False` the pruning of
     trials whose traffic lower bound cannot win, `intermediate` picks another checkpoint
@@ -439,6 +443,8 @@ def run_study(
                 "a profile from this study records their metrics, which this code may not "
                 "replay: a new --study retrains everything")
         before = finished_by(study, worker)
+        for note in enqueue_warm(study, spec, warm, study.get_trials(deepcopy=False, states=LIVE)):
+            calibrator.sink.note(note)
         calibrator.after_trial(study)
         if budget_reached(study, spec.trials, worker):
             calibrator.sink.note(f"the study holds its budget of {spec.trials} trials")

@@ -82,6 +82,12 @@ def calibrate_cmd(
     confirm_rule: str = typer.Option(None, "--confirm-rule", help="worst (every cell within "
                                      "tolerance, validate's rule) or bound (the 95 % "
                                      "prediction bound for one more seed within it)."),
+    warm_starts: list[Path] = typer.Option(None, "--warm-start", help="A profile (an earlier "
+                                           "version, say) whose routes the study trains first, "
+                                           "as one trial of its budget (Optuna's enqueue_trial): "
+                                           "a recalibration never misses the last winner. It "
+                                           "must fit the spec's phases, regions and choices. "
+                                           "Repeatable."),
     status: bool = typer.Option(False, "--status", help="Print the study's trials, best "
                                 "admissible trial and workers, and exit (trains nothing)."),
     as_json: bool = typer.Option(False, "--json", help="Print {profile, trials, pruned, best, "
@@ -128,20 +134,21 @@ def calibrate_cmd(
                    confirm_steps=_unless_none(confirm_steps, _lengths),
                    confirm_world_sizes=_unless_none(confirm_world_sizes, _world_sizes),
                    confirm_rule=confirm_rule)
+    warm = _warm_starts(cal, warm_starts or [])
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
 
         return _status(storage, study or default_study_name(cal, wl.name), as_json)
     if as_json:
         _, outcome = calibrate(wl, cal, storage, study, out, processes=processes,
-                               write=not no_write)
+                               write=not no_write, warm=warm)
         print_json({"profile": None if outcome.path is None else str(outcome.path),
                     "trials": outcome.trials, "pruned": outcome.pruned, "best": outcome.best,
                     "written_by": outcome.written_by})
         return
     with _RichSink(cal.trials) as sink:
         run, outcome = calibrate(wl, cal, storage, study, out, sink, processes=processes,
-                                 write=not no_write)
+                                 write=not no_write, warm=warm)
     console.print(_summary(outcome, run.study.study_name))
     console.print(_routes(outcome.best))
     if "confirmation" in outcome.best:
@@ -157,6 +164,23 @@ def calibrate_cmd(
         by = "" if outcome.written_by == run.worker.id else f" (written by {outcome.written_by})"
         console.print(f"profile: {outcome.path}{by}\nsearch plot: {outcome.png}", highlight=False,
                       soft_wrap=True)
+
+
+def _warm_starts(cal: Any, paths: list[Path]) -> list[Any]:
+    """Each --warm-start profile as a config of `cal`'s search (InputError where one does not
+    fit), with a warning per option the trial trains otherwise than the profile says."""
+    from nfabric_cli.calibration.warm import warm_start
+    from nfabric_cli.profile.store import read_profile, resolve_profile
+
+    found = []
+    for given in paths:
+        path = resolve_profile(given)  # a directory: its newest profile
+        w = warm_start(cal, read_profile(path), str(path))
+        for note in w.notes:
+            err_console.print(f"[yellow]warning[/]: --warm-start {path}: {note}",
+                              highlight=False, soft_wrap=True)
+        found.append(w)
+    return found
 
 
 def _unless_none(text: str | None, parse: Any) -> tuple[int, ...] | None:
