@@ -13,7 +13,8 @@ LightningModule (its `net.` prefix is stripped, `binding/matching.py`), `bf16-tr
 The loss reaches the health monitor in `backward`; the fabric state rides in every checkpoint
 (`checkpoint["nfabric"]`, every rank's part gathered onto rank 0, which alone writes the file)
 and is restored by `fit(ckpt_path=...)`; `nfabric/*` metrics go to the Trainer's loggers; the
-state closes in `teardown`, before the process group goes.
+state closes in `teardown`, before the process group goes, and stays readable as
+`strategy.fabric` after `fit` (in each rank's own process: not in a `ddp_spawn` parent).
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ class FabricDDPStrategy(DDPStrategy):
             self._resume = None
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.fabric is not None:
+        if self._live():
             self.fabric.observe(closure_loss)  # before backward: the step's buckets judge it
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self.fabric is not None and self._log_metrics:
+        if self._live() and self._log_metrics:
             for key, value in fabric_metrics(self.fabric).items():
                 self.lightning_module.log(key, value, on_step=True, on_epoch=False,
                                           logger=True, prog_bar=False, rank_zero_only=True)
@@ -74,7 +75,7 @@ class FabricDDPStrategy(DDPStrategy):
         # Called on every rank (Trainer.save_checkpoint), so the gather in state_dict() is safe;
         # only rank 0 writes, so only its copy holds every rank's residuals (the others'
         # hold their own: W copies of them on every rank would not fit a large model).
-        if self.fabric is not None:
+        if self._live():
             checkpoint[CHECKPOINT_KEY] = self.fabric.state_dict(dst=0)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -87,17 +88,22 @@ class FabricDDPStrategy(DDPStrategy):
             mine = state.get("ranks", {}).get(self.global_rank)
             if mine is not None:
                 state["ranks"] = {self.global_rank: mine}
-            if self.fabric is not None:
+            if self._live():
                 self.fabric.load_state_dict(state)
             else:
                 self._resume = state
         return checkpoint
 
     def teardown(self) -> None:
-        # Forget this run's state: a later fit of the same Trainer attaches its own (and a
-        # checkpoint it resumes from is restored into that, not into this closed one); a state
-        # kept by `validate(ckpt_path=...)` must not reach it either.
+        # Close this run's state. It stays readable as `.fabric` after `fit` (bytes, events,
+        # routes) until a later fit of the same Trainer attaches its own; a checkpoint loaded
+        # meanwhile is kept for that one (`_live`), and a state kept by
+        # `validate(ckpt_path=...)` must not reach it.
         if self.fabric is not None:
             self.fabric.close()
-        self.fabric, self._resume = None, None
+        self._resume = None
         super().teardown()
+
+    def _live(self) -> bool:
+        """Whether this fit's state is attached and open (not the last fit's, closed)."""
+        return self.fabric is not None and not self.fabric.closed

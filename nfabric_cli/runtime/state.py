@@ -281,6 +281,12 @@ class FabricState:
         for note in load_fabric_state(self, state_dict, strict):
             warnings.warn(f"nfabric: {note}", stacklevel=2)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` has run: the state still reads (bytes, events, routes), and
+        reduces nothing more."""
+        return self._pool is None
+
     def close(self) -> None:
         """Stop the worker thread (idempotent). Call before destroying the process group.
         Warns when the run stopped short of `total_steps` (its last phases never ran) or ran

@@ -50,6 +50,9 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
     ckpt = torch.load(out / "ckpt" / "last.ckpt", weights_only=True)
     # rank 0 wrote the file, every rank's residuals gathered onto it (and onto it only)
     assert ckpt["nfabric"]["step"] == STEPS and sorted(ckpt["nfabric"]["ranks"]) == [0, 1]
+    # after fit the state is closed, and still reads as it did at the end of training
+    after = [json.loads((out / f"rank{r}.after0.json").read_text()) for r in (0, 1)]
+    assert after == [{"closed": True, "fabric_step": STEPS, "bytes": d["bytes"]} for d in docs]
     logged = (out / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "nfabric/traffic_fraction" in logged and "nfabric/fallbacks" in logged
     resumed = run_example("lightning_train.py", "--out", str(out), "--steps", str(MORE),
@@ -58,11 +61,14 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
     check_clean(resumed)
     # the counters went on from the checkpoint; then a second fit on the same Trainer from
     # "last" went on again (its state was once restored into the first fit's closed one, and
-    # a fresh one attached at step 0: 2 steps where 8 are due)
+    # a fresh one attached at step 0: 2 steps where 8 are due), the first fit's state still
+    # readable between the two
     fit0 = [json.loads((out / f"rank{r}.fit0.json").read_text()) for r in (0, 1)]
     _check_run(fit0, MORE, MORE)
     _check_residuals(docs, fit0)
     _check_run(ranks_of(out), MORE + 2, MORE + 2)
+    assert [json.loads((out / f"rank{r}.after1.json").read_text())["fabric_step"]
+            for r in (0, 1)] == [MORE + 2, MORE + 2]
 
 
 @pytest.mark.slow
