@@ -134,11 +134,11 @@ def calibrate_cmd(
                    confirm_steps=_unless_none(confirm_steps, _lengths),
                    confirm_world_sizes=_unless_none(confirm_world_sizes, _world_sizes),
                    confirm_rule=confirm_rule)
-    warm = _warm_starts(cal, warm_starts or [])
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
 
         return _status(storage, study or default_study_name(cal, wl.name), as_json)
+    warm = _warm_starts(cal, warm_starts or [])
     if as_json:
         _, outcome = calibrate(wl, cal, storage, study, out, processes=processes,
                                write=not no_write, warm=warm)
