@@ -48,7 +48,7 @@ from nfabric_cli.calibration.objective import (
 )
 from nfabric_cli.calibration.quiet import quiet_floor, spikes_of
 from nfabric_cli.calibration.reduces import ddp_layouts
-from nfabric_cli.calibration.seeding import LIVE, enqueue_seeds, sensitivity
+from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, check_float32, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, suggest
 from nfabric_cli.calibration.spec import NOT_IN_SEARCH_KEY, CalibrationSpec
@@ -443,10 +443,11 @@ def run_study(
                 "a profile from this study records their metrics, which this code may not "
                 "replay: a new --study retrains everything")
         before = finished_by(study, worker)
-        for note in enqueue_warm(study, spec, warm, study.get_trials(deepcopy=False, states=LIVE)):
+        full = budget_reached(study, spec.trials, worker)
+        for note in enqueue_warm(study, spec, warm, study.get_trials(deepcopy=False), full):
             calibrator.sink.note(note)
         calibrator.after_trial(study)
-        if budget_reached(study, spec.trials, worker):
+        if full:
             calibrator.sink.note(f"the study holds its budget of {spec.trials} trials")
         else:
             log.set("searching")

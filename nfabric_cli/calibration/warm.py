@@ -14,10 +14,12 @@ a schema-1.0 profile's sign rows voting zeros "negative" retrained under "split"
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 
 from nfabric_cli.calibration.space import (
     BOUNDARY_STEP,
@@ -29,8 +31,8 @@ from nfabric_cli.calibration.space import (
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.spec_values import Range
 from nfabric_cli.errors import InputError
-from nfabric_cli.profile.operating import OperatingProfile
-from nfabric_cli.routes.spec import LOWBIT_ROUTES
+from nfabric_cli.profile.operating import OperatingProfile, ProfileRow
+from nfabric_cli.routes.spec import DEFAULT_TAU, LOWBIT_ROUTES
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def warm_start(spec: CalibrationSpec, profile: OperatingProfile, source: str) ->
     bounds = tuple(_on_grid(p.start, b, BOUNDARY_STEP, f"phase {p.name!r} starts at", refuse)
                    for p, b in zip(phases[1:], spec.boundaries, strict=True))
     base = uniform_config(spec, {})  # the options of a config that does not use them
-    tau = _one(rows, "tau", {"ternary"}, refuse)
+    tau = _one(rows, "tau", {"ternary"}, refuse, default=DEFAULT_TAU)
     ef = _one(rows, "error_feedback", set(LOWBIT_ROUTES), refuse)
     rounding = _one(rows, "rounding", {"int8", "int4"}, refuse, default="nearest")
     mode = _one(rows, "mode", {"sign"}, refuse, default="majority")
@@ -92,7 +94,11 @@ def warm_start(spec: CalibrationSpec, profile: OperatingProfile, source: str) ->
     return WarmStart(source, config, _differences(spec, config, profile))
 
 
-def _one(rows, field: str, routes: set[str], refuse, default=None):  # noqa: ANN001, ANN202
+Refuse = Callable[[str], InputError]
+
+
+def _one(rows: Sequence[ProfileRow], field: str, routes: set[str], refuse: Refuse,
+         default: Any = None) -> Any:
     """The one value of option `field` over the rows of `routes` (the search sets one per
     trial), None when no row takes it; refused where rows disagree."""
     values = {getattr(r, field) if getattr(r, field) is not None else default
@@ -103,7 +109,7 @@ def _one(rows, field: str, routes: set[str], refuse, default=None):  # noqa: ANN
     return values.pop() if values else None
 
 
-def _on_grid(value: float, allowed: Range, step: float, what: str, refuse) -> float:  # noqa: ANN001
+def _on_grid(value: float, allowed: Range, step: float, what: str, refuse: Refuse) -> float:
     """`value` as the search would sample it: inside `allowed`, on its grid of `step`."""
     if not allowed.lo - 1e-9 <= value <= allowed.hi + 1e-9:
         raise refuse(f"{what} {value:g}, outside the spec's range [{allowed.lo:g}, {allowed.hi:g}]")
@@ -132,22 +138,34 @@ def _differences(spec: CalibrationSpec, config: Config, profile: OperatingProfil
 
 
 def _shown(value: object) -> str:
+    """An option's value as a note shows it (None: the route's default)."""
     return "the route's default" if value is None else repr(value)
 
 
 def enqueue_warm(study: optuna.Study, spec: CalibrationSpec, warm: Sequence[WarmStart],
-                 live: Sequence[optuna.trial.FrozenTrial]) -> list[str]:
-    """Enqueue each warm start the study does not hold yet (any trial of the same
-    configuration, done, queued or running, already answers it); a note per one it holds."""
-    held = {t.user_attrs.get("key"): f"trial {t.number}" for t in live}
+                 trials: Sequence[optuna.trial.FrozenTrial], full: bool) -> list[str]:
+    """Enqueue each warm start unless one of `trials` (the study's) answers it already: a
+    finished, running or queued trial of the same configuration, any kind (a pruned one
+    does not: it stopped short). Nothing is enqueued into a study that holds its budget
+    (`full`: it would never train). A note per warm start not enqueued."""
+    answered = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+    held = {t.user_attrs.get("key"): f"{_STATE[t.state]} trial {t.number}"
+            for t in trials if t.state in answered}
     notes = []
     for w in warm:
         key = w.config.key()
         if key in held:
             notes.append(f"warm start {w.source}: the study holds its configuration already "
                          f"({held[key]})")
-            continue
-        study.enqueue_trial(w.config.params(spec), {"kind": "warm", "key": key,
-                                                    "source": w.source})
-        held[key] = f"warm start {w.source}"
+        elif full:
+            notes.append(f"warm start {w.source}: not trained, the study holds its budget "
+                         f"of {spec.trials} trials (a larger --trials extends it)")
+        else:
+            study.enqueue_trial(w.config.params(spec), {"kind": "warm", "key": key,
+                                                        "source": w.source})
+            held[key] = f"warm start {w.source}"
     return notes
+
+
+_STATE = {TrialState.COMPLETE: "finished", TrialState.RUNNING: "running",
+          TrialState.WAITING: "queued"}

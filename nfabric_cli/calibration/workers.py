@@ -318,7 +318,8 @@ def surplus(trials: list[FrozenTrial], trial: optuna.Trial, budget: int) -> bool
     return sum(1 for t in trials if t.number < trial.number) >= budget
 
 
-ENQUEUED_ID = {"sweep": "region", "derived": "key", "warm": "key"}  # what names an enqueued trial's job
+#: what names an enqueued trial's job
+ENQUEUED_ID = {"sweep": "region", "derived": "key", "warm": "key"}
 
 
 def duplicate_of(trials: list[FrozenTrial], trial: optuna.Trial, kind: str) -> int | None:

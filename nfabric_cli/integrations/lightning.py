@@ -96,11 +96,14 @@ class FabricDDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         # Close this run's state. It stays readable as `.fabric` after `fit` (bytes, events,
-        # routes) until a later fit of the same Trainer attaches its own; a checkpoint loaded
+        # routes; not its residuals) until a later fit of the same Trainer attaches its own; a checkpoint loaded
         # meanwhile is kept for that one (`_live`), and a state kept by
         # `validate(ckpt_path=...)` must not reach it.
         if self.fabric is not None:
             self.fabric.close()
+            # Lightning frees memory here: so do the residuals (a parameter's size each, on
+            # its device), which no checkpoint of a closed state carries (`_live`)
+            self.fabric.ef.reset()
         self._resume = None
         super().teardown()
 

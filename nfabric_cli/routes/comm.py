@@ -66,6 +66,10 @@ class Comm:
             self._scratch[key] = buf
         return buf[:numel]
 
+    def release(self) -> None:
+        """Free the kept buffers (`scratch`): a closed state issues nothing more."""
+        self._scratch.clear()
+
     def _meter(self, kind: str, nbytes: int) -> None:
         self.calls.append((kind, nbytes))
         self.bytes = self.bytes + op_wire_bytes(kind, nbytes, self.world_size, self.rank)

@@ -294,6 +294,7 @@ class FabricState:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
+            self.comm.release()  # the wire buffers (a bucket's size each): nothing is sent now
             if self.trace is not None:
                 self.trace.close()
             if self.step != self.total_steps and self.step > 0 and self.step != self._saved_at:

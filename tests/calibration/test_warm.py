@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from nfabric_cli.app import app
 from nfabric_cli.calibration import run_study
 from nfabric_cli.calibration.space import Config, config_profile
-from nfabric_cli.calibration.warm import warm_start
+from nfabric_cli.calibration.warm import enqueue_warm, warm_start
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import write_profile
 from nfabric_cli.profile.operating import OperatingProfile
@@ -42,6 +42,16 @@ def test_a_profile_reads_back_as_the_config_it_was_written_from() -> None:
     # an all-fp32 phase: the options no row uses take the search's defaults
     fp32 = Config((("fp32", "fp32"), ("fp32", "sign")), (0.2,), 0.5, False)
     assert warm_start(tiny_spec(), _profile(fp32), "q").config == fp32
+
+
+def test_a_ternary_row_without_tau_reads_as_the_default_tau() -> None:
+    """`profile init` leaves tau unset on ternary rows: the route's default, 0.5, which the
+    trial trains too (inside the spec's range), or which is refused (outside it)."""
+    w = warm_start(tiny_spec(), _profile(tau=None), "p")
+    assert w.config == dataclasses.replace(CONFIG, tau=0.5)
+    narrow = tiny_spec(routes={"tau": [0.6, 0.9], "error_feedback": [False, True]})
+    with pytest.raises(InputError, match="tau 0.5, outside the spec's range"):
+        warm_start(narrow, _profile(tau=None), "p")
 
 
 def test_options_the_search_does_not_vary_are_noted_not_kept() -> None:
@@ -101,9 +111,29 @@ def test_the_warm_start_is_the_first_trial_and_is_enqueued_once(tmp_path: Path) 
     notes = Notes()
     run = run_study(wl, tiny_spec(trials=4), url, "w", notes, warm=[w, w])
     assert notes.notes.count("warm start p.parquet: the study holds its configuration already "
-                             "(trial 0)") == 2
+                             "(finished trial 0)") == 2
     assert [t.user_attrs["kind"] for t in run.study.trials].count("warm") == 1
     assert len(_finished(run.study)) == 4
+    # another warm start into a study that holds its budget: said, not queued to never run
+    other = warm_start(tiny_spec(), _profile(dataclasses.replace(CONFIG, tau=0.6)), "q")
+    notes = Notes()
+    run = run_study(wl, tiny_spec(trials=4), url, "w", notes, warm=[other])
+    assert notes.notes[0] == ("warm start q: not trained, the study holds its budget of 4 "
+                              "trials (a larger --trials extends it)")
+    assert [t.user_attrs["kind"] for t in run.study.trials].count("warm") == 1
+
+
+def test_a_pruned_trial_does_not_answer_a_warm_start_and_a_queued_one_does() -> None:
+    spec, w = tiny_spec(), warm_start(tiny_spec(), _profile(), "p")
+    study = optuna.create_study()
+    study.add_trial(optuna.trial.create_trial(state=TrialState.PRUNED,
+                                              user_attrs={"key": CONFIG.key()}))
+    assert enqueue_warm(study, spec, [w], study.get_trials(), full=False) == []
+    queued = study.get_trials(states=(TrialState.WAITING,))
+    assert [t.user_attrs["kind"] for t in queued] == ["warm"]
+    assert enqueue_warm(study, spec, [w], study.get_trials(), full=False) == [
+        "warm start p: the study holds its configuration already (queued trial 1)"]
+    assert len(study.get_trials(states=(TrialState.WAITING,))) == 1
 
 
 def _finished(study: optuna.Study) -> list:

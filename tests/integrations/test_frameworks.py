@@ -52,7 +52,8 @@ def test_lightning_strategy_trains_checkpoints_and_resumes(tmp_path: Path) -> No
     assert ckpt["nfabric"]["step"] == STEPS and sorted(ckpt["nfabric"]["ranks"]) == [0, 1]
     # after fit the state is closed, and still reads as it did at the end of training
     after = [json.loads((out / f"rank{r}.after0.json").read_text()) for r in (0, 1)]
-    assert after == [{"closed": True, "fabric_step": STEPS, "bytes": d["bytes"]} for d in docs]
+    assert after == [{"closed": True, "fabric_step": STEPS, "bytes": d["bytes"], "residuals": 0}
+                     for d in docs]
     logged = (out / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
     assert "nfabric/traffic_fraction" in logged and "nfabric/fallbacks" in logged
     resumed = run_example("lightning_train.py", "--out", str(out), "--steps", str(MORE),
