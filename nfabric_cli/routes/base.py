@@ -35,7 +35,7 @@ import torch
 
 from nfabric_cli.errors import InputError
 from nfabric_cli.routes import kernels
-from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
+from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout, silent_per_range
 from nfabric_cli.routes.comm import Comm, sum_in_rank_order
 from nfabric_cli.routes.packing import bits_for_levels, pack_uint, unpack_uint
 from nfabric_cli.routes.plan import CommOp, WireBytes, plan_wire_bytes
@@ -281,6 +281,26 @@ class CodeRoute(Route):
     def local_decode(self, payload: Payload, layout: ChunkLayout) -> torch.Tensor:
         raise NotImplementedError
 
+    def silent_margin(self, world_size: int) -> int | None:
+        """The vote margin |2c - W| of an element that is exactly zero on every rank, for a
+        route whose combine has a vote agreement (sign); None: no agreement."""
+        return None
+
+    def exclude_silent(self, tally: Tally | None, scales: torch.Tensor, layout: ChunkLayout,
+                       world_size: int) -> None:
+        """Leave the elements of chunks whose agreed scale is 0 out of the vote agreement.
+        They decode to exactly 0 whatever the votes say, and are exactly zero on every rank
+        (but for a mean |g| that underflows float32), so each voted the zero vote: under the
+        split vote a tie, which read as a collapse where such chunks were most of a scope (a
+        zero-initialised residual branch, whose every weight has no gradient at step 0, tripped
+        vision's backbone to fp32 for 15 steps). Every path that tallies agreement calls this
+        with the scales it decodes on (`Exchange`, `reduce`, `simulate`), so the simulator and
+        the hook agree bit for bit. No host read."""
+        margin = self.silent_margin(world_size)
+        if tally is None or margin is None:
+            return
+        tally.remove(silent_per_range(layout, scales, tally.ends), margin, world_size)
+
     # -- sizes -------------------------------------------------------------------------------
     def payload_nbytes(self, numel: int) -> int:
         return -(-numel // self.elems_per_byte)
@@ -473,8 +493,9 @@ class CodeRoute(Route):
             codes = self.encode_codes(x, layout, agreed, generator)
         parts = comm.gather(self._pad(codes, self._sizes(n, w)[0]))
         packed = torch.empty(result_nbytes, dtype=torch.uint8, device=x.device)
-        if parts is not None:
+        if parts is not None:  # rank 0 alone tallies the agreement
             packed = self.combine_packed(parts, w, n, stats)
+            self.exclude_silent(Tally.of(stats, n), agreed, layout, w)
         comm.broadcast(packed)
         # decoded into the input's own memory (the contract lets reduce reuse `flat`)
         return self._decode_result(packed, n, w, agreed, layout, out=x)
@@ -515,5 +536,7 @@ class CodeRoute(Route):
             for x, s, g in zip(xs, code_scales, gens, strict=True)
         ]
         values, agree = self.combine(codes, w)
-        self._record_agreement(agree, w, Tally.of(stats, n))
+        tally = Tally.of(stats, n)
+        self._record_agreement(agree, w, tally)
+        self.exclude_silent(tally, agreed, layout, w)
         return self.decode_values(values[:n], agreed, layout, w)

@@ -9,6 +9,7 @@ real hook agree bit for bit.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,3 +98,25 @@ def chunk_layout(segments: tuple[int, ...], chunk: int) -> ChunkLayout:
                 blocks.append(Block(s, n, ln))
         start += length
     return ChunkLayout(numel=start, blocks=tuple(blocks))
+
+
+def silent_per_range(layout: ChunkLayout, scales: torch.Tensor, ends: tuple[int, ...]) -> torch.Tensor:
+    """Per range k of elements [ends[k - 1], ends[k]) (ends[-1] = 0), how many lie in chunks
+    whose scale is exactly 0 (float64, on the scales' device, no host read). Ranges must not
+    split a chunk (a `Tally`'s run parameters whole, and a chunk never spans two)."""
+    lengths, where = _chunk_ranges(layout, ends)
+    silent = (scales == 0).to(torch.float64) * lengths.to(scales.device)
+    out = torch.zeros(len(ends), dtype=torch.float64, device=scales.device)
+    return out.index_add_(0, where.to(scales.device), silent)
+
+
+@functools.lru_cache(maxsize=1024)
+def _chunk_ranges(layout: ChunkLayout, ends: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk's length (0 past `ends[-1]`, which no range counts) and the range it lies in."""
+    lengths, where = [], []
+    for b in layout.blocks:
+        for i in range(b.nchunks):
+            k = bisect.bisect_right(ends, b.start + i * b.length)
+            lengths.append(b.length if k < len(ends) else 0)
+            where.append(min(k, len(ends) - 1))
+    return (torch.tensor(lengths, dtype=torch.float64), torch.tensor(where, dtype=torch.int64))

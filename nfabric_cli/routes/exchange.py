@@ -182,6 +182,10 @@ class Exchange:
             self._mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, tally)
             if s.scale_bytes:
                 self._scales[i] = _agreed(p.route, recv, off + s.codes, s, w)
+            # every rank has every chunk's agreed scale: the whole piece's silent chunks, once
+            whole = Tally.of(p.stats, p.x.numel())
+            p.route.exclude_silent(whole.sub(WHOLE) if whole is not None else None,
+                                   self._scales[i], s.layout, w)
             off, roff = off + s.block, roff + s.result
         self._wire = self._all_gather()
 
@@ -209,6 +213,7 @@ class Exchange:
             stats = tally.sub(WHOLE) if tally is not None else None
             agreed = _agreed(p.route, results, off + s.codes, s, w) if s.scale_bytes else sc
             out = p.route.combine_decode(shards, w, agreed, s.layout, p.x, stats)
+            p.route.exclude_silent(stats, agreed, s.layout, w)
             if out.data_ptr() != p.x.data_ptr():  # the torch path decodes into new memory
                 p.x.copy_(out)
             off += s.block

@@ -98,6 +98,12 @@ class SignRoute(CodeRoute):
             return super().combine_packed(shards, world_size, valid, stats)
         return k.sign_majority(shards, Tally.of(stats, valid))
 
+    def silent_margin(self, world_size: int) -> int:
+        """An element no rank has a gradient for: under "split" half the ranks vote it up (a
+        tie, margin 0) at an even world size, one more or one fewer at an odd one (margin 1);
+        under "negative" all vote it down (margin W)."""
+        return world_size % 2 if self.spec.zeros == "split" else world_size
+
     def native_combine(self, world_size: int) -> tuple[str, torch.Tensor]:
         counts = torch.arange(world_size + 1)
         return "bit", counts if self.spec.mode == "count" else torch.sign(2 * counts - world_size)

@@ -60,6 +60,13 @@ class Tally:
             d["agree_sum"] = d.get("agree_sum", 0.0) + value
             d["agree_n"] = d.get("agree_n", 0.0) + float((end - start) * w)
 
+    def remove(self, counts: torch.Tensor, margin: int, w: int) -> None:
+        """Take `counts[k]` elements of range k out of its scope's sums, each with vote margin
+        `margin` (elements no rank has a gradient for: `CodeRoute.exclude_silent`)."""
+        for k, d in enumerate(self.into):
+            d["agree_sum"] = d.get("agree_sum", 0.0) - margin * counts[k]
+            d["agree_n"] = d.get("agree_n", 0.0) - w * counts[k]
+
     def split(self, agree: torch.Tensor, w: int) -> list[torch.Tensor]:
         """Per range, the sum of |2c - W| from the torch path's per-element agreement."""
         return [torch.round(agree[start:end].double() * w).sum()

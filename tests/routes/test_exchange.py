@@ -101,18 +101,18 @@ def test_one_exchange_equals_each_route_alone(world: int) -> None:
                                       _noise(spec, world, segs, k))
             if "agree_n" in stats:
                 gathered = make_route(spec).gathers_codes(world)
-                for r in results:
-                    # a piece that gathers codes is combined whole on every rank: every rank
-                    # holds the whole count, apart (not to be summed over ranks)
-                    whole = r["stats"][k].get(WHOLE)
-                    assert (whole is not None) == gathered, (world, spec)
+                # every rank holds the same whole part, not to be summed over ranks: the
+                # agreement of a piece combined whole on every rank (it gathers codes), or the
+                # silent chunks left out of a sharded one (none here: 0); a sharded piece's
+                # ranks each count their shard
+                wholes = [r["stats"][k].get(WHOLE, {}) for r in results]
+                for key in ("agree_sum", "agree_n"):
+                    held = {float(w.get(key, 0)) for w in wholes}
+                    assert len(held) == 1, (world, spec, key)
+                    shards = sum(float(r["stats"][k].get(key, 0)) for r in results)
                     if gathered:
-                        assert float(whole["agree_sum"]) == float(stats["agree_sum"])
-                        assert whole["agree_n"] == stats["agree_n"]
-                if not gathered:  # sharded: each rank counts its shard
-                    total = sum(float(r["stats"][k].get("agree_sum", 0)) for r in results)
-                    assert total == float(stats["agree_sum"])
-                    assert sum(r["stats"][k].get("agree_n", 0) for r in results) == stats["agree_n"]
+                        assert shards == 0, (world, spec, key)
+                    assert shards + held.pop() == float(stats[key]), (world, spec, key)
 
 
 # One sign piece over three health scopes (`Tally`): ranges of odd lengths that cross 64-element
