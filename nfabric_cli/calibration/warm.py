@@ -148,9 +148,9 @@ def enqueue_warm(study: optuna.Study, spec: CalibrationSpec, warm: Sequence[Warm
     finished, running or queued trial of the same configuration, any kind (a pruned one
     does not: it stopped short). Nothing is enqueued into a study that holds its budget
     (`full`: it would never train). A note per warm start not enqueued."""
-    answered = (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+    answered = (TrialState.COMPLETE, TrialState.RUNNING) + (() if full else (TrialState.WAITING,))
     held = {t.user_attrs.get("key"): f"{_STATE[t.state]} trial {t.number}"
-            for t in trials if t.state in answered}
+            for t in trials if t.state in answered}  # queued, in a full study: never trains
     notes = []
     for w in warm:
         key = w.config.key()

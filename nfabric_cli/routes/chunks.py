@@ -104,19 +104,22 @@ def silent_per_range(layout: ChunkLayout, scales: torch.Tensor, ends: tuple[int,
     """Per range k of elements [ends[k - 1], ends[k]) (ends[-1] = 0), how many lie in chunks
     whose scale is exactly 0 (float64, on the scales' device, no host read). Ranges must not
     split a chunk (a `Tally`'s run parameters whole, and a chunk never spans two)."""
-    lengths, where = _chunk_ranges(layout, ends)
-    silent = (scales == 0).to(torch.float64) * lengths.to(scales.device)
+    lengths, where = _chunk_ranges(layout, ends, scales.device)
+    silent = (scales == 0).to(torch.float64) * lengths
     out = torch.zeros(len(ends), dtype=torch.float64, device=scales.device)
-    return out.index_add_(0, where.to(scales.device), silent)
+    return out.index_add_(0, where, silent)
 
 
 @functools.lru_cache(maxsize=1024)
-def _chunk_ranges(layout: ChunkLayout, ends: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each chunk's length (0 past `ends[-1]`, which no range counts) and the range it lies in."""
+def _chunk_ranges(layout: ChunkLayout, ends: tuple[int, ...],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each chunk's length (0 past `ends[-1]`, which no range counts) and the range it lies in,
+    kept on `device` (a copy to a GPU per call would synchronise its stream every step)."""
     lengths, where = [], []
     for b in layout.blocks:
         for i in range(b.nchunks):
             k = bisect.bisect_right(ends, b.start + i * b.length)
             lengths.append(b.length if k < len(ends) else 0)
             where.append(min(k, len(ends) - 1))
-    return (torch.tensor(lengths, dtype=torch.float64), torch.tensor(where, dtype=torch.int64))
+    return (torch.tensor(lengths, dtype=torch.float64, device=device),
+            torch.tensor(where, dtype=torch.int64, device=device))

@@ -184,8 +184,8 @@ class Exchange:
                 self._scales[i] = _agreed(p.route, recv, off + s.codes, s, w)
             # every rank has every chunk's agreed scale: the whole piece's silent chunks, once
             whole = Tally.of(p.stats, p.x.numel())
-            p.route.exclude_silent(whole.sub(WHOLE) if whole is not None else None,
-                                   self._scales[i], s.layout, w)
+            if whole is not None and p.route.silent_margin(w) is not None:
+                p.route.exclude_silent(whole.sub(WHOLE), self._scales[i], s.layout, w)
             off, roff = off + s.block, roff + s.result
         self._wire = self._all_gather()
 

@@ -134,6 +134,10 @@ def test_a_pruned_trial_does_not_answer_a_warm_start_and_a_queued_one_does() -> 
     assert enqueue_warm(study, spec, [w], study.get_trials(), full=False) == [
         "warm start p: the study holds its configuration already (queued trial 1)"]
     assert len(study.get_trials(states=(TrialState.WAITING,))) == 1
+    # queued in a study that has since filled its budget: it will never train, and says so
+    assert enqueue_warm(study, spec, [w], study.get_trials(), full=True) == [
+        "warm start p: not trained, the study holds its budget of 4 trials (a larger --trials "
+        "extends it)"]
 
 
 def _finished(study: optuna.Study) -> list:
