@@ -139,6 +139,8 @@ def calibrate_cmd(
 
         return _status(storage, study or default_study_name(cal, wl.name), as_json)
     warm = _warm_starts(cal, warm_starts or [])
+    if not warm:
+        _hint_warm_start(cal, out / wl.name)
     if as_json:
         _, outcome = calibrate(wl, cal, storage, study, out, processes=processes,
                                write=not no_write, warm=warm)
@@ -181,6 +183,24 @@ def _warm_starts(cal: Any, paths: list[Path]) -> list[Any]:
                               highlight=False, soft_wrap=True)
         found.append(w)
     return found
+
+
+def _hint_warm_start(cal: Any, folder: Path) -> None:
+    """Say so when OUT holds a profile of this workload that fits the search: a
+    recalibration can train its routes first. Only a note: nothing changes unless asked."""
+    from nfabric_cli.calibration.warm import warm_start
+    from nfabric_cli.profile.store import read_profile, resolve_profile
+
+    if not folder.is_dir():
+        return
+    try:
+        path = resolve_profile(folder)
+        warm_start(cal, read_profile(path), str(path))
+    except (InputError, OSError):  # none, several newest, unreadable, or unfit: no note
+        return
+    err_console.print(f"note: {path} exists; --warm-start {folder} would train its routes "
+                      "first (docs/calibration.md, 'Warm starts')", highlight=False,
+                      soft_wrap=True)
 
 
 def _unless_none(text: str | None, parse: Any) -> tuple[int, ...] | None:

@@ -182,3 +182,21 @@ def test_cli_bad_warm_start_exits_2_with_one_line(tmp_path: Path, target: str, m
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.output
     assert not (tmp_path / "s.db").exists()  # refused before the study opened
+
+
+def test_cli_notes_a_profile_it_could_warm_start_from(tmp_path: Path) -> None:
+    """A rerun into the same --out is told that the profile there could start it; a run told
+    to start from it, or with nothing there, is not."""
+    first = _cli(tmp_path)
+    assert first.exit_code == 0, first.output
+    assert "--warm-start" not in first.stderr
+    folder = tmp_path / "o" / "tiny"
+    again = CliRunner().invoke(app, ["calibrate", TINY, "--spec", str(tmp_path / "spec.toml"),
+                                     "--storage", f"sqlite:///{tmp_path}/t.db", "--out",
+                                     str(tmp_path / "o")])
+    assert again.exit_code == 0, again.output
+    assert (f"note: {folder / 'tiny.v1.parquet'} exists; --warm-start {folder} would train "
+            "its routes first") in " ".join(again.stderr.split())
+    warm = _cli(tmp_path, "--warm-start", str(folder))
+    assert warm.exit_code == 0, warm.output
+    assert "would train its routes first" not in warm.stderr
