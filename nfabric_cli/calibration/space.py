@@ -17,6 +17,7 @@ from typing import Any
 import optuna
 
 from nfabric_cli.calibration.spec import CalibrationSpec
+from nfabric_cli.calibration.spec_values import Range
 from nfabric_cli.profile.operating import OperatingProfile, route_row
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.profile.target import within_tolerance
@@ -24,6 +25,11 @@ from nfabric_cli.routes.spec import LOWBIT_ROUTES
 
 BOUNDARY_STEP = 0.01
 TAU_STEP = 0.05
+
+
+def grid_step(allowed: Range, step: float) -> float | None:
+    """The step a searched float is sampled on: `step`, or none where its range is narrower."""
+    return step if (allowed.hi - allowed.lo) >= step else None
 
 
 def route_param(region: str, phase: str) -> str:
@@ -110,11 +116,11 @@ def suggest(trial: optuna.trial.BaseTrial, spec: CalibrationSpec) -> Config:
         if b.fixed:
             bounds.append(b.lo)
         else:
-            step = BOUNDARY_STEP if (b.hi - b.lo) >= BOUNDARY_STEP else None
+            step = grid_step(b, BOUNDARY_STEP)
             bounds.append(round(trial.suggest_float(f"boundary.{i}", b.lo, b.hi, step=step), 6))
     tau = spec.tau.lo
     if not spec.tau.fixed:
-        step = TAU_STEP if (spec.tau.hi - spec.tau.lo) >= TAU_STEP else None
+        step = grid_step(spec.tau, TAU_STEP)
         tau = round(trial.suggest_float("tau", spec.tau.lo, spec.tau.hi, step=step), 6)
     ef = spec.error_feedback[0]
     if len(spec.error_feedback) > 1:

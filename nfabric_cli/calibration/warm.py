@@ -26,13 +26,14 @@ from nfabric_cli.calibration.space import (
     TAU_STEP,
     Config,
     config_profile,
-    uniform_config,
+    fp32_config,
+    grid_step,
 )
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.spec_values import Range
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile, ProfileRow
-from nfabric_cli.routes.spec import DEFAULT_TAU, LOWBIT_ROUTES
+from nfabric_cli.routes.spec import LOWBIT_ROUTES
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,11 @@ def warm_start(spec: CalibrationSpec, profile: OperatingProfile, source: str) ->
         routes.append(tuple(per_phase))
     bounds = tuple(_on_grid(p.start, b, BOUNDARY_STEP, f"phase {p.name!r} starts at", refuse)
                    for p, b in zip(phases[1:], spec.boundaries, strict=True))
-    base = uniform_config(spec, {})  # the options of a config that does not use them
-    tau = _one(rows, "tau", {"ternary"}, refuse, default=DEFAULT_TAU)
+    base = fp32_config(spec)  # the options of a config that does not use them
+    tau = _one(rows, "tau", {"ternary"}, refuse)
     ef = _one(rows, "error_feedback", set(LOWBIT_ROUTES), refuse)
-    rounding = _one(rows, "rounding", {"int8", "int4"}, refuse, default="nearest")
-    mode = _one(rows, "mode", {"sign"}, refuse, default="majority")
+    rounding = _one(rows, "rounding", {"int8", "int4"}, refuse)
+    mode = _one(rows, "mode", {"sign"}, refuse)
     for label, value, choices in (("error feedback", ef, spec.error_feedback),
                                   ("rounding", rounding, spec.rounding),
                                   ("sign mode", mode, spec.sign_mode)):
@@ -97,12 +98,11 @@ def warm_start(spec: CalibrationSpec, profile: OperatingProfile, source: str) ->
 Refuse = Callable[[str], InputError]
 
 
-def _one(rows: Sequence[ProfileRow], field: str, routes: set[str], refuse: Refuse,
-         default: Any = None) -> Any:
-    """The one value of option `field` over the rows of `routes` (the search sets one per
-    trial), None when no row takes it; refused where rows disagree."""
-    values = {getattr(r, field) if getattr(r, field) is not None else default
-              for r in rows if r.route in routes}
+def _one(rows: Sequence[ProfileRow], field: str, routes: set[str], refuse: Refuse) -> Any:
+    """The one value of option `field` over the rows of `routes`, as the route takes it (an
+    unset one is its default: `ProfileRow.spec`), for the search sets one per trial; None
+    when no row takes it; refused where rows disagree."""
+    values = {getattr(r.spec(), field) for r in rows if r.route in routes}
     if len(values) > 1:
         raise refuse(f"its rows disagree on {field} ({', '.join(sorted(map(str, values)))}), "
                      "and a trial sets one")
@@ -113,7 +113,7 @@ def _on_grid(value: float, allowed: Range, step: float, what: str, refuse: Refus
     """`value` as the search would sample it: inside `allowed`, on its grid of `step`."""
     if not allowed.lo - 1e-9 <= value <= allowed.hi + 1e-9:
         raise refuse(f"{what} {value:g}, outside the spec's range [{allowed.lo:g}, {allowed.hi:g}]")
-    if allowed.fixed or allowed.hi - allowed.lo < step:
+    if allowed.fixed or grid_step(allowed, step) is None:
         return allowed.lo if allowed.fixed else round(value, 6)
     k = (value - allowed.lo) / step
     if abs(k - round(k)) > 1e-6:

@@ -171,31 +171,32 @@ def calibrate_cmd(
 def _warm_starts(cal: Any, paths: list[Path]) -> list[Any]:
     """Each --warm-start profile as a config of `cal`'s search (InputError where one does not
     fit), with a warning per option the trial trains otherwise than the profile says."""
-    from nfabric_cli.calibration.warm import warm_start
-    from nfabric_cli.profile.store import read_profile, resolve_profile
-
     found = []
     for given in paths:
-        path = resolve_profile(given)  # a directory: its newest profile
-        w = warm_start(cal, read_profile(path), str(path))
+        w = _read_warm_start(cal, given)
         for note in w.notes:
-            err_console.print(f"[yellow]warning[/]: --warm-start {path}: {note}",
+            err_console.print(f"[yellow]warning[/]: --warm-start {w.source}: {note}",
                               highlight=False, soft_wrap=True)
         found.append(w)
     return found
 
 
-def _hint_warm_start(cal: Any, folder: Path) -> None:
-    """Say so when OUT holds a profile of this workload that fits the search: a
-    recalibration can train its routes first. Only a note: nothing changes unless asked."""
+def _read_warm_start(cal: Any, given: Path) -> Any:
+    """A profile file, or a folder's newest, as a `WarmStart` of `cal`'s search."""
     from nfabric_cli.calibration.warm import warm_start
     from nfabric_cli.profile.store import read_profile, resolve_profile
 
+    path = resolve_profile(given)
+    return warm_start(cal, read_profile(path), str(path))
+
+
+def _hint_warm_start(cal: Any, folder: Path) -> None:
+    """Say so when OUT holds a profile of this workload that fits the search: a
+    recalibration can train its routes first. Only a note: nothing changes unless asked."""
     if not folder.is_dir():
         return
     try:
-        path = resolve_profile(folder)
-        warm_start(cal, read_profile(path), str(path))
+        path = _read_warm_start(cal, folder).source
     except (InputError, OSError):  # none, several newest, unreadable, or unfit: no note
         return
     err_console.print(f"note: {path} exists; --warm-start {folder} would train its routes "

@@ -96,8 +96,8 @@ class FabricDDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         # Close this run's state. It stays readable as `.fabric` after `fit` (bytes, events,
-        # routes; not its residuals) until a later fit of the same Trainer attaches its own; a checkpoint loaded
-        # meanwhile is kept for that one (`_live`), and a state kept by
+        # routes; not its residuals) until a later fit of the same Trainer attaches its own;
+        # a checkpoint loaded meanwhile is kept for that one (`_live`), and a state kept by
         # `validate(ckpt_path=...)` must not reach it.
         if self.fabric is not None:
             self.fabric.close()

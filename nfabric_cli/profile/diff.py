@@ -10,10 +10,11 @@ can be ignored too.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from nfabric_cli.profile.operating import PROVENANCE_KEYS, ROW_FIELDS, OperatingProfile
+from nfabric_cli.routes.spec import RouteSpec
 
 EVIDENCE_FIELDS: tuple[str, ...] = ("traffic_fraction", "metric_delta", "trials")
 #: What confirmation measured (`meta.proven`): evidence too. Its seeds, lengths, world size and
@@ -23,7 +24,7 @@ LONG_LIST = 8  # longer lists print as their length in tables (the JSON keeps th
 _COMPARED = tuple(f for f in ROW_FIELDS if f not in ("region", "phase"))
 #: Route options of the same route, compared as it takes them: an unset `tau` and tau = 0.5
 #: (its default) are the same route, not a change for CI to fail on.
-_OPTIONS = ("tau", "chunk", "error_feedback", "reducer", "rounding", "mode", "zeros")
+_OPTIONS = tuple(f.name for f in fields(RouteSpec) if f.name != "name")
 
 
 @dataclass(frozen=True)

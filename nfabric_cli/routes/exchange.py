@@ -177,13 +177,12 @@ class Exchange:
             shards = [recv[r, off : off + s.codes] for r in range(w)]
             shard_elems = s.codes * p.route.elems_per_byte
             valid = max(0, min(shard_elems, p.x.numel() - rank * shard_elems))
-            tally = Tally.of(p.stats, p.x.numel())  # this rank's shard of its ranges
-            tally = tally.window(rank * shard_elems, valid) if tally is not None else None
+            whole = Tally.of(p.stats, p.x.numel())
+            tally = whole.window(rank * shard_elems, valid) if whole is not None else None
             self._mine[roff : roff + s.result] = p.route.combine_packed(shards, w, valid, tally)
             if s.scale_bytes:
                 self._scales[i] = _agreed(p.route, recv, off + s.codes, s, w)
             # every rank has every chunk's agreed scale: the whole piece's silent chunks, once
-            whole = Tally.of(p.stats, p.x.numel())
             if whole is not None and p.route.silent_margin(w) is not None:
                 p.route.exclude_silent(whole.sub(WHOLE), self._scales[i], s.layout, w)
             off, roff = off + s.block, roff + s.result

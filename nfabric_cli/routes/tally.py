@@ -63,9 +63,12 @@ class Tally:
     def remove(self, counts: torch.Tensor, margin: int, w: int) -> None:
         """Take `counts[k]` elements of range k out of its scope's sums, each with vote margin
         `margin` (elements no rank has a gradient for: `CodeRoute.exclude_silent`)."""
+        margins = counts * margin if margin else None  # (the split vote at an even W: 0)
+        elements = counts * w
         for k, d in enumerate(self.into):
-            d["agree_sum"] = d.get("agree_sum", 0.0) - margin * counts[k]
-            d["agree_n"] = d.get("agree_n", 0.0) - w * counts[k]
+            if margins is not None:
+                d["agree_sum"] = d.get("agree_sum", 0.0) - margins[k]
+            d["agree_n"] = d.get("agree_n", 0.0) - elements[k]
 
     def split(self, agree: torch.Tensor, w: int) -> list[torch.Tensor]:
         """Per range, the sum of |2c - W| from the torch path's per-element agreement."""
