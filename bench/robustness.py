@@ -41,9 +41,10 @@ import argparse
 import contextlib
 import json
 import re
+import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -189,12 +190,14 @@ def judge(cell: dict) -> dict:
     return out
 
 
-def show(cell: dict) -> None:
+def show(cell: dict, out: TextIO | None = None) -> None:
+    """Print one cell's arms and verdict (stdout; stderr under --json: progress, not the result)."""
+    out = out or sys.stdout
     a, v = cell["arms"], judge(cell)
     head = f"{cell['workload']:11s} seed {cell['seed']} {cell['steps']:5d} steps W={cell['world_size']}"
     parts = [f"{arm} {x['metric']:.4f} ({x['traffic']:.1%}"
              + (f", {x['trips']} trips" if x["trips"] else "") + ")" for arm, x in a.items()]
-    print(head + " | " + "  ".join(parts), flush=True)
+    print(head + " | " + "  ".join(parts), file=out, flush=True)
     ft = a["fp32"]["false_trip_steps"] / cell["steps"]
     print(f"{'':11s} profile-static {better(cell, a['profile']['metric'], a['static']['metric']):+.4f}"
           f"  profile-fp32 {v['vs_fp32']:+.4f}"
@@ -206,7 +209,7 @@ def show(cell: dict) -> None:
           + ("" if v["within"] else "  OUTSIDE tolerance of fp32")
           + (f"  rescued: {', '.join(v['rescued'])}" if v["rescued"] else "")
           + (f"  NOT rescued: {', '.join(v['not_rescued'])}" if v["not_rescued"] else ""),
-          flush=True)
+          file=out, flush=True)
 
 
 def _beyond(v: dict) -> str:
@@ -284,8 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
                     cell = run_cell(name, seed, base * mult, world, args.noise, faults,
                                     args.profiles)
                     cells.append(cell)
-                    if not args.json:
-                        show(cell)
+                    show(cell, sys.stderr if args.json else sys.stdout)
     total = summary(cells)
     if args.json:
         print(json.dumps({"cells": cells, "summary": total}, indent=2))
