@@ -29,6 +29,8 @@ them, moves a chaotic run that far). It also trains `static` N times from those 
 weights (`static+ulp`...): how far the monitor-less low-bit run lands from itself is the null
 for a profile-static pair (a hold or a trip perturbs *that* trajectory, and low-bit runs may
 be more or less chaotic than fp32's), so a worse pair is counted beyond static's noise too.
+`--json` prints the cells and summary as JSON on stdout, and each cell's lines on stderr as it
+finishes (a matrix runs for tens of minutes).
 
     python -m bench.robustness [--workloads vision,transformer,lm] [--seeds 0,1,2]
                                [--lengths 1,2,4] [--world-sizes 2,4] [--noise [N]]
