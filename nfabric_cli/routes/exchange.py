@@ -183,6 +183,7 @@ class Exchange:
             if s.scale_bytes:
                 self._scales[i] = _agreed(p.route, recv, off + s.codes, s, w)
             # every rank has every chunk's agreed scale: the whole piece's silent chunks, once
+            # (asked first so that a route with none adds no empty WHOLE dict to its scope)
             if whole is not None and p.route.silent_margin(w) is not None:
                 p.route.exclude_silent(whole.sub(WHOLE), self._scales[i], s.layout, w)
             off, roff = off + s.block, roff + s.result
