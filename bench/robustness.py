@@ -34,7 +34,11 @@ finishes (a matrix runs for tens of minutes).
 
     python -m bench.robustness [--workloads vision,transformer,lm] [--seeds 0,1,2]
                                [--lengths 1,2,4] [--world-sizes 2,4] [--noise [N]]
-                               [--faults spike,nan|none] [--profiles DIR] [--json]
+                               [--faults spike,nan|none] [--profiles DIR]
+                               [--health KEY=VALUE ...] [--json]
+
+`--health` sets one of the profiles' health thresholds (`runtime/thresholds.py`) for every
+arm, to measure a rule before a recalibration writes it into the profiles.
 """
 
 from __future__ import annotations
@@ -53,9 +57,11 @@ import torch
 from bench.noise_floor import nudged_builds
 from nfabric_cli.binding import compile_profile, on_route
 from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.store import read_profile, resolve_profile
 from nfabric_cli.runtime.inject import Injection
+from nfabric_cli.runtime.thresholds import HealthThresholds
 from nfabric_cli.validation.run import default_steps
 from nfabric_cli.workloads.base import find_unused
 from nfabric_cli.workloads.registry import get_workload
@@ -103,9 +109,12 @@ def reference_steps(name: str, profiles: Path = PROFILES) -> int:
 
 
 def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
-             faults: tuple[str, ...] = FAULTS, profiles: Path = PROFILES) -> dict:
+             faults: tuple[str, ...] = FAULTS, profiles: Path = PROFILES,
+             health: dict[str, Any] | None = None) -> dict:
     workload = get_workload(name)
     profile = reference_profile(workload, profiles)
+    if health:  # the profile's thresholds, these changed (every arm reads them)
+        profile.meta["health"] = {**profile.meta.get("health", {}), **health}
     target = profile.meta["target"]
     model = workload.build_model(seed)
     unused = find_unused(workload)  # DDP's buckets as the workload trains
@@ -256,6 +265,24 @@ def summary(cells: list[dict]) -> dict:
     }
 
 
+def parse_health(items: list[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """`--health KEY=VALUE` items as thresholds (numbers), checked as a profile's are."""
+    health: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep:
+            parser.error(f"--health {item}: KEY=VALUE")
+        try:
+            health[key.strip()] = int(text) if text.strip().lstrip("-").isdigit() else float(text)
+        except ValueError:
+            parser.error(f"--health {item}: VALUE must be a number")
+    try:
+        HealthThresholds.from_dict(health)
+    except InputError as e:
+        parser.error(f"--health: {e}")
+    return health
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="vision,transformer,lm")
@@ -272,8 +299,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profiles", type=Path, default=PROFILES, metavar="DIR",
                         help="where each workload's profile is, as DIR/<name>/<name>.vN.parquet "
                              "(calibrate --out DIR); default the committed ones")
+    parser.add_argument("--health", action="append", default=[], metavar="KEY=VALUE",
+                        help="set one of the profiles' health thresholds (repeatable)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    health = parse_health(args.health, parser)
     faults = () if args.faults == "none" else tuple(f for f in args.faults.split(",") if f)
     if args.noise < 0:
         parser.error("--noise: a count >= 0")
@@ -287,7 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
             for world in (int(x) for x in args.world_sizes.split(",")):
                 for seed in (int(x) for x in args.seeds.split(",")):
                     cell = run_cell(name, seed, base * mult, world, args.noise, faults,
-                                    args.profiles)
+                                    args.profiles, health)
                     cells.append(cell)
                     show(cell, sys.stderr if args.json else sys.stdout)
     total = summary(cells)

@@ -20,7 +20,9 @@ early loss, so the noise of small-batch losses near zero does not count) trip ``
 steps are guarded in place, as a blow-up is);
 a gradient-norm blow-up (above `grad_blowup` times the median *and* `grad_blowup_floor` times
 the scope's early norm: late in a run, converged, single hard batches jump 10-17x a median
-that has fallen tenfold) is a detection handled in place: the controller's update guard holds
+that has fallen tenfold; where the step's loss rose too, the norm's rise over the loss's must
+pass `grad_blowup`: a batch the model fits badly lifts both, a corrupted gradient the norm
+alone) is a detection handled in place: the controller's update guard holds
 that step's update and the scope keeps its route (`grad_blowup_trips` = 1 makes it trip the
 scope instead); a gradient-norm collapse and a sign-agreement collapse trip the one scope.
 A scope whose gradient is exactly zero on every rank (parameters no rank used this step: an
@@ -318,7 +320,13 @@ class HealthMonitor:
                 # held in place by the guard, unless told to trip or there is no guard
                 trips = t.grad_blowup_trips or t.update_cap <= 0
                 blowup = (_TRIP if trips else _GUARD, f"grad-norm blow-up {ratio:.1f}x median")
-                verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
+                over = self._over_loss(ratio, stats.loss)
+                if over <= t.grad_blowup:  # the batch's loss rose with it: a hard batch
+                    verdicts.append((_UNHEALTHY, ""))
+                else:
+                    if over < ratio:
+                        blowup = (blowup[0], f"{blowup[1]}, {over:.1f}x over the loss's rise")
+                    verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
             elif ratio < t.grad_collapse:
                 loss = self._ratio(stats.loss, self._loss_window)  # None: no loss to judge
                 if loss is not None and 0 <= loss < t.grad_collapse_loss:  # a batch already fit
@@ -339,6 +347,12 @@ class HealthMonitor:
                 verdicts.append((_HEALTHY, ""))
         order = (_TRIP, _GUARD, _UNHEALTHY, _HEALTHY)
         return min(verdicts, key=lambda v: order.index(v[0]), default=(_NONE, ""))
+
+    def _over_loss(self, ratio: float, loss: float | None) -> float:
+        """A norm's rise `ratio` over the step's loss rise, where the loss rose and the
+        thresholds judge blow-ups so (`grad_blowup_per_loss`); else `ratio` itself."""
+        rise = self._ratio(loss, self._loss_window) if self.thresholds.grad_blowup_per_loss else None
+        return ratio / rise if rise is not None and rise > 1 else ratio
 
     def _ratio(self, value: float | None, window: deque[float]) -> float | None:
         """value / median(window), or None when there is too little history or no scale."""

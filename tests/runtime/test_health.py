@@ -418,6 +418,50 @@ def test_by_default_a_blowup_is_guarded_in_place():
         HealthThresholds(grad_blowup_trips=2)
 
 
+def test_a_blowup_whose_loss_rose_with_it_is_a_hard_batch_not_held():
+    """`grad_blowup_per_loss` 1 (the default): a blow-up is judged on the norm's rise over the
+    loss's. A hard batch lifts both (the runs' own blow-ups at 4x: at most 8.7x over the
+    loss's rise); a corrupted gradient, the injected x1e3 spike, the norm alone (128x and
+    more). A loss that fell or is unknown leaves the norm's rise as it is. (Late in a run such
+    losses sit below the loss-spike floor: here a floor of 10x the early loss.)"""
+    late = {"grad_blowup_trips": 0, "loss_spike_floor": 10.0}  # window 5, min_history 3
+    cases = [  # (loss, a's norm) at step 3 after a steady 1.0; the detection it gives
+        (4.0, 30.0, None),  # 30x the norm on 4x the loss: 7.5x over it, a hard batch
+        (2.0, 30.0, "grad-norm blow-up 30.0x median, 15.0x over the loss's rise"),
+        (1.0, 20.0, "grad-norm blow-up 20.0x median"),  # the loss did not rise
+        (0.5, 20.0, "grad-norm blow-up 20.0x median"),  # nor here: no more held than before
+        (None, 20.0, "grad-norm blow-up 20.0x median"),  # no loss observed
+        (3.0, 1000.0, "grad-norm blow-up 1000.0x median, 333.3x over the loss's rise"),
+    ]
+    for loss, norm, why in cases:
+        m = make_monitor(**late)
+        for step in range(3):
+            m.check(StepStats(step, None if loss is None else 1.0, False, {"a": 1.0, "b": 1.0}))
+        m.check(StepStats(3, loss, False, {"a": norm, "b": 1.0}))
+        assert m.detections == ([] if why is None else [(3, "a", why)]), (loss, norm)
+        assert m.events == [] and not m.forced_fp32("a")
+        # judged on the norm alone (0), the same step is held as a blow-up
+        m = make_monitor(**late, grad_blowup_per_loss=0)
+        feed(m, [1, 1, 1])
+        m.check(StepStats(3, loss, False, {"a": norm, "b": 1.0}))
+        assert m.detections == [(3, "a", f"grad-norm blow-up {norm:.1f}x median")]
+    with pytest.raises(InputError, match="grad_blowup_per_loss must be 0 or 1"):
+        HealthThresholds(grad_blowup_per_loss=2)
+
+
+def test_a_profile_keeps_the_blowup_rule_it_was_proven_with():
+    """A calibrated profile stores every threshold; one that predates `grad_blowup_per_loss`
+    judges blow-ups on the norm alone, as when it was proven. No health metadata: defaults."""
+    stored = HealthThresholds().to_dict()
+    del stored["grad_blowup_per_loss"]
+    assert HealthThresholds.from_profile(stored).grad_blowup_per_loss == 0
+    assert HealthThresholds.from_profile(stored) == HealthThresholds(grad_blowup_per_loss=0)
+    assert HealthThresholds.from_profile(HealthThresholds().to_dict()) == HealthThresholds()
+    assert HealthThresholds.from_profile({}) == HealthThresholds.from_profile(None)
+    assert HealthThresholds.from_profile(None) == HealthThresholds()
+    assert HealthThresholds.from_dict({"cooldown": 3}).grad_blowup_per_loss == 1
+
+
 def test_with_the_update_guard_off_a_blowup_trips():
     """`update_cap` 0: nothing would hold a blow-up in place, so it trips the scope."""
     m = make_monitor(grad_blowup_trips=0, update_cap=0.0)
