@@ -75,6 +75,26 @@ def test_a_gradient_blowup_is_held_to_the_healthy_median_on_its_own_step(trips: 
         assert c.guard.state_dict()["windows"]["*"] == healthy + [1.0]
 
 
+def test_a_blowup_on_a_hard_batch_is_not_held_unless_the_profile_predates_the_rule():
+    """The step's loss rose 8x with the norm's 50x (6.25x over it): a hard batch, its update
+    goes through as without the monitor. A profile whose stored thresholds predate
+    `grad_blowup_per_loss` (a calibrated profile stores every threshold) holds it, as the
+    profile did when it was proven."""
+    stored = {**HealthThresholds().to_dict(), **HEALTH, "grad_blowup_trips": 0,
+              "loss_spike_floor": 10.0}  # late in a run: the loss under the spike floor
+    for predated, held in ((False, False), (True, True)):
+        health = {k: v for k, v in stored.items() if not (predated and k == "grad_blowup_per_loss")}
+        c, log = controller()
+        c.bindings.meta["health"] = health
+        c = StepController(c.bindings, 100, 2, log.append)
+        assert c.monitor.thresholds.grad_blowup_per_loss == (0 if predated else 1)
+        for u in [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]:
+            step(c, 1.0, 1.0, u)
+        d = step(c, 8.0, 50.0, 30.0)
+        assert (d.scales != {}) == held, predated
+        assert [e["to"] for e in log] == (["held"] if held else [])
+
+
 def test_a_scope_no_rank_used_is_neither_held_nor_in_the_guards_window():
     """DDP leaves the parameters of a scope no rank used untouched, so there is no update to
     hold, and its norm (a low-bit route's output for zeros) is not a healthy update."""
