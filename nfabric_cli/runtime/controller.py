@@ -92,7 +92,7 @@ class StepController:
         self.total_steps = max(1, int(total_steps))
         self.log = log
         self.scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
-        thresholds = HealthThresholds.from_profile(bindings.meta.get("health"))
+        thresholds = HealthThresholds.from_profile(bindings.meta)
         self.monitor_enabled = monitor
         self.passive = passive
         # phases that are plain DDP (see the module doc): a property of the routes alone, so a

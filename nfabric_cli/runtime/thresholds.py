@@ -130,13 +130,15 @@ class HealthThresholds:
         return cls(**d)
 
     @classmethod
-    def from_profile(cls, d: Mapping[str, Any] | None) -> HealthThresholds:
-        """A profile's stored thresholds. A calibrated profile stores every threshold; one it
-        predates counts at the value that keeps the rule the profile was proven with
-        (`PREDATED`), not at today's default. An empty mapping (a profile with no health
-        metadata) takes the defaults."""
-        d = dict(d or {})
-        if d:
+    def from_profile(cls, meta: Mapping[str, Any]) -> HealthThresholds:
+        """The thresholds of a profile's (or its bindings') metadata. A calibrated profile
+        (provenance source "calibrate") stores every threshold, so one it lacks it predates:
+        that one counts at the value that keeps the rule the profile was proven with
+        (`PREDATED`), not at today's default. Any other health mapping (hand-written, or the
+        spec's few thresholds a calibration trains its trials with) is partial: a threshold it
+        does not name takes its default."""
+        d = dict(meta.get("health") or {})
+        if (meta.get("provenance") or {}).get("source") == "calibrate":
             d = {**{k: v for k, v in PREDATED.items() if k not in d}, **d}
         return cls.from_dict(d)
 

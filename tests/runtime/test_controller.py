@@ -86,6 +86,7 @@ def test_a_blowup_on_a_hard_batch_is_not_held_unless_the_profile_predates_the_ru
         health = {k: v for k, v in stored.items() if not (predated and k == "grad_blowup_per_loss")}
         c, log = controller()
         c.bindings.meta["health"] = health
+        c.bindings.meta["provenance"] = {"source": "calibrate"}  # stores every threshold
         c = StepController(c.bindings, 100, 2, log.append)
         assert c.monitor.thresholds.grad_blowup_per_loss == (0 if predated else 1)
         for u in [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]:

@@ -451,14 +451,21 @@ def test_a_blowup_whose_loss_rose_with_it_is_a_hard_batch_not_held():
 
 def test_a_profile_keeps_the_blowup_rule_it_was_proven_with():
     """A calibrated profile stores every threshold; one that predates `grad_blowup_per_loss`
-    judges blow-ups on the norm alone, as when it was proven. No health metadata: defaults."""
+    judges blow-ups on the norm alone, as when it was proven. A partial mapping that is no
+    calibrated profile's (the spec's raised spike floor a calibration trains its trials with,
+    a hand-written profile) takes the defaults, as does no health metadata."""
     stored = HealthThresholds().to_dict()
     del stored["grad_blowup_per_loss"]
-    assert HealthThresholds.from_profile(stored).grad_blowup_per_loss == 0
-    assert HealthThresholds.from_profile(stored) == HealthThresholds(grad_blowup_per_loss=0)
-    assert HealthThresholds.from_profile(HealthThresholds().to_dict()) == HealthThresholds()
-    assert HealthThresholds.from_profile({}) == HealthThresholds.from_profile(None)
-    assert HealthThresholds.from_profile(None) == HealthThresholds()
+    calibrated = {"source": "calibrate"}
+    old = {"health": stored, "provenance": calibrated}
+    assert HealthThresholds.from_profile(old).grad_blowup_per_loss == 0
+    assert HealthThresholds.from_profile(old) == HealthThresholds(grad_blowup_per_loss=0)
+    new = {"health": HealthThresholds().to_dict(), "provenance": calibrated}
+    assert HealthThresholds.from_profile(new) == HealthThresholds()
+    assert HealthThresholds.from_profile({}) == HealthThresholds()
+    trial = {"world_size": 4, "health": {"loss_spike_floor": 1.0}}  # a calibration's trial
+    assert HealthThresholds.from_profile(trial).grad_blowup_per_loss == 1
+    assert HealthThresholds.from_profile({"health": stored}).grad_blowup_per_loss == 1
     assert HealthThresholds.from_dict({"cooldown": 3}).grad_blowup_per_loss == 1
 
 
