@@ -272,8 +272,8 @@ def parse_health(items: list[str], parser: argparse.ArgumentParser) -> dict[str,
         key, sep, text = item.partition("=")
         if not sep:
             parser.error(f"--health {item}: KEY=VALUE")
-        try:
-            health[key.strip()] = int(text) if text.strip().lstrip("-").isdigit() else float(text)
+        try:  # JSON's numbers: 1 an int, 1.0 or 1e-3 a float (the thresholds check the kind)
+            health[key.strip()] = json.loads(text)
         except ValueError:
             parser.error(f"--health {item}: VALUE must be a number")
     try:

@@ -213,11 +213,13 @@ class HealthMonitor:
         stats = present(stats)
 
         nonfinite_reason = _nonfinite_reason(stats)
+        # the step's loss against its window, once: the spike check and every scope's use it
+        loss_rise = self._ratio(stats.loss, self._loss_window)
         events: list[HealthEvent] = []
         if nonfinite_reason:
             verdict, reason = self._judge_nonfinite(stats.step, nonfinite_reason)
         else:
-            verdict, reason = self._judge_all(stats)
+            verdict, reason = self._judge_all(stats, loss_rise)
         self._detect(stats.step, ALL, verdict, reason)
         if verdict == _GUARD:  # a lone loss spike: every scope's update held, routes kept
             verdict = _UNHEALTHY
@@ -226,7 +228,7 @@ class HealthMonitor:
             if nonfinite_reason:  # not a healthy check for anyone; "all" carries any trip
                 verdict, reason = _UNHEALTHY, ""
             else:
-                verdict, reason = self._judge_scope(scope, stats)
+                verdict, reason = self._judge_scope(scope, stats, loss_rise)
             self._detect(stats.step, scope, verdict, reason)
             if verdict == _GUARD:  # held by the controller's guard; the scope's state stays
                 verdict = _UNHEALTHY
@@ -276,9 +278,8 @@ class HealthMonitor:
                                                    self.thresholds.nonfinite_repeat, reason)
         return (_TRIP, why) if trips else (_UNHEALTHY, "")
 
-    def _judge_all(self, stats: StepStats) -> tuple[str, str]:
+    def _judge_all(self, stats: StepStats, ratio: float | None) -> tuple[str, str]:
         """Loss against its windowed median (a finite step without a loss is healthy)."""
-        ratio = self._ratio(stats.loss, self._loss_window)
         if ratio is None:
             return _HEALTHY, ""
         t = self.thresholds
@@ -307,7 +308,8 @@ class HealthMonitor:
         counted = reason if need == 1 else f"{reason} ({len(steps)} in {window} steps)"
         return steps, len(steps) >= need, counted
 
-    def _judge_scope(self, scope: str, stats: StepStats) -> tuple[str, str]:
+    def _judge_scope(self, scope: str, stats: StepStats,
+                     loss: float | None) -> tuple[str, str]:
         """Grad norm against its windowed median, then sign agreement; worst verdict wins."""
         t = self.thresholds
         verdicts: list[tuple[str, str]] = []
@@ -320,7 +322,7 @@ class HealthMonitor:
                 # held in place by the guard, unless told to trip or there is no guard
                 trips = t.grad_blowup_trips or t.update_cap <= 0
                 blowup = (_TRIP if trips else _GUARD, f"grad-norm blow-up {ratio:.1f}x median")
-                over = self._over_loss(ratio, stats.loss)
+                over = self._over_loss(ratio, loss)
                 if over <= t.grad_blowup:  # the batch's loss rose with it: a hard batch
                     verdicts.append((_UNHEALTHY, ""))
                 else:
@@ -328,7 +330,6 @@ class HealthMonitor:
                         blowup = (blowup[0], f"{blowup[1]}, {over:.1f}x over the loss's rise")
                     verdicts.append(blowup if stats.grad_norms[scope] > floor else (_UNHEALTHY, ""))
             elif ratio < t.grad_collapse:
-                loss = self._ratio(stats.loss, self._loss_window)  # None: no loss to judge
                 if loss is not None and 0 <= loss < t.grad_collapse_loss:  # a batch already fit
                     verdicts.append((_UNHEALTHY, ""))
                 else:
@@ -348,11 +349,11 @@ class HealthMonitor:
         order = (_TRIP, _GUARD, _UNHEALTHY, _HEALTHY)
         return min(verdicts, key=lambda v: order.index(v[0]), default=(_NONE, ""))
 
-    def _over_loss(self, ratio: float, loss: float | None) -> float:
-        """A norm's rise `ratio` over the step's loss rise, where the loss rose and the
+    def _over_loss(self, ratio: float, rise: float | None) -> float:
+        """A norm's rise `ratio` over the step's loss rise `rise`, where the loss rose and the
         thresholds judge blow-ups so (`grad_blowup_per_loss`); else `ratio` itself."""
-        rise = self._ratio(loss, self._loss_window) if self.thresholds.grad_blowup_per_loss else None
-        return ratio / rise if rise is not None and rise > 1 else ratio
+        per_loss = self.thresholds.grad_blowup_per_loss and rise is not None and rise > 1
+        return ratio / rise if per_loss else ratio
 
     def _ratio(self, value: float | None, window: deque[float]) -> float | None:
         """value / median(window), or None when there is too little history or no scale."""
