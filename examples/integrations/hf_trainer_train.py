@@ -55,15 +55,19 @@ class Rows(torch.utils.data.Dataset):
         return {"x": x, "labels": y}
 
 
-class Loaded(TrainerCallback):
-    """Reads the residuals when training begins: after nfabric's callback (first in line)
-    attached and loaded a checkpoint."""
+class Digests(TrainerCallback):
+    """Reads the residuals after nfabric's callback (first in line) acted: when training
+    begins (attached, a checkpoint loaded) and at a checkpoint (saved). After training they
+    are gone: the state closed and freed them."""
 
     def __init__(self, nfabric) -> None:  # noqa: ANN001 - the FabricCallback
-        self.nfabric, self.digest = nfabric, None
+        self.nfabric, self.loaded, self.saved = nfabric, None, None
 
     def on_train_begin(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
-        self.digest = residual_digest(self.nfabric.fabric)
+        self.loaded = residual_digest(self.nfabric.fabric)
+
+    def on_save(self, args, state, control, **kwargs) -> None:  # noqa: ANN001
+        self.saved = residual_digest(self.nfabric.fabric)
 
 
 def main() -> None:
@@ -82,17 +86,17 @@ def main() -> None:
     )
     trainer = Trainer(model=Model(), args=args, train_dataset=Rows())
     nfabric = attach_trainer(trainer, make_profile())      # <- the one line
-    loaded = Loaded(nfabric)
-    trainer.add_callback(loaded)
+    digests = Digests(nfabric)
+    trainer.add_callback(digests)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     fabric, rank = nfabric.fabric, int(os.environ.get("RANK", 0))
     doc = {"rank": rank, "global_step": trainer.state.global_step, "fabric_step": fabric.step,
            "total_steps": fabric.total_steps, "bytes": fabric.bytes_per_route(),
            "events": fabric.events, "logged": [k for k in trainer.state.log_history[-2]
                                                if k.startswith("nfabric/")],
-           "loaded": loaded.digest, "saved": residual_digest(fabric)}
+           "loaded": digests.loaded, "saved": digests.saved, "closed": fabric.closed,
+           "residuals": len(fabric.ef.state_dict()["residual"])}
     (a.out / f"rank{rank}.json").write_text(json.dumps(doc))
-    nfabric.fabric.close()  # join the hook's worker
 
 
 if __name__ == "__main__":

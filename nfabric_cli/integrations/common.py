@@ -113,6 +113,15 @@ def require_one_sync_per_step(accelerator: Any, accumulation: int, framework: st
             "compresses one reduction per optimizer step; drop sync_each_batch")
 
 
+def close_run(fabric: FabricState | None) -> None:
+    """End a framework's run: close the state and free its error-feedback residuals (a
+    parameter's size each, on its device; the framework frees the run's memory here too).
+    The state still reads (bytes, events, routes); a closed state is never checkpointed."""
+    if fabric is not None:
+        fabric.close()
+        fabric.ef.reset()
+
+
 def fabric_metrics(state: FabricState) -> dict[str, float]:
     """Scalars for a framework's logger: bytes so far, traffic vs full precision, fallbacks."""
     summary = state.meter.summary()

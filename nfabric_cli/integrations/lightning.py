@@ -25,7 +25,12 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 
-from nfabric_cli.integrations.common import CHECKPOINT_KEY, AttachOptions, fabric_metrics
+from nfabric_cli.integrations.common import (
+    CHECKPOINT_KEY,
+    AttachOptions,
+    close_run,
+    fabric_metrics,
+)
 from nfabric_cli.runtime.state import FabricState
 
 
@@ -99,11 +104,7 @@ class FabricDDPStrategy(DDPStrategy):
         # routes; not its residuals) until a later fit of the same Trainer attaches its own;
         # a checkpoint loaded meanwhile is kept for that one (`_live`), and a state kept by
         # `validate(ckpt_path=...)` must not reach it.
-        if self.fabric is not None:
-            self.fabric.close()
-            # Lightning frees memory here: so do the residuals (a parameter's size each, on
-            # its device), which no checkpoint of a closed state carries (`_live`)
-            self.fabric.ef.reset()
+        close_run(self.fabric)  # no checkpoint of a closed state carries residuals (`_live`)
         self._resume = None
         super().teardown()
 

@@ -92,6 +92,8 @@ def test_hf_trainer_callback_trains_checkpoints_and_resumes(tmp_path: Path) -> N
     check_clean(first)
     docs = ranks_of(out)
     _check_run(docs, STEPS, STEPS)
+    # train() closed the state and freed its residuals (evaluate/predict hold none)
+    assert [(d["closed"], d["residuals"]) for d in docs] == [(True, 0), (True, 0)]
     assert all(d["global_step"] == STEPS for d in docs)
     assert docs[0]["logged"] == ["nfabric/traffic_fraction", "nfabric/bytes",
                                  "nfabric/fallbacks", "nfabric/skipped_steps"]
