@@ -98,6 +98,21 @@ class SignRoute(CodeRoute):
             return super().combine_packed(shards, world_size, valid, stats)
         return k.sign_majority(shards, Tally.of(stats, valid))
 
+    def combine_decode(
+        self, shards: Sequence[torch.Tensor], world_size: int, scales: torch.Tensor,
+        layout: ChunkLayout, out: torch.Tensor, stats: Sink | None,
+    ) -> torch.Tensor:
+        """Two ranks' majority natively in one pass from their votes to `out` (the W = 2
+        reduce gathers codes): 1.55 against 2.45 ms for 9.4M elements with the agreement
+        tallied (`sign_majority`, then the table decode of its 2-bit result; median of 25,
+        one thread); else as CodeRoute, the same floats (NaN payloads aside)."""
+        k = kernels.native(shards[0])
+        if k is None or world_size != 2 or self.spec.mode != "majority":
+            return super().combine_decode(shards, world_size, scales, layout, out, stats)
+        k.sign_vote2_decode(shards, layout, self.decode_mode(scales, world_size)[0], out,
+                            Tally.of(stats, layout.numel))
+        return out
+
     def silent_margin(self, world_size: int) -> int:
         """An element no rank has a gradient for: under "split" half the ranks vote it up (a
         tie, margin 0) at an even world size, one more or one fewer at an odd one (margin 1);
