@@ -114,12 +114,18 @@ def require_one_sync_per_step(accelerator: Any, accumulation: int, framework: st
 
 
 def close_run(fabric: FabricState | None) -> None:
-    """End a framework's run: close the state and free its error-feedback residuals (a
-    parameter's size each, on its device; the framework frees the run's memory here too).
-    The state still reads (bytes, events, routes); a closed state is never checkpointed."""
+    """End a framework's run, once the framework and its callbacks are done with it: close
+    the state and free its error-feedback residuals (a parameter's size each, on its device).
+    The state still reads (bytes, events, routes); the adapters checkpoint only an open one
+    (`is_open`)."""
     if fabric is not None:
         fabric.close()
         fabric.ef.reset()
+
+
+def is_open(fabric: FabricState | None) -> bool:
+    """Whether an adapter's state is attached and not yet closed (not a finished run's)."""
+    return fabric is not None and not fabric.closed
 
 
 def fabric_metrics(state: FabricState) -> dict[str, float]:

@@ -15,8 +15,9 @@ skips DDP's sync on the other micro-batches, so the hook fires once per optimize
 every checkpoint (`on_save`, on every rank) each rank writes its own state as
 `checkpoint-N/nfabric_state_<rank>.pt`, beside the Trainer's own `rng_state_<rank>.pth` (in the
 trial's `run-<id>` folder under a hyperparameter search); a resumed run's ranks each load theirs.
-`nfabric/*` values join every log line (and `state.log_history`); the state closes at
-`on_train_end` and frees its error-feedback residuals (it still reads: bytes, events, routes).
+`nfabric/*` values join every log line (and `state.log_history`); when `train()` returns (or
+raises), after every callback's `on_train_end`, the state closes and frees its error-feedback
+residuals (it still reads: bytes, events, routes).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from nfabric_cli.integrations.common import (
     AttachOptions,
     close_run,
     fabric_metrics,
+    is_open,
     load_rank_state,
     require_one_sync_per_step,
     save_rank_state,
@@ -44,7 +46,8 @@ _HINT = ("run under torchrun --nproc_per_node N (on CPU with TrainingArguments(u
 
 
 class FabricCallback(TrainerCallback):
-    """Attaches, checkpoints, logs and closes the fabric for one `Trainer` (see the module)."""
+    """Attaches, checkpoints and logs the fabric for one `Trainer`; `attach_trainer`'s `train`
+    wrapper closes it (see the module)."""
 
     def __init__(self, trainer: Trainer, options: AttachOptions) -> None:
         self.trainer = trainer
@@ -62,7 +65,7 @@ class FabricCallback(TrainerCallback):
             load_rank_state(self.fabric, self.resume_from, "the HF Trainer")
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.fabric is not None:  # every rank, into the folder the Trainer just wrote
+        if is_open(self.fabric):  # every rank, into the folder the Trainer just wrote
             save_rank_state(self.fabric, Path(self._run_dir(args)) /
                             f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
@@ -81,9 +84,6 @@ class FabricCallback(TrainerCallback):
         logs.update(values)  # callbacks after this one (reporters, the printer) see them
         if state.log_history:
             state.log_history[-1].update(values)
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        close_run(self.fabric)  # training is over: evaluate/predict keep no residuals
 
 
 def attach_trainer(trainer: Trainer, profile: str | os.PathLike[str] | Any, *,
@@ -104,7 +104,7 @@ def attach_trainer(trainer: Trainer, profile: str | os.PathLike[str] | Any, *,
     @functools.wraps(compute_loss)
     def observed(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         out = compute_loss(model, inputs, *args, **kwargs)
-        if callback.fabric is not None:
+        if is_open(callback.fabric):  # (not evaluate() or predict() after train())
             loss = out[0] if isinstance(out, tuple) else out
             callback.fabric.observe(loss)
         return out
@@ -119,7 +119,10 @@ def attach_trainer(trainer: Trainer, profile: str | os.PathLike[str] | Any, *,
             resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir) or True
         callback.resume_from = resume_from_checkpoint if isinstance(
             resume_from_checkpoint, (str, os.PathLike)) else None
-        return train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # after every callback's on_train_end, which may still read the state
+            close_run(callback.fabric)
 
     trainer.compute_loss = observed  # type: ignore[method-assign]
     trainer.train = train_resumable  # type: ignore[method-assign]

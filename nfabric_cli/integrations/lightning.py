@@ -30,6 +30,7 @@ from nfabric_cli.integrations.common import (
     AttachOptions,
     close_run,
     fabric_metrics,
+    is_open,
 )
 from nfabric_cli.runtime.state import FabricState
 
@@ -110,4 +111,4 @@ class FabricDDPStrategy(DDPStrategy):
 
     def _live(self) -> bool:
         """Whether this fit's state is attached and open (not the last fit's, closed)."""
-        return self.fabric is not None and not self.fabric.closed
+        return is_open(self.fabric)

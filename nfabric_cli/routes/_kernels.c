@@ -1011,6 +1011,20 @@ static inline void add_word_margins(int64_t j, int64_t w, int nplanes, const uin
     c->hi = c->q < nends ? ends[c->q] : 0;
 }
 
+/* The two-rank vote's margins, |2c - 2| summed per range of `ends` into `margin` (nothing
+ * without ranges): 2 per element the two votes agree on, 0 for a tie. */
+static void vote2_margins(const uint8_t *a, const uint8_t *b, int64_t nbytes, const int64_t *ends,
+                          int64_t nends, int64_t *margin) {
+    if (!margin || !nends) return;
+    nf_cursor c = {0, ends[0]};
+    for (int64_t j = 0; j < nbytes / 8; ++j) {
+        uint64_t x, y;
+        memcpy(&x, a + 8 * j, 8);
+        memcpy(&y, b + 8 * j, 8);
+        add_word_margins(j, 2, 0, NULL, x & y, x ^ y, ends, nends, &c, margin);
+    }
+}
+
 /* The sign route's majority vote over W shards of packed votes, bit-sliced: 64 elements at a
  * time, each shard's word is added into a vertical counter (bit b of every element's count in
  * planes[b]), then compared with K = W / 2 on the planes. Result codes as `_pack_result`
@@ -1026,6 +1040,7 @@ void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes,
     const int even = (w % 2) == 0;
     nf_cursor c = {0, nends ? ends[0] : 0};
     if (w == 2) { /* the two-rank vote in a few word ops: both +, a tie (one each), both - */
+        vote2_margins(shards[0], shards[1], nbytes, ends, nends, margin);
         for (int64_t j = 0; j < nbytes / 8; ++j) {
             uint64_t a, b;
             memcpy(&a, shards[0] + 8 * j, 8);
@@ -1035,7 +1050,6 @@ void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes,
             const uint64_t hi = spread32(eq >> 32) | spread32(gt >> 32) << 1;
             memcpy(out + 16 * j, &lo, 8);
             memcpy(out + 16 * j + 8, &hi, 8);
-            add_word_margins(j, w, 0, planes, gt, eq, ends, nends, &c, margin);
         }
         return;
     }
@@ -1069,71 +1083,6 @@ void nf_sign_majority(const uint8_t *const *shards, int64_t w, int64_t nbytes,
             memcpy(out + 8 * j, &gt, 8);
         }
         add_word_margins(j, w, nplanes, planes, gt, eq, ends, nends, &c, margin);
-    }
-}
-
-/* out[i] = t[c], c = bit i of `a` + bit i of `b` in {0, 1, 2}: two ranks' votes counted and
- * looked up in one step (bits packed little-endian within a byte, as select_bits1 reads them). */
-static void select_vote2(const uint8_t *a, const uint8_t *b, int64_t i, int64_t stop,
-                         const float *t, float *out) {
-#define NF_VOTE2(i) (t[((a[(i) >> 3] >> ((i) & 7)) & 1) + ((b[(i) >> 3] >> ((i) & 7)) & 1)])
-    for (; i < stop && (i & 7); ++i) out[i] = NF_VOTE2(i);
-#if defined(__AVX2__)
-    const __m256 vn = _mm256_set1_ps(t[0]), vz = _mm256_set1_ps(t[1]), vp = _mm256_set1_ps(t[2]);
-    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    for (; i + 8 <= stop; i += 8) {
-        const __m256i va = _mm256_and_si256(_mm256_set1_epi32(a[i >> 3]), sel);
-        const __m256i vb = _mm256_and_si256(_mm256_set1_epi32(b[i >> 3]), sel);
-        const __m256 ma = _mm256_castsi256_ps(_mm256_cmpeq_epi32(va, sel));
-        const __m256 mb = _mm256_castsi256_ps(_mm256_cmpeq_epi32(vb, sel));
-        const __m256 one = _mm256_blendv_ps(vn, vz, _mm256_or_ps(ma, mb)); /* c >= 1 */
-        _mm256_storeu_ps(out + i, _mm256_blendv_ps(one, vp, _mm256_and_ps(ma, mb)));
-    }
-#elif defined(__SSE2__)
-    const __m128 vn = _mm_set1_ps(t[0]), vz = _mm_set1_ps(t[1]), vp = _mm_set1_ps(t[2]);
-    const __m128i lo = _mm_setr_epi32(1, 2, 4, 8), hi = _mm_setr_epi32(16, 32, 64, 128);
-    for (; i + 8 <= stop; i += 8) {
-        const __m128i va = _mm_set1_epi32(a[i >> 3]), vb = _mm_set1_epi32(b[i >> 3]);
-        for (int h = 0; h < 2; ++h) {
-            const __m128i m = h ? hi : lo;
-            const __m128 ma = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(va, m), m));
-            const __m128 mb = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(vb, m), m));
-            const __m128 both = _mm_and_ps(ma, mb), either = _mm_or_ps(ma, mb);
-            const __m128 one = _mm_or_ps(_mm_and_ps(either, vz), _mm_andnot_ps(either, vn));
-            _mm_storeu_ps(out + i + 4 * h, _mm_or_ps(_mm_and_ps(both, vp), _mm_andnot_ps(both, one)));
-        }
-    }
-#endif
-    for (; i < stop; ++i) out[i] = NF_VOTE2(i);
-#undef NF_VOTE2
-}
-
-/* The two-rank sign vote decoded in one pass from both ranks' packed votes (the codes W = 2
- * all-gathers): an element's count c in {0, 1, 2} picks {-1 * s, 0 * s, 1 * s} of its chunk's
- * scale s, the bits nf_sign_majority's 2-bit result (0: both down, 1: a tie, 2: both up) then
- * nf_decode_codes (mul 1, lo -1, mode 0) give, without the result. `margin` (may be NULL;
- * `nends` entries) gets the sum of |2c - 2| per range of `ends`, as nf_sign_majority adds it.
- * `nbytes` is a multiple of 8; only the layout's elements are written. */
-void nf_sign_vote2_decode(const uint8_t *a, const uint8_t *b, int64_t nbytes, const int64_t *blocks,
-                          int64_t nblocks, const float *scales, float *out, const int64_t *ends,
-                          int64_t nends, int64_t *margin) {
-    if (margin && nends) {
-        nf_cursor c = {0, ends[0]};
-        for (int64_t j = 0; j < nbytes / 8; ++j) {
-            uint64_t x, y;
-            memcpy(&x, a + 8 * j, 8);
-            memcpy(&y, b + 8 * j, 8);
-            add_word_margins(j, 2, 0, NULL, x & y, x ^ y, ends, nends, &c, margin);
-        }
-    }
-    for (int64_t k = 0; k < nblocks; ++k) {
-        const int64_t start = blocks[3 * k], nch = blocks[3 * k + 1], len = blocks[3 * k + 2];
-        for (int64_t r = 0; r < nch; ++r) {
-            const float s = *scales++;
-            const int64_t at = start + r * len;
-            const float t[3] = {-1.0f * s, 0.0f * s, 1.0f * s};
-            select_vote2(a, b, at, at + len, t, out);
-        }
     }
 }
 
@@ -1253,6 +1202,67 @@ void nf_decode_codes(const void *codes, int bits, int64_t mul, int64_t lo, const
         }
     }
     if (nt) nf_fence();
+}
+
+/* out[i] = t[c], c = bit i of `a` + bit i of `b` in {0, 1, 2}: two ranks' votes counted and
+ * looked up in one step (bits packed little-endian within a byte, as select_bits1 reads them). */
+static void select_vote2(const uint8_t *a, const uint8_t *b, int64_t i, int64_t stop,
+                         const float *t, float *out) {
+#define NF_VOTE2(i) (t[((a[(i) >> 3] >> ((i) & 7)) & 1) + ((b[(i) >> 3] >> ((i) & 7)) & 1)])
+    for (; i < stop && (i & 7); ++i) out[i] = NF_VOTE2(i);
+#if defined(__AVX2__)
+    const __m256 vn = _mm256_set1_ps(t[0]), vz = _mm256_set1_ps(t[1]), vp = _mm256_set1_ps(t[2]);
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (; i + 8 <= stop; i += 8) {
+        const __m256i va = _mm256_and_si256(_mm256_set1_epi32(a[i >> 3]), sel);
+        const __m256i vb = _mm256_and_si256(_mm256_set1_epi32(b[i >> 3]), sel);
+        const __m256 ma = _mm256_castsi256_ps(_mm256_cmpeq_epi32(va, sel));
+        const __m256 mb = _mm256_castsi256_ps(_mm256_cmpeq_epi32(vb, sel));
+        const __m256 one = _mm256_blendv_ps(vn, vz, _mm256_or_ps(ma, mb)); /* c >= 1 */
+        _mm256_storeu_ps(out + i, _mm256_blendv_ps(one, vp, _mm256_and_ps(ma, mb)));
+    }
+#elif defined(__SSE2__)
+    const __m128 vn = _mm_set1_ps(t[0]), vz = _mm_set1_ps(t[1]), vp = _mm_set1_ps(t[2]);
+    const __m128i lo = _mm_setr_epi32(1, 2, 4, 8), hi = _mm_setr_epi32(16, 32, 64, 128);
+    for (; i + 8 <= stop; i += 8) {
+        const __m128i va = _mm_set1_epi32(a[i >> 3]), vb = _mm_set1_epi32(b[i >> 3]);
+        for (int h = 0; h < 2; ++h) {
+            const __m128i m = h ? hi : lo;
+            const __m128 ma = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(va, m), m));
+            const __m128 mb = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(vb, m), m));
+            const __m128 both = _mm_and_ps(ma, mb), either = _mm_or_ps(ma, mb);
+            const __m128 one = _mm_or_ps(_mm_and_ps(either, vz), _mm_andnot_ps(either, vn));
+            _mm_storeu_ps(out + i + 4 * h, _mm_or_ps(_mm_and_ps(both, vp), _mm_andnot_ps(both, one)));
+        }
+    }
+#endif
+    for (; i < stop; ++i) out[i] = NF_VOTE2(i);
+#undef NF_VOTE2
+}
+
+/* The two-rank sign vote decoded in one pass from both ranks' packed votes (the codes W = 2
+ * all-gathers): an element's count c in {0, 1, 2} is the code of nf_sign_majority's 2-bit
+ * result (0: both down, 1: a tie, 2: both up), and out = t[c] with nf_decode_codes' table for
+ * it (mode 0: (float)(mul * c + lo) * s, its chunk's scale s), without the result: the same
+ * floats, NaN payloads included (the table is computed from arguments, as there, so no
+ * product folds to a negation). `margin` (may be NULL; `nends` entries) gets the sum of
+ * |2c - 2| per range of `ends`, as nf_sign_majority adds it. `nbytes` is a multiple of 8;
+ * only the layout's elements are written. */
+void nf_sign_vote2_decode(const uint8_t *a, const uint8_t *b, int64_t nbytes, int64_t mul,
+                          int64_t lo, const int64_t *blocks, int64_t nblocks, const float *scales,
+                          float *out, const int64_t *ends, int64_t nends, int64_t *margin) {
+    float lut[3];
+    for (int k = 0; k < 3; ++k) lut[k] = (float)code_value((uint64_t)k, mul, lo);
+    vote2_margins(a, b, nbytes, ends, nends, margin);
+    for (int64_t k = 0; k < nblocks; ++k) {
+        const int64_t start = blocks[3 * k], nch = blocks[3 * k + 1], len = blocks[3 * k + 2];
+        for (int64_t r = 0; r < nch; ++r) {
+            const float s = *scales++;
+            const int64_t at = start + r * len;
+            const float t[3] = {lut[0] * s, lut[1] * s, lut[2] * s};
+            select_vote2(a, b, at, at + len, t, out);
+        }
+    }
 }
 
 /* Combine and decode in one pass, for a reduce whose every rank combines every element (the

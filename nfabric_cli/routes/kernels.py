@@ -55,7 +55,7 @@ _SIGNATURES: dict[str, list] = {
     "nf_sum_codes": [_P, _I, _I, ctypes.c_int, _I, _P],
     "nf_sign_combine": [_P, _I, _I, ctypes.c_int, _P, _P],
     "nf_sign_majority": [_P, _I, _I, _P, _I, _P, _P],
-    "nf_sign_vote2_decode": [_P, _P, _I, _P, _I, _P, _P, _P, _I, _P],
+    "nf_sign_vote2_decode": [_P, _P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _P],
     "nf_combine_pack": [_P, _I, _I, ctypes.c_int, _I, _P, ctypes.c_int, _P, _I, _P, _P],
     "nf_decode_values": [_P, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
@@ -127,6 +127,12 @@ def _need(t: torch.Tensor, nbytes: int, what: str) -> torch.Tensor:
     if t.numel() * t.element_size() < nbytes:
         raise ValueError(f"{what}: {t.numel() * t.element_size()} bytes, need {nbytes}")
     return t
+
+
+def _check_out(out: torch.Tensor, layout: ChunkLayout) -> None:
+    """A decode's destination: contiguous float32, one element per element of the layout."""
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
+        raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
 
 
 HUGE_MIN_BYTES = 4 << 20
@@ -354,11 +360,11 @@ class Kernels:
         return out
 
     def sign_vote2_decode(self, shards: Sequence[torch.Tensor], layout: ChunkLayout,
-                          scales: torch.Tensor, out: torch.Tensor,
-                          tally: Tally | None = None) -> None:
+                          scales: torch.Tensor, out: torch.Tensor, tally: Tally | None = None,
+                          mul: int = 1, lo: int = -1) -> None:
         """Two ranks' packed sign votes decoded into `out` (float32, `layout.numel`): the bits
-        of `sign_majority` then `decode_codes` of its 2-bit result, in one pass without it,
-        the sum of |2c - 2| per range of `tally` added to it."""
+        of `sign_majority` then `decode_codes(mul, lo, mode 0)` of its 2-bit result, in one
+        pass without it, the sum of |2c - 2| per range of `tally` added to it."""
         if len(shards) != 2:
             raise ValueError(f"the two-rank vote takes 2 shards, got {len(shards)}")
         _, nbytes = self._shard_ptrs(shards)
@@ -366,10 +372,9 @@ class Kernels:
             raise ValueError(f"shards of {nbytes} bytes: need a multiple of 8 holding "
                              f"{layout.numel} votes")
         scales = _need(scales.float(), 4 * layout.nchunks, "scales")
-        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
-            raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
+        _check_out(out, layout)
         m = _Margins(tally, 8 * nbytes)
-        self.lib.nf_sign_vote2_decode(shards[0].data_ptr(), shards[1].data_ptr(), nbytes,
+        self.lib.nf_sign_vote2_decode(shards[0].data_ptr(), shards[1].data_ptr(), nbytes, mul, lo,
                                       _blocks(layout).data_ptr(), len(layout.blocks),
                                       scales.data_ptr(), out.data_ptr(), m.ends, m.n, m.sums)
         m.add(2)
@@ -405,8 +410,8 @@ class Kernels:
         scales = _need(scales.float(), 4 * layout.nchunks, "scales")
         if out is None:
             out = self.empty(layout.numel)
-        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
-            raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
+        else:
+            _check_out(out, layout)
         self.lib.nf_decode_codes(packed.data_ptr(), bits, mul, lo, _blocks(layout).data_ptr(),
                                  len(layout.blocks), scales.data_ptr(), mode, d, out.data_ptr())
         return out
@@ -431,8 +436,7 @@ class Kernels:
             if values.numel() < len(shards) + 1:
                 raise ValueError("values must have one entry per count 0..W")
         scales = _need(scales.float(), 4 * layout.nchunks, "scales")
-        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
-            raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
+        _check_out(out, layout)
         m = _Margins(tally, layout.numel)
         self.lib.nf_combine_decode(ptrs, len(shards), nbytes, code, offset, _ptr(values),
                                    _blocks(layout).data_ptr(), len(layout.blocks),
@@ -453,8 +457,7 @@ class Kernels:
         if nbytes * per < layout.numel:
             raise ValueError(f"{nbytes * per} codes for a layout of {layout.numel}")
         scales = _need(scales.float(), 4 * len(shards) * layout.nchunks, "scales")
-        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
-            raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
+        _check_out(out, layout)
         self.lib.nf_combine_decode_local(ptrs, len(shards), nbytes, code, offset, inv,
                                          _blocks(layout).data_ptr(), len(layout.blocks),
                                          layout.nchunks, scales.data_ptr(), layout.numel,

@@ -272,21 +272,24 @@ def test_combine_packed_matches_torch(isa: str, spec: RouteSpec, monkeypatch: py
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("spec", [RouteSpec("sign"), RouteSpec("sign", mode="count", chunk=100),
+@pytest.mark.parametrize("spec", [RouteSpec("sign"), RouteSpec("sign", chunk=1),
+                                  RouteSpec("sign", chunk=12),
+                                  RouteSpec("sign", mode="count", chunk=100),
                                   RouteSpec("int8", chunk=300), RouteSpec("int4"),
                                   RouteSpec("ternary", chunk=777)],
-                         ids=lambda s: f"{s.name}-{s.mode}")
+                         ids=lambda s: f"{s.name}-{s.mode}-{s.chunk}")
 def test_combine_decode_is_combine_then_decode(isa: str, spec: RouteSpec,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Gathered codes combined and decoded in one pass give the floats that the packed
     combine and its decode give (the torch path), and the same agreement, whatever the
-    segments (chunks ending mid-tile, odd tails)."""
+    segments (chunks ending mid-tile, odd tails) and chunk scales (zero, inf, NaN). Sign's
+    majority at two ranks takes its own pass from the two vote arrays (`sign_vote2_decode`)."""
     route = make_route(spec)
     segments = (5, 9000, 1, 7001, 2)
     n = sum(segments)
     layout = chunk_layout(segments, route.spec.effective_chunk)
     for world in (2, 3, 4):
-        grads = _grads(n, world, world)
+        grads = _grads(n, world, world, special=True)
         payloads = [route.encode(g, segments) for g in grads]
         codes = [route._pad(p.codes, route._sizes(n, 1)[0]) for p in payloads]
         scales = sum(p.scales for p in payloads) / world
@@ -362,8 +365,8 @@ def test_layout_mismatch_is_refused() -> None:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_vote_margins_per_element_range(isa: str) -> None:
-    """The three kernels that sum the sign vote's margins (the bit-sliced majority, the packed
-    combine, the fused combine-decode) sum them per element range: each range's sum is the
+    """The kernels that sum the sign vote's margins (the bit-sliced majority, the packed
+    combine, the fused combine-decode, the two-rank vote-decode) sum them per element range: each range's sum is the
     per-element |2c - W| of the torch vote summed over that range, for ranges that start and
     end inside 64-element words and tiles, empty ones, and elements past the last range
     (padding) left out."""
@@ -400,5 +403,9 @@ def test_vote_margins_per_element_range(isa: str) -> None:
         k.combine_decode(shards, "bit", layout, s, mode, d, torch.empty(8 * nbytes),
                          values=value, tally=(t := tally()))
         assert sums(t) == want, world
+        if world == 2:
+            k.sign_vote2_decode(shards, layout, scales, torch.empty(8 * nbytes),
+                                tally=(t := tally()))
+            assert sums(t) == want
         with pytest.raises(ValueError, match="past"):
             k.sign_majority(shards, Tally((8 * nbytes + 1,), ({},)))
