@@ -12,6 +12,8 @@ path of every route runs where its tensors live (a test checks both give the sam
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -82,14 +84,25 @@ def torch_pack_trits(digits: torch.Tensor) -> torch.Tensor:
     pad = (-d.numel()) % 5
     if pad:
         d = torch.cat([d, d.new_ones(pad)])  # pad with digit 1 (= zero)
-    weights = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=d.device)
+    weights = _trit_weights(d.device)
     return (d.reshape(-1, 5) * weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
 def torch_unpack_trits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """`unpack_trits` in torch ops, on `packed`'s device: the same digits."""
-    table = torch.from_numpy(_TRIT_TABLE).to(packed.device)
+    table = _trit_table(packed.device)
     return table[packed.reshape(-1).long()].reshape(-1)[:numel].contiguous()
+
+
+# Kept per device: a host-to-GPU copy on every pack would wait for the GPU each time.
+@functools.lru_cache(maxsize=8)
+def _trit_weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=8)
+def _trit_table(device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(_TRIT_TABLE).to(device)
 
 
 def pack_bool(mask: torch.Tensor) -> torch.Tensor:

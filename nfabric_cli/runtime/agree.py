@@ -159,13 +159,15 @@ def _pack(scopes: list[str], norms: Sequence[Named], loss: torch.Tensor | float 
     if loss is None:  # no loss observed: counted as none (0 ranks), and finite
         loss_sum = torch.zeros(1, **f64)
     else:
-        loss_sum = torch.as_tensor(loss).detach().to(**f64).reshape(1)
+        loss_sum = (loss.detach().to(**f64).reshape(1) if isinstance(loss, torch.Tensor)
+                    else to_device(torch.tensor([float(loss)], dtype=torch.float64), device))
         finite = torch.isfinite(loss_sum[0])
         ok = finite if ok is None else ok & finite
         loss_sum = loss_sum.nan_to_num(0.0, 0.0, 0.0)
     flag = torch.zeros(1, **f64) if ok is None else (~ok).to(**f64).reshape(1)
     sums = _f64_vector([acc.get(f"{k}:{s}", 0.0) for k in _SUMS for s in scopes], device)
-    host = torch.tensor([float(loss is not None), *bucket_seconds], **f64)
+    host = to_device(torch.tensor([float(loss is not None), *bucket_seconds],
+                                  dtype=torch.float64), device)
     return torch.cat([flag, loss_sum, norm2, sums, host])
 
 
@@ -203,9 +205,20 @@ def _scope_index(scopes: tuple[str, ...], owners: tuple[str, ...],
 
 
 def _f64_vector(values: Sequence[torch.Tensor | float], device: torch.device) -> torch.Tensor:
-    """Numbers as one float64 vector on `device`: in one call when they are host numbers (the
-    native kernels' sums), else element by element (the torch path's unread tensors)."""
+    """Numbers as one float64 vector on `device`: in one copy when they are host numbers (the
+    native kernels' sums), else element by element (the torch path's unread tensors, host
+    numbers filled in on the device: no copy that would wait for a GPU)."""
     f64 = {"dtype": torch.float64, "device": device}
     if all(isinstance(v, (int, float)) for v in values):
-        return torch.tensor(values, **f64)
-    return torch.stack([torch.as_tensor(v, **f64).reshape(()) for v in values])
+        return to_device(torch.tensor(values, dtype=torch.float64), device)
+    return torch.stack([v.to(**f64).reshape(()) if isinstance(v, torch.Tensor)
+                        else torch.full((), float(v), **f64) for v in values])
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`. To a GPU through pinned memory, without waiting: a
+    plain copy from pageable memory would wait for the GPU's queued work, once per call, and
+    the step makes one host read only (`host_read`)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -35,7 +35,7 @@ from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
-from nfabric_cli.runtime.agree import StatsRound
+from nfabric_cli.runtime.agree import StatsRound, to_device
 from nfabric_cli.runtime.bucket import BucketJob
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
@@ -318,7 +318,7 @@ class FabricState:
         if self._plain_direct() or self._direct_step:
             return self._fp32_direct(buffer, is_last)
         names = [self._names[id(p)] for p in params]
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(buffer)
         args = (buffer, names, [p.numel() for p in params], is_last, fut)
         if is_last:
             self._reduce_last(args)
@@ -402,7 +402,7 @@ class FabricState:
     def _probe_round(self, times: tuple[float, float]) -> tuple[float, float]:
         """The ranks' mean of (low-bit, fp32) times: one small blocking all-reduce, the same
         on every rank at the same step."""
-        agreed = torch.tensor(times, dtype=torch.float64, device=self.device)
+        agreed = to_device(torch.tensor(times, dtype=torch.float64), self.device)
         dist.all_reduce(agreed, group=self.comm.group)
         low, full = (agreed / self.world_size).tolist()
         return low, full
@@ -434,7 +434,7 @@ class FabricState:
             self._advance(step)
         if not guarded:
             return work.get_future().then(lambda f: f.value()[0])
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = _future(buffer)
         self._direct_pending.append((work.get_future(), buffer, fut))
         if is_last:
             pending, self._direct_pending = self._direct_pending, []
@@ -649,3 +649,11 @@ class FabricState:
         self.events.append(event)
 
 
+def _future(buffer: torch.Tensor) -> torch.futures.Future:
+    """The future a bucket's reduce completes for DDP: on a GPU one that records the CUDA
+    streams its value was written on when set, so DDP's wait orders its copy into `.grad`
+    after that work (zeroing a non-finite step included), as the futures of its own
+    collectives do."""
+    if buffer.device.type == "cuda":
+        return torch.futures.Future(devices=[buffer.device])
+    return torch.futures.Future()

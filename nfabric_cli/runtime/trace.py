@@ -83,7 +83,7 @@ class TraceRecorder:
             name = f"payloads/rank{self.rank}-step{step}-bucket{bucket}-g{group}-{spec.name}.npy"
             with atomic_path(self.dir / name) as tmp:
                 with open(tmp, "wb") as fh:
-                    np.save(fh, local.detach().float().numpy())
+                    np.save(fh, local.detach().float().cpu().numpy())
             self.payload_budget -= local.numel() * 4
             payload = name
         self.rows.append(
