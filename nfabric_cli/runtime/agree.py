@@ -219,6 +219,6 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on `device`. To a GPU through pinned memory, without waiting: a
     plain copy from pageable memory would wait for the GPU's queued work, once per call, and
     the step makes one host read only (`host_read`)."""
-    if device.type == "cpu":
-        return host
+    if device.type != "cuda":
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

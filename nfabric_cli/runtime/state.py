@@ -451,7 +451,9 @@ class FabricState:
         monitor runs on these steps (the gate chose plain DDP for them)."""
         try:
             for w in done.value():
-                w.value()  # a failed all-reduce raises here
+                # raises for a failed all-reduce; on a GPU also makes this thread's stream
+                # wait for it (`value()` would not), before the read and the zeroing below
+                w.wait()
             bufs = [b for _, b, _ in pending]
             if self.controller.neutralise(step, all_finite(bufs)).skip:
                 self._neutralise(bufs)
