@@ -1017,10 +1017,11 @@ static void vote2_margins(const uint8_t *a, const uint8_t *b, int64_t nbytes, co
                           int64_t nends, int64_t *margin) {
     if (!margin || !nends) return;
     nf_cursor c = {0, ends[0]};
-    for (int64_t j = 0; j < nbytes / 8; ++j) {
-        uint64_t x, y;
-        memcpy(&x, a + 8 * j, 8);
-        memcpy(&y, b + 8 * j, 8);
+    for (int64_t j = 0; 8 * j < nbytes; ++j) { /* a short last word: its bytes, zeros after */
+        const int64_t m = nbytes - 8 * j < 8 ? nbytes - 8 * j : 8;
+        uint64_t x = 0, y = 0;
+        memcpy(&x, a + 8 * j, (size_t)m);
+        memcpy(&y, b + 8 * j, (size_t)m);
         add_word_margins(j, 2, 0, NULL, x & y, x ^ y, ends, nends, &c, margin);
     }
 }
@@ -1240,26 +1241,21 @@ static void select_vote2(const uint8_t *a, const uint8_t *b, int64_t i, int64_t 
 #undef NF_VOTE2
 }
 
-/* The two-rank sign vote decoded in one pass from both ranks' packed votes (the codes W = 2
- * all-gathers): an element's count c in {0, 1, 2} is the code of nf_sign_majority's 2-bit
- * result (0: both down, 1: a tie, 2: both up), and out = t[c] with nf_decode_codes' table for
- * it (mode 0: (float)(mul * c + lo) * s, its chunk's scale s), without the result: the same
- * floats, NaN payloads included (the table is computed from arguments, as there, so no
- * product folds to a negation). `margin` (may be NULL; `nends` entries) gets the sum of
- * |2c - 2| per range of `ends`, as nf_sign_majority adds it. `nbytes` is a multiple of 8;
- * only the layout's elements are written. */
-void nf_sign_vote2_decode(const uint8_t *a, const uint8_t *b, int64_t nbytes, int64_t mul,
-                          int64_t lo, const int64_t *blocks, int64_t nblocks, const float *scales,
-                          float *out, const int64_t *ends, int64_t nends, int64_t *margin) {
-    float lut[3];
-    for (int k = 0; k < 3; ++k) lut[k] = (float)code_value((uint64_t)k, mul, lo);
+/* nf_combine_decode of two ranks' bits with a table of values (the sign vote at W = 2): the
+ * count c = a + b picks its chunk's pre_scale(values[c]) * s directly, the same float ops as
+ * the tiled path, in one pass from the two vote arrays (1.55 against 2.45 ms for 9.4M elements,
+ * agreement tallied, one thread, against the packed majority then its table decode). */
+static void vote2_decode(const uint8_t *a, const uint8_t *b, int64_t nbytes, const int64_t *values,
+                         const int64_t *blocks, int64_t nblocks, const float *scales, int mode,
+                         float d, float *out, const int64_t *ends, int64_t nends, int64_t *margin) {
     vote2_margins(a, b, nbytes, ends, nends, margin);
     for (int64_t k = 0; k < nblocks; ++k) {
         const int64_t start = blocks[3 * k], nch = blocks[3 * k + 1], len = blocks[3 * k + 2];
         for (int64_t r = 0; r < nch; ++r) {
             const float s = *scales++;
             const int64_t at = start + r * len;
-            const float t[3] = {lut[0] * s, lut[1] * s, lut[2] * s};
+            float t[3];
+            for (int c = 0; c < 3; ++c) t[c] = pre_scale((float)values[c], mode, d) * s;
             select_vote2(a, b, at, at + len, t, out);
         }
     }
@@ -1277,6 +1273,11 @@ void nf_combine_decode(const uint8_t *const *shards, int64_t w, int64_t nbytes, 
                        int64_t offset, const int64_t *values, const int64_t *blocks,
                        int64_t nblocks, const float *scales, int mode, float d, int64_t numel,
                        float *out, const int64_t *ends, int64_t nends, int64_t *margin) {
+    if (kind == NF_SUM_BIT && w == 2 && values) {
+        vote2_decode(shards[0], shards[1], nbytes, values, blocks, nblocks, scales, mode, d, out,
+                     ends, nends, margin);
+        return;
+    }
     int32_t acc[NF_SUM_TILE * 8];
     float v[NF_SUM_TILE * 8];
     const int per = elems_per_byte(kind);

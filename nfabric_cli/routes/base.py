@@ -219,7 +219,6 @@ class CodeRoute(Route):
     elems_per_byte = 1  # payload packing density
     pad_byte = 0  # a byte that encodes "zero" codes, used to pad payloads to whole shards
     scale_agreement = "max"  # "max" (exact all-reduce MAX) or "mean" (rank-ordered mean)
-    fused_decode = True  # `combine_decode` in one native pass (else combine, then decode)
 
     # -- subclass hooks ---------------------------------------------------------------------
     def agreement(self, world_size: int) -> str:
@@ -419,7 +418,7 @@ class CodeRoute(Route):
         bit, natively in one pass without the packed result (a reduce that gathered codes
         needs no result to send)."""
         k = kernels.native(shards[0])
-        how = self.native_combine(world_size) if k is not None and self.fused_decode else None
+        how = self.native_combine(world_size) if k is not None else None
         n = layout.numel
         if how is None:
             packed = self.combine_packed(shards, world_size, n, stats)

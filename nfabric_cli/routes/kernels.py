@@ -55,7 +55,6 @@ _SIGNATURES: dict[str, list] = {
     "nf_sum_codes": [_P, _I, _I, ctypes.c_int, _I, _P],
     "nf_sign_combine": [_P, _I, _I, ctypes.c_int, _P, _P],
     "nf_sign_majority": [_P, _I, _I, _P, _I, _P, _P],
-    "nf_sign_vote2_decode": [_P, _P, _I, _I, _I, _P, _I, _P, _P, _P, _I, _P],
     "nf_combine_pack": [_P, _I, _I, ctypes.c_int, _I, _P, ctypes.c_int, _P, _I, _P, _P],
     "nf_decode_values": [_P, _P, _I, _P, ctypes.c_int, _F, _P],
     "nf_decode_codes": [_P, ctypes.c_int, _I, _I, _P, _I, _P, ctypes.c_int, _F, _P],
@@ -358,26 +357,6 @@ class Kernels:
         self.lib.nf_sign_majority(ptrs, len(shards), nbytes, m.ends, m.n, out.data_ptr(), m.sums)
         m.add(len(shards))
         return out
-
-    def sign_vote2_decode(self, shards: Sequence[torch.Tensor], layout: ChunkLayout,
-                          scales: torch.Tensor, out: torch.Tensor, tally: Tally | None = None,
-                          mul: int = 1, lo: int = -1) -> None:
-        """Two ranks' packed sign votes decoded into `out` (float32, `layout.numel`): the bits
-        of `sign_majority` then `decode_codes(mul, lo, mode 0)` of its 2-bit result, in one
-        pass without it, the sum of |2c - 2| per range of `tally` added to it."""
-        if len(shards) != 2:
-            raise ValueError(f"the two-rank vote takes 2 shards, got {len(shards)}")
-        _, nbytes = self._shard_ptrs(shards)
-        if nbytes % 8 or nbytes * 8 < layout.numel:
-            raise ValueError(f"shards of {nbytes} bytes: need a multiple of 8 holding "
-                             f"{layout.numel} votes")
-        scales = _need(scales.float(), 4 * layout.nchunks, "scales")
-        _check_out(out, layout)
-        m = _Margins(tally, 8 * nbytes)
-        self.lib.nf_sign_vote2_decode(shards[0].data_ptr(), shards[1].data_ptr(), nbytes, mul, lo,
-                                      _blocks(layout).data_ptr(), len(layout.blocks),
-                                      scales.data_ptr(), out.data_ptr(), m.ends, m.n, m.sums)
-        m.add(2)
 
     def decode_values(
         self, values: torch.Tensor, layout: ChunkLayout, scales: torch.Tensor, mode: int, d: float = 1.0

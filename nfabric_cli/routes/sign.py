@@ -38,11 +38,6 @@ class SignRoute(CodeRoute):
     elems_per_byte = 8
     scale_agreement = "mean"
     max_world_size = 255  # counts are combined in uint8 range
-    # sign gathers codes at W = 2 only: there its majority has a pass of its own
-    # (`combine_decode`), and `count` the packed combine then the table decode, which beat
-    # the generic fused pass for the majority (6.1 against 12.2 ms for 9.4M elements, best of
-    # 15, one thread)
-    fused_decode = False
 
     def local_scales(self, x: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
         k = kernels.native(x)
@@ -99,21 +94,6 @@ class SignRoute(CodeRoute):
         if k is None or self.spec.mode != "majority":
             return super().combine_packed(shards, world_size, valid, stats)
         return k.sign_majority(shards, Tally.of(stats, valid))
-
-    def combine_decode(
-        self, shards: Sequence[torch.Tensor], world_size: int, scales: torch.Tensor,
-        layout: ChunkLayout, out: torch.Tensor, stats: Sink | None,
-    ) -> torch.Tensor:
-        """Two ranks' majority natively in one pass from their votes to `out` (the W = 2
-        reduce gathers codes): 1.55 against 2.45 ms for 9.4M elements with the agreement
-        tallied (`sign_majority`, then the table decode of its 2-bit result; median of 25,
-        one thread); else as CodeRoute, the same floats. `out` must not overlap the shards."""
-        k = kernels.native(shards[0])
-        if k is None or world_size != 2 or self.spec.mode != "majority":
-            return super().combine_decode(shards, world_size, scales, layout, out, stats)
-        k.sign_vote2_decode(shards, layout, self.decode_mode(scales, world_size)[0], out,
-                            Tally.of(stats, layout.numel), *self.result_map(world_size))
-        return out
 
     def silent_margin(self, world_size: int) -> int:
         """An element no rank has a gradient for: under "split" half the ranks vote it up (a

@@ -282,8 +282,8 @@ def test_combine_decode_is_combine_then_decode(isa: str, spec: RouteSpec,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Gathered codes combined and decoded in one pass give the floats that the packed
     combine and its decode give (the torch path), and the same agreement, whatever the
-    segments (chunks ending mid-tile, odd tails) and chunk scales (zero, inf, NaN). Sign's
-    majority at two ranks takes its own pass from the two vote arrays (`sign_vote2_decode`)."""
+    segments (chunks ending mid-tile, odd tails) and chunk scales (zero, inf, NaN). Two ranks'
+    sign votes take a pass of their own in the kernel (count and table lookup in one step)."""
     route = make_route(spec)
     segments = (5, 9000, 1, 7001, 2)
     n = sum(segments)
@@ -366,7 +366,8 @@ def test_layout_mismatch_is_refused() -> None:
 @pytest.mark.parametrize("isa", ISAS)
 def test_vote_margins_per_element_range(isa: str) -> None:
     """The kernels that sum the sign vote's margins (the bit-sliced majority, the packed
-    combine, the fused combine-decode, the two-rank vote-decode) sum them per element range: each range's sum is the
+    combine, the fused combine-decode, with its own pass for two ranks' votes) sum them per
+    element range: each range's sum is the
     per-element |2c - W| of the torch vote summed over that range, for ranges that start and
     end inside 64-element words and tiles, empty ones, and elements past the last range
     (padding) left out."""
@@ -403,9 +404,5 @@ def test_vote_margins_per_element_range(isa: str) -> None:
         k.combine_decode(shards, "bit", layout, s, mode, d, torch.empty(8 * nbytes),
                          values=value, tally=(t := tally()))
         assert sums(t) == want, world
-        if world == 2:
-            k.sign_vote2_decode(shards, layout, scales, torch.empty(8 * nbytes),
-                                tally=(t := tally()))
-            assert sums(t) == want
         with pytest.raises(ValueError, match="past"):
             k.sign_majority(shards, Tally((8 * nbytes + 1,), ({},)))
