@@ -35,6 +35,9 @@ from nfabric_cli.calibration.space import Config, routing_key, suggest
 from nfabric_cli.calibration.spec import CalibrationSpec, Cell
 from nfabric_cli.profile.target import degradation, prediction_bound, within_tolerance
 
+#: the kind of a trial confirmation enqueued to repair a failing candidate (`repair.py`)
+REPAIR = "repair"
+
 
 def config_of(trial: FrozenTrial, spec: CalibrationSpec) -> Config:
     """Rebuild a trial's config from its stored parameters."""
@@ -81,8 +84,13 @@ def best_admissible(study: optuna.Study, tolerance: float) -> FrozenTrial | None
 
 
 def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
-    """The trials confirmation tries, in order: the cheapest admissible ones."""
-    return admissible(study, spec.tolerance)[:spec.confirm_candidates]
+    """The trials confirmation tries, in order: the `confirm_candidates` cheapest admissible
+    ones, and every admissible repair (`repair.py`; a repair whose configuration the search
+    had trained already is that trial), cheapest first."""
+    repaired = {routing_key(t.user_attrs.get("key", "")) for t in study.get_trials(deepcopy=False)
+                if t.user_attrs.get("kind") == REPAIR}
+    return [t for i, t in enumerate(admissible(study, spec.tolerance))
+            if i < spec.confirm_candidates or routing_key(t.user_attrs["key"]) in repaired]
 
 
 def _cell_path(cell: tuple[int, ...]) -> str:
@@ -123,33 +131,37 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
     """One candidate: its cells (the search's own first, then those of the grid stored in
     `attrs`), the worst and the mean degradation over them, the 95 % prediction bound for one
     more seed (`bound95`), and its status, `holds`, `fails` or `pending`. Under the `worst`
-    rule a candidate fails at its first cell outside tolerance (later cells are not trained);
-    under `bound` it needs every cell, and holds when the bound is within tolerance."""
+    rule a candidate fails at any cell outside tolerance (confirmation trains none of its
+    cells after one); under `bound` it needs every cell, and holds when the bound is within
+    tolerance. `cells` lists the stored ones in the grid's order."""
     worst_rule = spec.confirm_rule == "worst"
     own = {"seed": spec.seed, "steps": spec.steps, "world_size": spec.world_size,
            "metric": t.user_attrs["metric"],
            "reference": reference["metric"], "degradation": t.user_attrs["degradation"],
            "traffic_fraction": t.user_attrs["traffic_fraction"], "within": True}
-    cells, status = [own], "holds"
+    cells, missing = [own], False
     for cell in spec.confirm_cells():
         v = cell_verdict(attrs, t.user_attrs["key"], cell, spec, higher_is_better)
         if v is None:
-            status = "pending"
-            break
-        cells.append(v)
-        if worst_rule and not v["within"]:
-            status = "fails"
-            break
+            missing = True
+        else:
+            cells.append(v)
+    failed = worst_rule and not all(c["within"] for c in cells)
+    status = "fails" if failed else "pending" if missing else "holds"
     degrs = [c["degradation"] for c in cells]
     bound = prediction_bound(degrs)
     if status == "holds" and not worst_rule and not within_tolerance(
             bound if bound is not None else max(degrs), spec.tolerance):
         status = "fails"
     traffic = [c["traffic_fraction"] for c in cells]
-    return {"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
-            "status": status, "cells": cells, "worst_degradation": max(degrs),
-            "mean_degradation": sum(degrs) / len(degrs), "bound95": bound,
-            "traffic_mean": sum(traffic) / len(traffic)}
+    out = {"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
+           "status": status, "cells": cells, "worst_degradation": max(degrs),
+           "mean_degradation": sum(degrs) / len(degrs), "bound95": bound,
+           "traffic_mean": sum(traffic) / len(traffic)}
+    if t.user_attrs.get("kind") == REPAIR:
+        out["repair"] = {k: t.user_attrs[f"repair_{k}" if k != "region" else k]
+                         for k in ("of", "round", "region")}
+    return out
 
 
 def beaten(search_traffic: float, best: dict[str, Any] | None) -> bool:

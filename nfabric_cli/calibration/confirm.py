@@ -29,7 +29,7 @@ from nfabric_cli.calibration.codeprint import KEY, code_fingerprint
 from nfabric_cli.calibration.quiet import spikes_of
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, fp32_config
-from nfabric_cli.calibration.spec import Cell
+from nfabric_cli.calibration.spec import CalibrationSpec, Cell
 from nfabric_cli.profile.target import require_finite_reference
 
 if TYPE_CHECKING:
@@ -51,8 +51,11 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
     for trial in candidates(study, spec):
         if not pending(study, spec, higher, cal.reference):  # the winner is known
             return
+        if candidate_verdict(trial, study.user_attrs, spec, higher,
+                             cal.reference)["status"] == "fails":
+            continue  # judged already (an earlier call, before a repair round)
         key, config = trial.user_attrs["key"], config_of(trial, spec)
-        for cell in cells:
+        for cell in failed_first(study, spec, higher):
             where = _where(cell)
             ref = reference(cal, cell)
             require_finite_reference(ref["metric"], f"({where})")
@@ -74,6 +77,21 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
                 continue
             cal.sink.note(f"trial {trial.number} fails the {spec.confirm_rule} rule: worst "
                           f"{mine['worst_degradation']:+.4f}, bound {bound}")
+
+
+def failed_first(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool) -> list[Cell]:
+    """The grid, the cells more candidates failed on first (stable): a candidate after them,
+    a repair above all (`repair.py`), most likely fails where they did, and under the worst
+    rule it stops at its first failure. Under the bound rule every cell is trained anyway."""
+    cells = spec.confirm_cells()
+    if spec.confirm_rule != "worst":
+        return cells
+    attrs = study.user_attrs
+    keys = [t.user_attrs["key"] for t in candidates(study, spec)]
+    fails = {cell: sum(1 for k in keys
+                       if (v := cell_verdict(attrs, k, cell, spec, higher_is_better)) is not None
+                       and not v["within"]) for cell in cells}
+    return sorted(cells, key=lambda c: -fails[c])
 
 
 def _where(cell: Cell) -> str:

@@ -26,6 +26,7 @@ Example::
     steps = [240]
     world_sizes = [2]    # and at these world sizes besides the search's
     candidates = 3
+    repairs = 1          # when none holds: rounds raising one region of the cheapest to fp32
 """
 
 from __future__ import annotations
@@ -75,8 +76,10 @@ NOT_IN_SEARCH_KEY: tuple[str, ...] = (
     "trials", "sampler", "pruner",
     "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
     "confirm_seeds", "confirm_steps", "confirm_world_sizes", "confirm_candidates", "confirm_rule",
+    "confirm_repairs",
 )
-_CONFIRM_KEYS = {"seeds", "steps", "world_sizes", "candidates", "rule"}
+_CONFIRM_KEYS = {"seeds", "steps", "world_sizes", "candidates", "rule", "repairs"}
+MAX_REPAIRS = 8
 CONFIRM_RULES: tuple[str, ...] = ("worst", "bound")
 MAX_CONFIRM_CELLS = 64
 _PHASE_KEYS = {"boundaries"}
@@ -127,6 +130,9 @@ class CalibrationSpec:
     confirm_world_sizes: tuple[int, ...] = ()
     confirm_candidates: int = 3
     confirm_rule: str = "worst"  # "worst" cell, or the 95 % prediction "bound" for a new seed
+    # when no candidate holds: rounds of repairs (`repair.py`), each the cheapest failure with
+    # one more region on fp32
+    confirm_repairs: int = 1
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -273,6 +279,7 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
         confirm_world_sizes=ints(confirm.get("world_sizes", []), "confirm.world_sizes"),
         confirm_candidates=typed(confirm.get("candidates", 3), int, "confirm.candidates"),
         confirm_rule=typed(confirm.get("rule", "worst"), str, "confirm.rule"),
+        confirm_repairs=typed(confirm.get("repairs", 1), int, "confirm.repairs"),
         **kw,
     )
     if "eval_every" not in data and "steps" in data:
@@ -336,6 +343,9 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
                          f"{spec.confirm_rule!r}")
     if not 1 <= spec.confirm_candidates <= 100:
         raise InputError(f"confirm.candidates must be in [1, 100], got {spec.confirm_candidates}")
+    if not 0 <= spec.confirm_repairs <= MAX_REPAIRS:
+        raise InputError(f"confirm.repairs must be in [0, {MAX_REPAIRS}], got "
+                         f"{spec.confirm_repairs}")
     cells = len(spec.grid_cells())
     if cells > MAX_CONFIRM_CELLS:
         raise InputError(f"confirm: {cells} cells (seeds x lengths x world sizes) is more than "

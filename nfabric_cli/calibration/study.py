@@ -34,6 +34,7 @@ from torch import nn
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
 from nfabric_cli.binding.fingerprint import trainable_parameters
+from nfabric_cli.calibration.choice import REPAIR
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint, foreign_results
 from nfabric_cli.calibration.confirm import confirm
 from nfabric_cli.calibration.confirm import reference as confirm_reference
@@ -48,6 +49,7 @@ from nfabric_cli.calibration.objective import (
 )
 from nfabric_cli.calibration.quiet import quiet_floor, spikes_of
 from nfabric_cli.calibration.reduces import ddp_layouts
+from nfabric_cli.calibration.repair import repair
 from nfabric_cli.calibration.seeding import enqueue_seeds, sensitivity
 from nfabric_cli.calibration.simulate import SimResult, check_float32, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, suggest
@@ -286,7 +288,7 @@ class Calibrator:
         self.worker.tag(trial)
         kind = trial.user_attrs.get("kind", "search")
         peers = counted(study)  # one read for the budget, twin and same-config checks
-        if surplus(peers, trial, self.spec.trials):
+        if kind != REPAIR and surplus(peers, trial, self.spec.trials):
             self._drop(trial, kind, f"the study's budget of {self.spec.trials} trials is reached")
         twin = duplicate_of(peers, trial, kind)
         if twin is not None:
@@ -458,8 +460,12 @@ def run_study(
                 callbacks=[calibrator.after_trial, calibrator.stop_at_budget, *callbacks],
                 gc_after_trial=False,
             )
-        new = finished_by(study, worker) - before
         confirm(calibrator, study)
+        # no candidate held: repairs (`repair.py`), each round confirmed in turn
+        while repair(calibrator, study, lambda: study.optimize(
+                calibrator.objective, n_trials=1, catch=(Dropped,), gc_after_trial=False)):
+            confirm(calibrator, study)
+        new = finished_by(study, worker) - before
         log.set("finishing")
     return StudyRun(study, spec, workload, reference, resumed, new, calibrator.multi,
                     {"sensitivity": calibrator.sensitivity(study) or {}}, worker,

@@ -319,7 +319,7 @@ def surplus(trials: list[FrozenTrial], trial: optuna.Trial, budget: int) -> bool
 
 
 #: what names an enqueued trial's job
-ENQUEUED_ID = {"sweep": "region", "derived": "key", "warm": "key"}
+ENQUEUED_ID = {"sweep": "region", "derived": "key", "warm": "key", "repair": "key"}
 
 
 def duplicate_of(trials: list[FrozenTrial], trial: optuna.Trial, kind: str) -> int | None:

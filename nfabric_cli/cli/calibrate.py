@@ -82,6 +82,10 @@ def calibrate_cmd(
     confirm_rule: str = typer.Option(None, "--confirm-rule", help="worst (every cell within "
                                      "tolerance, validate's rule) or bound (the 95 % "
                                      "prediction bound for one more seed within it)."),
+    confirm_repairs: int = typer.Option(None, "--confirm-repairs", help="When no candidate "
+                                        "holds: rounds that retrain the cheapest that failed "
+                                        "with one region on fp32 (default 1; 0: off, the "
+                                        "profile is all fp32)."),
     warm_starts: list[Path] = typer.Option(None, "--warm-start", help="A profile (an earlier "
                                            "version, say) whose routes the study trains first, "
                                            "as one trial of its budget (Optuna's enqueue_trial): "
@@ -133,7 +137,7 @@ def calibrate_cmd(
                    confirm_seeds=_unless_none(confirm_seeds, _seeds),
                    confirm_steps=_unless_none(confirm_steps, _lengths),
                    confirm_world_sizes=_unless_none(confirm_world_sizes, _world_sizes),
-                   confirm_rule=confirm_rule)
+                   confirm_rule=confirm_rule, confirm_repairs=confirm_repairs)
     if status:
         from nfabric_cli.calibration.strategy import default_study_name
 
@@ -323,7 +327,10 @@ def _confirmation(doc: dict[str, Any]) -> Table:
     for v in doc["candidates"]:
         cells = ", ".join(f"{_cell_label(c, home)} {c['degradation']:+.4f}" for c in v["cells"])
         bound = "-" if v.get("bound95") is None else f"{v['bound95']:+.4f}"
-        table.add_row(str(v["trial"]), f"{v['traffic_fraction']:.4f}", v["status"],
+        trial = str(v["trial"])
+        if "repair" in v:  # e.g. "8 (6, head fp32)"
+            trial += f" ({v['repair']['of']}, {v['repair']['region']} fp32)"
+        table.add_row(trial, f"{v['traffic_fraction']:.4f}", v["status"],
                       f"{v['worst_degradation']:+.4f}", f"{v['mean_degradation']:+.4f}", bound,
                       cells)
     return table

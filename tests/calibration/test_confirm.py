@@ -24,9 +24,11 @@ from nfabric_cli.calibration.choice import (
     robust_winner,
     verdicts,
 )
+from nfabric_cli.calibration.confirm import failed_first
 from nfabric_cli.calibration.publish import profile_key
+from nfabric_cli.calibration.repair import raised
 from nfabric_cli.calibration.simulate import simulate_run
-from nfabric_cli.calibration.space import config_profile
+from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.status import study_status
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
@@ -217,7 +219,9 @@ def test_calibrate_confirms_on_real_runs_and_records_where_the_profile_was_prove
     assert proven["world_size"] == 2 and len(proven["cells"]) == 4
     assert proven["worst_degradation"] == held["worst_degradation"] <= 0.05 + 1e-12
     cost = profile.meta["provenance"]["confirmation"]
-    assert cost["runs"] == 3 + 2 + 2 + 3  # a reference per cell; the candidates reach 2, 2, 3
+    # a reference per cell; the candidates train 2, 1 (the cell the first failed on, first,
+    # where it fails too) and 3
+    assert cost["runs"] == 3 + 2 + 1 + 3
     assert out.steps_spent > sum(t.user_attrs.get("steps_run", 0) for t in run.study.trials)
     assert outside_proven(profile.meta, seeds=[0, 1], steps=60, world_size=2) == []
     [line] = outside_proven(profile.meta, seeds=[1, 5], steps=200, world_size=4)
@@ -340,3 +344,83 @@ def test_a_study_resumed_by_other_code_names_the_results_it_did_not_train(
         assert read_profile(out2.path).meta["provenance"]["foreign_results"] == len(foreign)
     finally:
         codeprint.code_fingerprint.cache_clear()
+
+
+def test_a_candidate_fails_on_any_cell_outside_tolerance_and_later_ones_train_there_first(
+        ) -> None:
+    """Confirmation trains the cells more candidates failed on first (`failed_first`), so a
+    candidate's stored cells need not be a prefix of the grid: any stored cell outside
+    tolerance fails it, a missing one before it no longer leaves it pending."""
+    spec = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1, 2, 3], "candidates": 3})
+    ref = {"metric": 0.9}
+    study = _study(spec, {
+        "a": {"traffic": 0.05, "degr": 0.0, "cells": {(1, 40): 0.88, (3, 40): 0.8}},
+        "b": {"traffic": 0.06, "degr": 0.0, "cells": {(3, 40): 0.7}},  # seeds 1, 2 untrained
+        "c": {"traffic": 0.07, "degr": 0.0},
+    })
+    assert [v["status"] for v in verdicts(study, spec, True, ref)] == ["fails", "fails", "pending"]
+    assert [c["seed"] for c in verdicts(study, spec, True, ref)[1]["cells"]] == [0, 3]
+    assert failed_first(study, spec, True) == [(3, 40, None), (1, 40, None), (2, 40, None)]
+    # the bound rule trains every cell anyway: the grid's order
+    bound = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                      confirm={"seeds": [1, 2, 3], "rule": "bound"})
+    assert failed_first(study, bound, True) == bound.confirm_cells()
+
+
+def test_raised_puts_each_low_bit_region_on_fp32_in_every_phase() -> None:
+    spec = tiny_spec(steps=40, eval_every=10)
+    config = Config(routes=(("sign", "fp32"), ("int8", "fp32")), boundaries=(0.3,), tau=0.5,
+                    error_feedback=True)
+    assert raised(config, spec) == {"head": Config((("fp32", "fp32"), ("fp32", "fp32")),
+                                                   (0.3,), 0.5, True)}  # rest is fp32 already
+    both = Config((("sign", "ternary"), ("sign", "sign")), (0.3,), 0.4, False)
+    assert {k: c.routes for k, c in raised(both, spec).items()} == {
+        "head": (("fp32", "ternary"), ("fp32", "sign")),
+        "rest": (("sign", "fp32"), ("sign", "fp32"))}
+    with pytest.raises(InputError, match=r"confirm.repairs must be in \[0, 8\], got 9"):
+        tiny_spec(confirm={"repairs": 9})
+    assert tiny_spec().confirm_repairs == 1
+
+
+def test_when_no_candidate_holds_a_repair_puts_a_region_of_the_cheapest_on_fp32(
+        tmp_path) -> None:  # noqa: ANN001
+    """The tiny study's only candidate (all low-bit) fails seed 1; without repairs the profile
+    is all fp32. Repair round 1 retrains it with each region on fp32 in turn (outside the
+    trial budget, never pruned): with the head on fp32 it holds on every cell and wins."""
+    wl = get_workload(TINY)
+    grid = {"seeds": [1], "candidates": 1}
+    off = tiny_spec(trials=8, steps=40, eval_every=10, tolerance=0.05,
+                    confirm={**grid, "repairs": 0})
+    url = f"sqlite:///{tmp_path}/s.db"
+    _, plain = calibrate(wl, off, url, "s", tmp_path / "out", processes=1)
+    [failed] = plain.best["confirmation"]["candidates"]
+    assert failed["status"] == "fails" and plain.best["trial"] is None  # all fp32
+    # the same study repaired later: only the repairs train
+    spec = tiny_spec(trials=8, steps=40, eval_every=10, tolerance=0.05, confirm=grid)
+    notes = Notes()
+    run, out = calibrate(wl, spec, url, "s", tmp_path / "out", sink=notes, processes=1)
+    assert out.new_trials == 2 and out.path.name == "tiny.v2.parquet"
+    assert (f"no candidate holds: repair round 1 trains trial {failed['trial']} with one region "
+            "on fp32 (head, rest)") in notes.notes
+    conf = out.best["confirmation"]["candidates"]
+    assert [v["status"] for v in conf[:2]] == ["fails", "holds"]
+    won = conf[1]
+    assert out.best["trial"] == won["trial"]
+    assert won["repair"] == {"of": failed["trial"], "round": 1, "region": "head"}
+    assert won["worst_degradation"] <= 0.05 + 1e-12 and len(won["cells"]) == 2
+    trials = {t.number: t for t in run.study.trials}
+    repairs = [t for t in run.study.trials if t.user_attrs.get("kind") == "repair"]
+    assert len(repairs) == 2 and all(t.state.name == "COMPLETE" for t in repairs)
+    assert sum(1 for t in run.study.trials if t.user_attrs.get("kind") != "repair") == 8
+    parent = config_of(trials[failed["trial"]], spec)
+    assert config_of(trials[won["trial"]], spec) == raised(parent, spec)["head"]
+    assert all(r == "fp32" for per_phase in config_of(trials[won["trial"]], spec).routes
+               for r in per_phase[:1])
+    # the profile is what held: its routes put the head on fp32
+    profile = read_profile(out.path)
+    assert {r.route for r in profile.rows if r.region == "head.*"} == {"fp32"}
+    assert profile.meta["proven"]["worst_degradation"] == won["worst_degradation"]
+    # a rerun trains and repairs nothing more
+    run2, out2 = calibrate(wl, spec, url, "s", tmp_path / "out", sink=Notes(), processes=1)
+    assert out2.new_trials == 0 and out2.best["trial"] == won["trial"] and out2.path == out.path
