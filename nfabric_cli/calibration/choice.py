@@ -10,14 +10,16 @@ again on every *cell* of the grid, seeds (the spec's and ``confirm.seeds``) time
 ``confirm.world_sizes``, each against an FP32 reference trained on the same cell.
 
 The default rule (`confirm.rule = "worst"`) is `validate --seeds`' rule, the worst cell: a
-candidate holds when every cell is within tolerance of that cell's reference; cells are
-trained in order and a candidate stops at its first failing cell. `rule = "bound"` asks more:
+candidate holds when every cell is within tolerance of that cell's reference; a candidate
+stops at its first failing cell (`confirm.failed_first` trains the cells earlier candidates
+failed on first). `rule = "bound"` asks more:
 the one-sided 95 % prediction bound for one more seed, from the candidate's cells, within
 tolerance (every cell is trained). Of the candidates that hold, the one with the least traffic
 over its cells wins (a profile whose monitor falls back on other seeds or world sizes sends
 those fp32 steps too): after a candidate holds, the next ones are confirmed only while their
-search traffic is below its mean over the cells. When none holds, the profile is all fp32 (the
-reference itself: nothing unproven ships).
+search traffic is below its mean over the cells. When none holds, repairs (`repair.py`) add
+candidates; when none of those holds either, the profile is all fp32 (the reference itself:
+nothing unproven ships).
 
 This module only reads: results live in the study's user attributes under `cell_job` names
 (`confirm.py` trains them), so a resumed study and every worker see the same verdicts.
@@ -84,13 +86,21 @@ def best_admissible(study: optuna.Study, tolerance: float) -> FrozenTrial | None
 
 
 def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
-    """The trials confirmation tries, in order: the `confirm_candidates` cheapest admissible
-    ones, and every admissible repair (`repair.py`; a repair whose configuration the search
-    had trained already is that trial), cheapest first."""
-    repaired = {routing_key(t.user_attrs.get("key", "")) for t in study.get_trials(deepcopy=False)
-                if t.user_attrs.get("kind") == REPAIR}
-    return [t for i, t in enumerate(admissible(study, spec.tolerance))
-            if i < spec.confirm_candidates or routing_key(t.user_attrs["key"]) in repaired]
+    """The trials confirmation tries, cheapest first: the `confirm_candidates` cheapest
+    admissible trials other than repairs, and the admissible repairs of the rounds the spec
+    allows (`repair.py`; a repair that reused an identical earlier trial's result is that
+    trial). A study without repairs has exactly its cheapest admissible trials."""
+    repairs = {_same_training(t) for t in completed(study)
+               if t.user_attrs.get("kind") == REPAIR
+               and int(t.user_attrs.get("repair_round", 0)) <= spec.confirm_repairs}
+    out, plain = [], 0
+    for t in admissible(study, spec.tolerance):
+        if _same_training(t) in repairs:
+            out.append(t)
+        elif t.user_attrs.get("kind") != REPAIR and plain < spec.confirm_candidates:
+            plain += 1
+            out.append(t)
+    return out
 
 
 def _cell_path(cell: tuple[int, ...]) -> str:
@@ -174,11 +184,13 @@ def beaten(search_traffic: float, best: dict[str, Any] | None) -> bool:
 
 
 def verdicts(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
-             reference: dict[str, Any]) -> list[dict[str, Any]]:
-    """`candidate_verdict` of every candidate, in order (one read of the study's attributes)."""
+             reference: dict[str, Any],
+             tried: list[FrozenTrial] | None = None) -> list[dict[str, Any]]:
+    """`candidate_verdict` of every candidate (`tried`, default `candidates`), in order (one
+    read of the study's attributes)."""
     attrs = study.user_attrs
     return [candidate_verdict(t, attrs, spec, higher_is_better, reference)
-            for t in candidates(study, spec)]
+            for t in (candidates(study, spec) if tried is None else tried)]
 
 
 def decide(found: list[dict[str, Any]]) -> tuple[int | None, bool]:

@@ -13,6 +13,7 @@ from nfabric_cli.calibration.outcome import trial_rows
 from nfabric_cli.calibration.study import StudyRun
 
 _COLOURS = {"sweep": "tab:orange", "derived": "tab:green", "warm": "tab:purple",
+             "repair": "tab:red",
             "search": "tab:blue"}
 
 

@@ -47,8 +47,8 @@ def profile_key(trials: int, spec: CalibrationSpec | None = None) -> str:
                          spec.confirm_rule]
     if spec.confirm_world_sizes:  # (appended only when set: earlier studies keep their names)
         fields.append(spec.confirm_world_sizes)
-    if spec.confirm_repairs:  # repairs may name another winner where no candidate held
-        fields.append({"repairs": spec.confirm_repairs})
+    if spec.confirm_repairs != 1:  # (appended only when not the default, for the same reason;
+        fields.append({"repairs": spec.confirm_repairs})  # a round that trained changes `trials`)
     setting = json.dumps(fields)
     return f"{key}+confirm-{hashlib.sha256(setting.encode()).hexdigest()[:10]}"
 

@@ -9,9 +9,13 @@ one fragile region on fp32 held (head on fp32: −1.67 points there, against −
 A repair round takes the cheapest candidate that failed (round 1: of the search's candidates;
 round k: of round k-1's repairs) and enqueues one trial per region it routes low-bit, with
 that region on fp32 in every phase. They train on the search's cell like any trial (never
-pruned, outside the budget: `kind` "repair"), and the admissible ones join the candidates
-(`choice.candidates`), confirmed on the cells that failed first (`confirm.failed_first`).
-Rounds stop when a candidate holds, or after `confirm.repairs` (spec; default 1, 0: off).
+pruned, outside the trial budget: `kind` "repair"), and the admissible ones join the
+candidates (`choice.candidates`), confirmed on the cells that failed first
+(`confirm.failed_first`). A round that a stopped run left unfinished is finished first. No
+new round starts once a candidate holds, after `confirm.repairs` rounds (spec; default 1;
+0: off, and a study's earlier repairs are no candidates), or when the last round's failures
+have no region left to raise (a region must list fp32 among its routes to be raised; the
+all-fp32 configuration is the reference and never a repair).
 """
 
 from __future__ import annotations
@@ -32,15 +36,18 @@ if TYPE_CHECKING:
 
 def raised(config: Config, spec: CalibrationSpec) -> dict[str, Config]:
     """Region name -> `config` with that region on fp32 in every phase, for each region it
-    routes low-bit in any phase (spec order)."""
+    routes below fp32 in some phase and that may take fp32 (spec order); never the all-fp32
+    config (the reference, which needs no confirming)."""
     out = {}
     for r, region in enumerate(spec.regions):
-        if all(per_phase[r] == "fp32" for per_phase in config.routes):
+        if "fp32" not in region.routes or all(p[r] == "fp32" for p in config.routes):
             continue
         routes = tuple(tuple("fp32" if i == r else route for i, route in enumerate(per_phase))
                        for per_phase in config.routes)
-        out[region.name] = Config(routes, config.boundaries, config.tau, config.error_feedback,
-                                  config.rounding, config.sign_mode)
+        repaired = Config(routes, config.boundaries, config.tau, config.error_feedback,
+                          config.rounding, config.sign_mode)
+        if not repaired.all_fp32():
+            out[region.name] = repaired
     return out
 
 
@@ -59,7 +66,7 @@ def due(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
     rounds ran; else None (a candidate holds or is pending, or nothing is left to raise)."""
     reps = _repairs(study)
     current = max((int(t.user_attrs["repair_round"]) for t in reps), default=0)
-    if current:
+    if 0 < current <= spec.confirm_repairs:  # the last round, finished if a run stopped it
         number = next(int(t.user_attrs["repair_of"]) for t in reps
                       if int(t.user_attrs["repair_round"]) == current)
         parent = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
@@ -67,15 +74,18 @@ def due(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
         if waiting_repairs(study) or any(c.key() not in live for c in
                                          raised(config_of(parent, spec), spec).values()):
             return current, parent
-    found = verdicts(study, spec, higher_is_better, reference)
-    if current >= spec.confirm_repairs or any(v["status"] != "fails" for v in found):
+    if current >= spec.confirm_repairs:
+        return None
+    tried = candidates(study, spec)
+    found = verdicts(study, spec, higher_is_better, reference, tried)
+    if any(v["status"] != "fails" for v in found):
         return None
     round_of = {routing_key(t.user_attrs["key"]): int(t.user_attrs["repair_round"])
                 for t in reps}
-    trials = {t.number: t for t in candidates(study, spec)}
-    failed = [trials[v["trial"]] for v in found
-              if round_of.get(routing_key(trials[v["trial"]].user_attrs["key"]), 0) == current]
-    return (current + 1, failed[0]) if failed else None  # candidates are cheapest first
+    failed = [t for t in tried  # cheapest first
+              if round_of.get(routing_key(t.user_attrs["key"]), 0) == current
+              and raised(config_of(t, spec), spec)]
+    return (current + 1, failed[0]) if failed else None
 
 
 def enqueue_repairs(study: optuna.Study, spec: CalibrationSpec, number: int,
@@ -99,12 +109,14 @@ def waiting_repairs(study: optuna.Study) -> int:
 
 def repair(cal: Calibrator, study: optuna.Study, train: Callable[[], None]) -> bool:
     """One repair round, if one is due (`due`): enqueue it and train what waits (`train()`
-    runs one queued trial). Whether a round ran; `confirm` judges it next."""
+    runs one queued trial). Whether anything trained; `confirm` judges it next."""
     found = due(study, cal.spec, cal.workload.higher_is_better, cal.reference)
     if found is None:
         return False
     number, parent = found
     regions = enqueue_repairs(study, cal.spec, number, parent)
+    if not waiting_repairs(study):  # another worker trains them (confirm waits for it)
+        return False
     cal.sink.note(f"no candidate holds: repair round {number} trains trial {parent.number} "
                   f"with one region on fp32 ({', '.join(regions)})")
     while waiting_repairs(study):

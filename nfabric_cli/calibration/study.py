@@ -191,7 +191,7 @@ class Calibrator:
         cheapest fail on other seeds or lengths, the next ones must have been trained)."""
         ok = sorted(t.user_attrs["traffic_fraction"]
                     for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                    if within_tolerance(t.user_attrs.get("degradation", math.inf),
+                    if t.user_attrs.get("kind") != REPAIR and within_tolerance(t.user_attrs.get("degradation", math.inf),
                                         self.spec.tolerance)
                     and "traffic_fraction" in t.user_attrs)
         k = self.spec.confirm_candidates if self.spec.confirm_cells() else 1
@@ -463,7 +463,8 @@ def run_study(
         confirm(calibrator, study)
         # no candidate held: repairs (`repair.py`), each round confirmed in turn
         while repair(calibrator, study, lambda: study.optimize(
-                calibrator.objective, n_trials=1, catch=(Dropped,), gc_after_trial=False)):
+                calibrator.objective, n_trials=1, catch=(Dropped,), callbacks=list(callbacks),
+                gc_after_trial=False)):
             confirm(calibrator, study)
         new = finished_by(study, worker) - before
         log.set("finishing")

@@ -305,17 +305,22 @@ def counted(study: optuna.Study) -> list[FrozenTrial]:
     return study.get_trials(deepcopy=False, states=COUNTED)
 
 
+def budgeted(trials: list[FrozenTrial]) -> int:
+    """How many of `trials` use the budget: all but confirmation's repairs (`repair.py`)."""
+    return sum(1 for t in trials if t.user_attrs.get("kind") != "repair")
+
+
 def budget_reached(study: optuna.Study, budget: int, worker: Worker) -> bool:
     """True when the study's finished and live running trials fill `budget` (liveness is
     checked only when the count says so: it costs a read of every worker record)."""
-    if len(counted(study)) < budget:
+    if budgeted(counted(study)) < budget:
         return False
-    return not fail_dead_trials(study, worker) or len(counted(study)) >= budget
+    return not fail_dead_trials(study, worker) or budgeted(counted(study)) >= budget
 
 
 def surplus(trials: list[FrozenTrial], trial: optuna.Trial, budget: int) -> bool:
-    """True when `trials` (`counted`) held `budget` trials older than this one."""
-    return sum(1 for t in trials if t.number < trial.number) >= budget
+    """True when `trials` (`counted`) held `budget` trials of the budget older than this one."""
+    return budgeted([t for t in trials if t.number < trial.number]) >= budget
 
 
 #: what names an enqueued trial's job

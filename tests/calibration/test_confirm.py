@@ -26,10 +26,11 @@ from nfabric_cli.calibration.choice import (
 )
 from nfabric_cli.calibration.confirm import failed_first
 from nfabric_cli.calibration.publish import profile_key
-from nfabric_cli.calibration.repair import raised
+from nfabric_cli.calibration.repair import enqueue_repairs, raised
 from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.status import study_status
+from nfabric_cli.calibration.workers import budgeted
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.profile.proven import outside_proven, proven_range
@@ -368,16 +369,45 @@ def test_a_candidate_fails_on_any_cell_outside_tolerance_and_later_ones_train_th
     assert failed_first(study, bound, True) == bound.confirm_cells()
 
 
+def test_repairs_join_the_candidates_without_taking_a_searched_candidates_place() -> None:
+    spec = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "candidates": 2})
+    rows = {"a": {"traffic": 0.05, "degr": 0.0}, "b": {"traffic": 0.07, "degr": 0.0},
+            "c": {"traffic": 0.08, "degr": 0.0}}
+    study = _study(spec, rows)
+    assert [t.user_attrs["key"] for t in candidates(study, spec)] == ["a", "b"]
+    dist = {"x": FloatDistribution(0, 1)}
+    for key, traffic, number in (("r1", 0.06, 1), ("r2", 0.09, 2)):
+        study.add_trial(create_trial(
+            params={"x": 0.9}, distributions=dist, value=traffic,
+            user_attrs={"key": key, "traffic_fraction": traffic, "degradation": 0.0,
+                        "metric": 0.9, "kind": "repair", "repair_round": number,
+                        "repair_of": 0, "region": "head"}))
+    # r1 (round 1) sits between a and b by traffic; b keeps its place; r2 is round 2
+    assert [t.user_attrs["key"] for t in candidates(study, spec)] == ["a", "r1", "b"]
+    two = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                    confirm={"seeds": [1], "candidates": 2, "repairs": 2})
+    assert [t.user_attrs["key"] for t in candidates(study, two)] == ["a", "r1", "b", "r2"]
+    off = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                    confirm={"seeds": [1], "candidates": 2, "repairs": 0})
+    assert [t.user_attrs["key"] for t in candidates(study, off)] == ["a", "b"]
+    # repairs use no budget: three trials of it, whatever the repairs
+    assert budgeted(study.trials) == 3
+
+
 def test_raised_puts_each_low_bit_region_on_fp32_in_every_phase() -> None:
     spec = tiny_spec(steps=40, eval_every=10)
-    config = Config(routes=(("sign", "fp32"), ("int8", "fp32")), boundaries=(0.3,), tau=0.5,
-                    error_feedback=True)
-    assert raised(config, spec) == {"head": Config((("fp32", "fp32"), ("fp32", "fp32")),
-                                                   (0.3,), 0.5, True)}  # rest is fp32 already
     both = Config((("sign", "ternary"), ("sign", "sign")), (0.3,), 0.4, False)
-    assert {k: c.routes for k, c in raised(both, spec).items()} == {
-        "head": (("fp32", "ternary"), ("fp32", "sign")),
-        "rest": (("sign", "fp32"), ("sign", "fp32"))}
+    assert raised(both, spec) == {
+        "head": Config((("fp32", "ternary"), ("fp32", "sign")), (0.3,), 0.4, False),
+        "rest": Config((("sign", "fp32"), ("sign", "fp32")), (0.3,), 0.4, False)}
+    # rest is on fp32 already, and the head on fp32 too would be the reference: nothing
+    config = Config((("sign", "fp32"), ("int8", "fp32")), (0.3,), 0.5, True)
+    assert raised(config, spec) == {}
+    # a region that may not take fp32 is not raised
+    regions = [{"name": "head", "selector": "head.*", "routes": ["fp32", "int8", "sign"]},
+               {"name": "rest", "selector": "*", "routes": ["ternary", "sign"]}]
+    assert list(raised(both, tiny_spec(regions=regions))) == ["head"]
     with pytest.raises(InputError, match=r"confirm.repairs must be in \[0, 8\], got 9"):
         tiny_spec(confirm={"repairs": 9})
     assert tiny_spec().confirm_repairs == 1
@@ -424,3 +454,31 @@ def test_when_no_candidate_holds_a_repair_puts_a_region_of_the_cheapest_on_fp32(
     # a rerun trains and repairs nothing more
     run2, out2 = calibrate(wl, spec, url, "s", tmp_path / "out", sink=Notes(), processes=1)
     assert out2.new_trials == 0 and out2.best["trial"] == won["trial"] and out2.path == out.path
+    # with repairs off, the study's repairs are no candidates: all fp32 again
+    _, none = calibrate(wl, off, url, "s", tmp_path / "out", processes=1)
+    assert none.new_trials == 0 and none.best["trial"] is None
+    # repairs use none of the budget: a larger one trains that many more search trials
+    more = tiny_spec(trials=9, steps=40, eval_every=10, tolerance=0.05, confirm=grid)
+    run3, _ = calibrate(wl, more, url, "s", tmp_path / "out", processes=1)
+    assert sum(1 for t in run3.study.trials if t.user_attrs.get("kind") != "repair"
+               and t.state.name in ("COMPLETE", "PRUNED")) == 9
+
+
+def test_a_repair_round_a_stopped_run_left_waiting_is_finished_when_rerun(tmp_path) -> None:  # noqa: ANN001
+    """A run stopped after enqueueing its round: the rerun trains the waiting repairs and
+    confirms them, though the round count says the round was started already."""
+    wl = get_workload(TINY)
+    grid = {"seeds": [1], "candidates": 1}
+    url = f"sqlite:///{tmp_path}/s.db"
+    off = tiny_spec(trials=8, steps=40, eval_every=10, tolerance=0.05,
+                    confirm={**grid, "repairs": 0})
+    run, plain = calibrate(wl, off, url, "s", tmp_path / "out", processes=1)
+    [failed] = plain.best["confirmation"]["candidates"]
+    parent = next(t for t in run.study.trials if t.number == failed["trial"])
+    spec = tiny_spec(trials=8, steps=40, eval_every=10, tolerance=0.05, confirm=grid)
+    assert enqueue_repairs(run.study, spec, 1, parent) == ["head", "rest"]
+    run2, out = calibrate(wl, spec, url, "s", tmp_path / "out", processes=1)
+    assert out.new_trials == 2
+    won = next(v for v in out.best["confirmation"]["candidates"] if v["trial"] == out.best["trial"])
+    assert won["repair"] == {"of": failed["trial"], "round": 1, "region": "head"}
+    assert sum(1 for t in run2.study.trials if t.user_attrs.get("kind") == "repair") == 2
