@@ -12,7 +12,9 @@ import optuna
 import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import create_trial
+from typer.testing import CliRunner
 
+from nfabric_cli.app import app
 from nfabric_cli.binding.compile import compile_profile
 from nfabric_cli.calibration import calibrate
 from nfabric_cli.calibration.choice import (
@@ -35,7 +37,7 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.profile.proven import outside_proven, proven_range
 from nfabric_cli.workloads.registry import get_workload
-from tests.calibration.helpers import TINY, Notes, tiny_spec
+from tests.calibration.helpers import TINY, Notes, tiny_spec, tiny_spec_dict, toml_text
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -454,6 +456,14 @@ def test_when_no_candidate_holds_a_repair_puts_a_region_of_the_cheapest_on_fp32(
     # a rerun trains and repairs nothing more
     run2, out2 = calibrate(wl, spec, url, "s", tmp_path / "out", sink=Notes(), processes=1)
     assert out2.new_trials == 0 and out2.best["trial"] == won["trial"] and out2.path == out.path
+    # the command line's table names the repair by the trial it repairs and the region
+    (tmp_path / "spec.toml").write_text(toml_text(tiny_spec_dict(
+        trials=8, steps=40, eval_every=10, tolerance=0.05, confirm=grid)))
+    res = CliRunner().invoke(app, ["calibrate", TINY, "--spec", str(tmp_path / "spec.toml"),
+                                   "--storage", url, "--study", "s", "--out",
+                                   str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert f" {won['trial']} ({failed['trial']}, head" in res.output, res.output  # then fp32
     # with repairs off, the study's repairs are no candidates: all fp32 again
     _, none = calibrate(wl, off, url, "s", tmp_path / "out", processes=1)
     assert none.new_trials == 0 and none.best["trial"] is None

@@ -331,6 +331,7 @@ def test_cli_prints_the_confirmation_table_with_other_world_sizes(tmp_path: Path
         (["--confirm-world-sizes", "1"], "confirm.world_sizes must each be in [2, 64], got [1]"),
         (["--confirm-world-sizes", "two"], "--confirm-world-sizes: expected world sizes like"),
         (["--confirm-steps", "3x"], "--confirm-steps: expected lengths like 300,600 or none"),
+        (["--confirm-repairs", "9"], "confirm.repairs must be in [0, 8], got 9"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
