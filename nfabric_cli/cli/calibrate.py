@@ -277,7 +277,8 @@ class _RichSink:
         self.progress.console.print(f"  {message}", highlight=False, soft_wrap=True)
 
     def trial_finished(self, record: dict[str, Any]) -> None:
-        if record.get("number") is not None and record.get("state") != "DROPPED":
+        if (record.get("number") is not None and record.get("state") != "DROPPED"
+                and record.get("kind") != "repair"):  # repairs are outside the budget
             self.progress.advance(self.trials)
         d = record.get("degradation")
         number = record.get("number")
