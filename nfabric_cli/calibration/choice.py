@@ -55,11 +55,14 @@ def _rank(t: FrozenTrial) -> tuple[float, float, int]:
     return (t.user_attrs["traffic_fraction"], t.user_attrs["degradation"], t.number)
 
 
-def admissible(study: optuna.Study, tolerance: float) -> list[FrozenTrial]:
+def admissible(study: optuna.Study, tolerance: float,
+               repairs: bool = True) -> list[FrozenTrial]:
     """Completed trials within tolerance, cheapest first (ties: less degradation, then the
-    earlier trial), one per configuration (`_same_training`)."""
+    earlier trial), one per configuration (`_same_training`); `repairs=False` leaves out
+    confirmation's repairs (`repair.py`)."""
     ok = sorted((t for t in completed(study)
-                 if within_tolerance(t.user_attrs["degradation"], tolerance)), key=_rank)
+                 if within_tolerance(t.user_attrs["degradation"], tolerance)
+                 and (repairs or t.user_attrs.get("kind") != REPAIR)), key=_rank)
     seen: set[tuple[str, float, float]] = set()
     out = []
     for t in ok:
@@ -90,17 +93,14 @@ def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
     admissible trials other than repairs, and the admissible repairs of the rounds the spec
     allows (`repair.py`; a repair that reused an identical earlier trial's result is that
     trial). A study without repairs has exactly its cheapest admissible trials."""
-    repairs = {_same_training(t) for t in completed(study)
+    plain = admissible(study, spec.tolerance, repairs=False)[:spec.confirm_candidates]
+    have = {_same_training(t) for t in plain}
+    allowed = {_same_training(t) for t in completed(study)
                if t.user_attrs.get("kind") == REPAIR
                and int(t.user_attrs.get("repair_round", 0)) <= spec.confirm_repairs}
-    out, plain = [], 0
-    for t in admissible(study, spec.tolerance):
-        if _same_training(t) in repairs:
-            out.append(t)
-        elif t.user_attrs.get("kind") != REPAIR and plain < spec.confirm_candidates:
-            plain += 1
-            out.append(t)
-    return out
+    extra = [t for t in admissible(study, spec.tolerance)
+             if _same_training(t) in allowed - have]
+    return sorted(plain + extra, key=_rank)
 
 
 def _cell_path(cell: tuple[int, ...]) -> str:

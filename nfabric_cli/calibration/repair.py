@@ -4,7 +4,8 @@ The search ranks its trials on one seed, so its cheapest admissible trials are o
 variants of one configuration, and a seed that configuration loses on rejects them all (the
 transformer at ten seeds, session 56: its three cheapest were all `sign` and all failed
 seed 5 at two ranks). The study then wrote the all-fp32 profile, though the same routes with
-one fragile region on fp32 held (head on fp32: −1.67 points there, against −2.78).
+one fragile region on fp32 held (head on fp32: degradation +1.67 points there, against
++2.78).
 
 A repair round takes the cheapest candidate that failed (round 1: of the search's candidates;
 round k: of round k-1's repairs) and enqueues one trial per region it routes low-bit, with
@@ -13,8 +14,9 @@ pruned, outside the trial budget: `kind` "repair"), and the admissible ones join
 candidates (`choice.candidates`), confirmed on the cells that failed first
 (`confirm.failed_first`). A round that a stopped run left unfinished is finished first. No
 new round starts once a candidate holds, after `confirm.repairs` rounds (spec; default 1;
-0: off, and a study's earlier repairs are no candidates), or when the last round's failures
-have no region left to raise (a region must list fp32 among its routes to be raised; the
+0: off, and a study's earlier repairs are no candidates), or when the last round left no
+failed admissible repair with a region left to raise (a round whose repairs all missed the
+tolerance on the search's cell ends the repairs) (a region must list fp32 among its routes to be raised; the
 all-fp32 configuration is the reference and never a repair).
 """
 
@@ -115,10 +117,10 @@ def repair(cal: Calibrator, study: optuna.Study, train: Callable[[], None]) -> b
         return False
     number, parent = found
     regions = enqueue_repairs(study, cal.spec, number, parent)
-    if not waiting_repairs(study):  # another worker trains them (confirm waits for it)
-        return False
+    if not waiting_repairs(study):  # another worker trains and confirms them; `publish`
+        return False                # leaves the profile to the worker that finishes last
     cal.sink.note(f"no candidate holds: repair round {number} trains trial {parent.number} "
                   f"with one region on fp32 ({', '.join(regions)})")
-    while waiting_repairs(study):
-        train()
+    while waiting_repairs(study):  # (a leftover seed trial popped first is dropped: the
+        train()                    # budget is full)
     return True

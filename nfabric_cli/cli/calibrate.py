@@ -84,8 +84,8 @@ def calibrate_cmd(
                                      "prediction bound for one more seed within it)."),
     confirm_repairs: int = typer.Option(None, "--confirm-repairs", help="When no candidate "
                                         "holds: rounds that retrain the cheapest that failed "
-                                        "with one region on fp32 (default 1; 0: off, the "
-                                        "profile is all fp32)."),
+                                        "with one region on fp32 (default 1; 0: none, so the "
+                                        "profile is then all fp32)."),
     warm_starts: list[Path] = typer.Option(None, "--warm-start", help="A profile (an earlier "
                                            "version, say) whose routes the study trains first, "
                                            "as one trial of its budget (Optuna's enqueue_trial): "

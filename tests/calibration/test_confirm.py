@@ -395,6 +395,27 @@ def test_repairs_join_the_candidates_without_taking_a_searched_candidates_place(
     assert [t.user_attrs["key"] for t in candidates(study, off)] == ["a", "b"]
     # repairs use no budget: three trials of it, whatever the repairs
     assert budgeted(study.trials) == 3
+    # a repair that reused a searched trial's result (same configuration): that trial is the
+    # repair's candidate, and takes no searched candidate's place; with repairs off, a
+    # searched trial that reused a repair's result is a searched candidate as any other
+    one = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                    confirm={"seeds": [1], "candidates": 1})
+    twin = _study(one, rows)
+    twin.add_trial(create_trial(
+        params={"x": 0.9}, distributions=dist, value=0.07,
+        user_attrs={"key": "b", "traffic_fraction": 0.07, "degradation": 0.0, "metric": 0.9,
+                    "kind": "repair", "repair_round": 1, "repair_of": 0, "region": "head"}))
+    assert [t.number for t in candidates(twin, one)] == [0, 1]  # a, then b (searched)
+    off1 = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "candidates": 1, "repairs": 0})
+    assert [t.number for t in candidates(twin, off1)] == [0]
+    first = optuna.create_study()
+    for key, kind in (("r", "repair"), ("r", "search")):
+        first.add_trial(create_trial(
+            params={"x": 0.5}, distributions=dist, value=0.05,
+            user_attrs={"key": key, "traffic_fraction": 0.05, "degradation": 0.0,
+                        "metric": 0.9, "kind": kind, "repair_round": 1}))
+    assert [t.number for t in candidates(first, off1)] == [1]
 
 
 def test_raised_puts_each_low_bit_region_on_fp32_in_every_phase() -> None:
