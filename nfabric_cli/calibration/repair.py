@@ -15,9 +15,9 @@ candidates (`choice.candidates`), confirmed on the cells that failed first
 (`confirm.failed_first`). A round that a stopped run left unfinished is finished first. No
 new round starts once a candidate holds, after `confirm.repairs` rounds (spec; default 1;
 0: off, and a study's earlier repairs are no candidates), or when the last round left no
-failed admissible repair with a region left to raise (a round whose repairs all missed the
-tolerance on the search's cell ends the repairs) (a region must list fp32 among its routes to be raised; the
-all-fp32 configuration is the reference and never a repair).
+failed admissible repair with a region left to raise: a round whose repairs all missed the
+tolerance on the search's cell ends the repairs. A region must list fp32 among its routes to
+be raised; the all-fp32 configuration is the reference and never a repair.
 """
 
 from __future__ import annotations

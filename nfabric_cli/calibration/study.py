@@ -189,10 +189,11 @@ class Calibrator:
         than the cheapest mix of its routes and fp32. A candidate is the best trial within
         tolerance, or with confirmation one of the `confirm_candidates` cheapest (if the
         cheapest fail on other seeds or lengths, the next ones must have been trained)."""
-        ok = sorted(t.user_attrs["traffic_fraction"]
-                    for t in trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-                    if t.user_attrs.get("kind") != REPAIR and within_tolerance(t.user_attrs.get("degradation", math.inf),
-                                        self.spec.tolerance)
+        done = trial.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        ok = sorted(t.user_attrs["traffic_fraction"] for t in done
+                    if t.user_attrs.get("kind") != REPAIR  # repairs come after the search
+                    and within_tolerance(t.user_attrs.get("degradation", math.inf),
+                                         self.spec.tolerance)
                     and "traffic_fraction" in t.user_attrs)
         k = self.spec.confirm_candidates if self.spec.confirm_cells() else 1
         if len(ok) < k:
