@@ -58,7 +58,7 @@ def _rank(t: FrozenTrial) -> tuple[float, float, int]:
 def admissible(study: optuna.Study, tolerance: float,
                repairs: bool = True) -> list[FrozenTrial]:
     """Completed trials within tolerance, cheapest first (ties: less degradation, then the
-    earlier trial), one per configuration (`_same_training`); `repairs=False` leaves out
+    earlier trial), one per configuration (`same_training`); `repairs=False` leaves out
     confirmation's repairs (`repair.py`)."""
     ok = sorted((t for t in completed(study)
                  if within_tolerance(t.user_attrs["degradation"], tolerance)
@@ -66,14 +66,14 @@ def admissible(study: optuna.Study, tolerance: float,
     seen: set[tuple[str, float, float]] = set()
     out = []
     for t in ok:
-        key = _same_training(t)
+        key = same_training(t)
         if key not in seen:
             seen.add(key)
             out.append(t)
     return out
 
 
-def _same_training(t: FrozenTrial) -> tuple[str, float, float]:
+def same_training(t: FrozenTrial) -> tuple[str, float, float]:
     """What makes two trials one candidate: the same `routing_key` and the same search result.
     TPE samples a boundary between phases that route alike anyway (glyphs: trials 5 and 10,
     boundaries 0.05 and 0.16, equal results), and both took a candidate's place in
@@ -94,12 +94,12 @@ def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
     allows (`repair.py`; a repair that reused an identical earlier trial's result is that
     trial). A study without repairs has exactly its cheapest admissible trials."""
     plain = admissible(study, spec.tolerance, repairs=False)[:spec.confirm_candidates]
-    have = {_same_training(t) for t in plain}
-    allowed = {_same_training(t) for t in completed(study)
+    have = {same_training(t) for t in plain}
+    allowed = {same_training(t) for t in completed(study)
                if t.user_attrs.get("kind") == REPAIR
                and int(t.user_attrs.get("repair_round", 0)) <= spec.confirm_repairs}
     extra = [t for t in admissible(study, spec.tolerance)
-             if _same_training(t) in allowed - have]
+             if same_training(t) in allowed - have]
     return sorted(plain + extra, key=_rank)
 
 
@@ -169,8 +169,8 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
            "mean_degradation": sum(degrs) / len(degrs), "bound95": bound,
            "traffic_mean": sum(traffic) / len(traffic)}
     if t.user_attrs.get("kind") == REPAIR:
-        out["repair"] = {k: t.user_attrs[f"repair_{k}" if k != "region" else k]
-                         for k in ("of", "round", "region")}
+        a = t.user_attrs
+        out["repair"] = {"of": a["repair_of"], "round": a["repair_round"], "region": a["region"]}
     return out
 
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from nfabric_cli.calibration.choice import REPAIR, candidates, config_of, verdicts
-from nfabric_cli.calibration.space import Config, routing_key
+from nfabric_cli.calibration.choice import REPAIR, candidates, config_of, same_training, verdicts
+from nfabric_cli.calibration.space import Config
 from nfabric_cli.calibration.spec import CalibrationSpec
 
 if TYPE_CHECKING:
@@ -61,6 +61,11 @@ def _repairs(study: optuna.Study) -> list[FrozenTrial]:
     return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("kind") == REPAIR]
 
 
+def _live_keys(repairs: list[FrozenTrial]) -> set[str]:
+    """Configurations of `repairs` that exist or will train."""
+    return {t.user_attrs.get("key") for t in repairs if t.state in LIVE}
+
+
 def due(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
         reference: dict[str, Any]) -> tuple[int, FrozenTrial] | None:
     """(round, the trial it repairs) when a round is due: the last one's repairs are not all
@@ -72,7 +77,7 @@ def due(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
         number = next(int(t.user_attrs["repair_of"]) for t in reps
                       if int(t.user_attrs["repair_round"]) == current)
         parent = next(t for t in study.get_trials(deepcopy=False) if t.number == number)
-        live = {t.user_attrs.get("key") for t in reps if t.state in LIVE}
+        live = _live_keys(reps)
         if waiting_repairs(study) or any(c.key() not in live for c in
                                          raised(config_of(parent, spec), spec).values()):
             return current, parent
@@ -82,10 +87,12 @@ def due(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool,
     found = verdicts(study, spec, higher_is_better, reference, tried)
     if any(v["status"] != "fails" for v in found):
         return None
-    round_of = {routing_key(t.user_attrs["key"]): int(t.user_attrs["repair_round"])
-                for t in reps}
+    # a candidate's round: its repair's, matched as `candidates` matches (a repair that reused a
+    # searched trial's result is that trial); a searched candidate's is 0
+    round_of = {same_training(t): int(t.user_attrs["repair_round"])
+                for t in reps if t.state == TrialState.COMPLETE}
     failed = [t for t in tried  # cheapest first
-              if round_of.get(routing_key(t.user_attrs["key"]), 0) == current
+              if round_of.get(same_training(t), 0) == current
               and raised(config_of(t, spec), spec)]
     return (current + 1, failed[0]) if failed else None
 
@@ -94,7 +101,7 @@ def enqueue_repairs(study: optuna.Study, spec: CalibrationSpec, number: int,
                     parent: FrozenTrial) -> list[str]:
     """Enqueue round `number`'s repairs of `parent` that the study does not hold live yet
     (another worker may have); the regions raised."""
-    live = {t.user_attrs.get("key") for t in _repairs(study) if t.state in LIVE}
+    live = _live_keys(_repairs(study))
     raises = raised(config_of(parent, spec), spec)
     for region, config in raises.items():
         if config.key() not in live:

@@ -41,6 +41,7 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from nfabric_cli.calibration import storage as _storage
+from nfabric_cli.calibration.choice import REPAIR
 
 COUNTED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED)
@@ -307,7 +308,7 @@ def counted(study: optuna.Study) -> list[FrozenTrial]:
 
 def budgeted(trials: list[FrozenTrial]) -> int:
     """How many of `trials` use the budget: all but confirmation's repairs (`repair.py`)."""
-    return sum(1 for t in trials if t.user_attrs.get("kind") != "repair")
+    return sum(1 for t in trials if t.user_attrs.get("kind") != REPAIR)
 
 
 def budget_reached(study: optuna.Study, budget: int, worker: Worker) -> bool:
@@ -324,7 +325,7 @@ def surplus(trials: list[FrozenTrial], trial: optuna.Trial, budget: int) -> bool
 
 
 #: what names an enqueued trial's job
-ENQUEUED_ID = {"sweep": "region", "derived": "key", "warm": "key", "repair": "key"}
+ENQUEUED_ID = {"sweep": "region", "derived": "key", "warm": "key", REPAIR: "key"}
 
 
 def duplicate_of(trials: list[FrozenTrial], trial: optuna.Trial, kind: str) -> int | None:
