@@ -29,6 +29,10 @@ them, moves a chaotic run that far). It also trains `static` N times from those 
 weights (`static+ulp`...): how far the monitor-less low-bit run lands from itself is the null
 for a profile-static pair (a hold or a trip perturbs *that* trajectory, and low-bit runs may
 be more or less chaotic than fp32's), so a worse pair is counted beyond static's noise too.
+A worse *faulted* pair is also counted as `absorbed` where the monitored run with the fault
+ends within the same margin of the clean profile arm: the fault cost the monitored run
+nothing, and the unmonitored run with the fault ended above the clean profile's end (the
+kind every worse pair of transformer.v12 at 4x is: docs/health.md).
 `--json` prints the cells and summary as JSON on stdout, and each cell's lines on stderr as it
 finishes (a matrix runs for tens of minutes).
 
@@ -181,7 +185,8 @@ def judge(cell: dict) -> dict:
     m = {arm: v["metric"] for arm, v in cell["arms"].items()}
     worse = WORSE[cell["higher_is_better"]]
     nulls = {verdict: _spread(m, arms, of) for verdict, (_, arms, of) in NULLS.items()}
-    out = {"worse": [], **{verdict: [] for verdict in NULLS}, "rescued": [], "not_rescued": [],
+    out = {"worse": [], **{verdict: [] for verdict in NULLS}, "absorbed": [], "rescued": [],
+           "not_rescued": [],
            **{NULLS[verdict][0]: null for verdict, null in nulls.items()},
            "pairs": 0, "vs_fp32": better(cell, m["profile"], m["fp32"])}
     out["within"] = _within(cell, out["vs_fp32"])
@@ -193,6 +198,8 @@ def judge(cell: dict) -> dict:
             for verdict, null in nulls.items():
                 if null is not None and -gap > null:
                     out[verdict].append("profile" + suffix)
+            if suffix and better(cell, m["profile" + suffix], m["profile"]) >= -worse:
+                out["absorbed"].append("profile" + suffix)
         if suffix:
             static_ok = _within(cell, better(cell, m["static" + suffix], m["fp32"]))
             profile_ok = _within(cell, better(cell, m["profile" + suffix], m["fp32"]))
@@ -224,13 +231,16 @@ def show(cell: dict, out: TextIO | None = None) -> None:
 
 
 def _beyond(v: dict) -> str:
-    """' (beyond noise: ...; beyond static's: ...)' after a cell's worse pairs."""
-    if not v["worse"] or v["noise"] is None:
-        return ""
-    said = [f"beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'}"]
+    """' (beyond noise: ...; beyond static's: ...; fault absorbed: ...)' after a cell's worse
+    pairs."""
+    said = []
+    if v["noise"] is not None:
+        said.append(f"beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'}")
     if v["static_noise"] is not None:
         said.append(f"beyond static's: {', '.join(v['worse_beyond_static_noise']) or 'none'}")
-    return f" ({'; '.join(said)})"
+    if v["absorbed"]:
+        said.append(f"fault absorbed: {', '.join(v['absorbed'])}")
+    return f" ({'; '.join(said)})" if v["worse"] and said else ""
 
 
 def summary(cells: list[dict]) -> dict:
@@ -245,6 +255,8 @@ def summary(cells: list[dict]) -> dict:
         **{verdict: (sum(len(v[verdict]) for v in verdicts)
                      if all(arms in c["arms"] for c in cells) else None)
            for verdict, (_, arms, _) in NULLS.items()},
+        # worse faulted pairs whose monitored run ended level with the clean profile arm
+        "worse_absorbed": sum(len(v["absorbed"]) for v in verdicts),
         "faults": sum(v["pairs"] - 1 for v in verdicts),
         "within_tolerance": sum(v["within"] for v in verdicts),
         # per workload: accuracy and val_loss differences are not one scale
@@ -330,6 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
                  f"; {total['worse_beyond_noise']} beyond their cell's noise")
               + ("" if total["worse_beyond_static_noise"] is None else
                  f", {total['worse_beyond_static_noise']} beyond static's own")
+              + f"; {total['worse_absorbed']} with the fault absorbed"
               + "); faults rescued "
               f"{total['rescued']} of {total['faults_needing_rescue']} that static lost "
               f"({total['faults']} injected); largest blow-up with no fault "

@@ -84,6 +84,32 @@ def test_robustness_counts_a_worse_pair_beyond_its_cells_noise_only() -> None:
     assert verdict["worse_beyond_noise"] == [] and verdict["worse_beyond_static_noise"] == ["profile"]
 
 
+def test_robustness_tells_a_fault_the_monitor_absorbed_from_one_it_let_through() -> None:
+    from bench.robustness import judge, summary
+
+    def cell(profile_spike: float) -> dict:
+        metrics = {"fp32": 0.9722, "static": 0.9667, "profile": 0.9667,
+                   "static+spike": 0.9750,  # the fault moved the unmonitored run up 0.83
+                   "profile+spike": profile_spike}
+        return {"workload": "transformer", "higher_is_better": True, "tolerance": 0.02,
+                "steps": 1200, "arms": {a: {"metric": m, "false_trip_steps": 0}
+                                        for a, m in metrics.items()}}
+
+    level = judge(cell(0.9694))  # 0.56 under static+spike, 0.28 over its own clean end
+    assert level["worse"] == ["profile+spike"] and level["absorbed"] == ["profile+spike"]
+    edge = judge(cell(0.9667 - 0.004))  # 0.4 points under the clean profile: still level
+    assert edge["absorbed"] == ["profile+spike"]
+    hurt = judge(cell(0.9667 - 0.0056))  # 0.56 under its own clean end: the fault got through
+    assert hurt["worse"] == ["profile+spike"] and hurt["absorbed"] == []
+    better_than_static = judge(cell(0.9778))  # not worse: nothing to absorb
+    assert better_than_static["worse"] == [] and better_than_static["absorbed"] == []
+    clean_worse = cell(0.9750)
+    clean_worse["arms"]["static"]["metric"] = 0.9778  # the clean pair is worse: never absorbed
+    assert judge(clean_worse)["worse"] == ["profile"] and judge(clean_worse)["absorbed"] == []
+    total = summary([cell(0.9694), cell(0.9611), cell(0.9778)])
+    assert (total["worse"], total["worse_absorbed"]) == (2, 1)
+
+
 def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
     from bench.robustness import judge, max_blowup, summary
 
