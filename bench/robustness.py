@@ -30,7 +30,8 @@ weights (`static+ulp`...): how far the monitor-less low-bit run lands from itsel
 for a profile-static pair (a hold or a trip perturbs *that* trajectory, and low-bit runs may
 be more or less chaotic than fp32's), so a worse pair is counted beyond static's noise too.
 A worse *faulted* pair is also counted as `absorbed` where the monitored run with the fault
-ends within the same margin of the clean profile arm: the fault cost the monitored run
+ends no more than that margin below the clean profile arm (level with it or above): the fault
+cost the monitored run
 nothing, and the unmonitored run with the fault ended above the clean profile's end (the
 kind every worse pair of transformer.v12 at 4x is: docs/health.md).
 `--json` prints the cells and summary as JSON on stdout, and each cell's lines on stderr as it
@@ -236,8 +237,8 @@ def _beyond(v: dict) -> str:
     said = []
     if v["noise"] is not None:
         said.append(f"beyond noise: {', '.join(v['worse_beyond_noise']) or 'none'}")
-    if v["static_noise"] is not None:
-        said.append(f"beyond static's: {', '.join(v['worse_beyond_static_noise']) or 'none'}")
+        if v["static_noise"] is not None:
+            said.append(f"beyond static's: {', '.join(v['worse_beyond_static_noise']) or 'none'}")
     if v["absorbed"]:
         said.append(f"fault absorbed: {', '.join(v['absorbed'])}")
     return f" ({'; '.join(said)})" if v["worse"] and said else ""

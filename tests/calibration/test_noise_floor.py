@@ -108,6 +108,14 @@ def test_robustness_tells_a_fault_the_monitor_absorbed_from_one_it_let_through()
     assert judge(clean_worse)["worse"] == ["profile"] and judge(clean_worse)["absorbed"] == []
     total = summary([cell(0.9694), cell(0.9611), cell(0.9778)])
     assert (total["worse"], total["worse_absorbed"]) == (2, 1)
+    # lower is better (lm, nats; margin 0.01): 0.02 over static+spike, 0.005 over its clean end
+    lm = {"workload": "lm", "higher_is_better": False, "tolerance": 0.05, "steps": 600,
+          "arms": {a: {"metric": m} for a, m in {"fp32": 1.70, "static": 1.73, "profile": 1.73,
+                                                   "static+spike": 1.715,
+                                                   "profile+spike": 1.735}.items()}}
+    assert judge(lm)["worse"] == ["profile+spike"] and judge(lm)["absorbed"] == ["profile+spike"]
+    lm["arms"]["profile+spike"]["metric"] = 1.745  # 0.015 nats over its clean end: let through
+    assert judge(lm)["worse"] == ["profile+spike"] and judge(lm)["absorbed"] == []
 
 
 def test_robustness_judges_clean_only_cells_and_the_tolerance_of_fp32() -> None:
