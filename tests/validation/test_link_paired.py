@@ -169,7 +169,16 @@ def test_every_arm_trains_its_blocks_in_the_same_ranks() -> None:
            "gate": "measure", "arms": ["fp32", "static", "profile", "unprobed", "static#2"],
            "rounds": 2, "block": 3}
     out = run_function_ranks(_rank, 2, cfg)
-    assert out[0] == out[1]  # the slowest rank's time per step, agreed
+    assert out[0]["times"] == out[1]["times"]  # the slowest rank's time per step, agreed
+
+    def agreed(events: list[dict]) -> list[dict]:  # what every rank decided, less who logged it
+        return [{k: v for k, v in e.items() if k != "rank"} for e in events]
+
+    # the gate's probe may decide inside these 6 steps or not (it times them): when it does,
+    # both ranks log the same decision, each under its own rank
+    for kind in ("probe", "monitor"):
+        assert agreed(out[0][kind]) == agreed(out[1][kind])
+        assert all(e["rank"] == r for r in (0, 1) for e in out[r][kind] if "rank" in e)
     assert {k: len(v) for k, v in out[0]["times"].items()} == {
         "fp32": 6, "static": 6, "profile": 6, "unprobed": 6, "static#2": 6}
     assert all(t > 0 for v in out[0]["times"].values() for t in v)
