@@ -31,9 +31,8 @@ for a profile-static pair (a hold or a trip perturbs *that* trajectory, and low-
 be more or less chaotic than fp32's), so a worse pair is counted beyond static's noise too.
 A worse *faulted* pair is also counted as `absorbed` where the monitored run with the fault
 ends no more than that margin below the clean profile arm (level with it or above): the fault
-cost the monitored run
-nothing, and the unmonitored run with the fault ended above the clean profile's end (the
-kind every worse pair of transformer.v12 at 4x is: docs/health.md).
+cost the monitored run nothing, and the unmonitored run with the fault ended above the clean
+profile's end (the kind every worse pair of transformer.v12 at 4x is: docs/health.md).
 `--json` prints the cells and summary as JSON on stdout, and each cell's lines on stderr as it
 finishes (a matrix runs for tens of minutes).
 
@@ -256,7 +255,7 @@ def summary(cells: list[dict]) -> dict:
         **{verdict: (sum(len(v[verdict]) for v in verdicts)
                      if all(arms in c["arms"] for c in cells) else None)
            for verdict, (_, arms, _) in NULLS.items()},
-        # worse faulted pairs whose monitored run ended level with the clean profile arm
+        # worse faulted pairs whose monitored run ended level with the clean profile arm or above
         "worse_absorbed": sum(len(v["absorbed"]) for v in verdicts),
         "faults": sum(v["pairs"] - 1 for v in verdicts),
         "within_tolerance": sum(v["within"] for v in verdicts),
