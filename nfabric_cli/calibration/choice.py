@@ -97,9 +97,8 @@ def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
     have = {same_training(t) for t in plain}
     allowed = {same_training(t) for t in completed(study)
                if t.user_attrs.get("kind") == REPAIR
-               and int(t.user_attrs.get("repair_round", 0)) <= spec.confirm_repairs}
-    extra = [t for t in admissible(study, spec.tolerance)
-             if same_training(t) in allowed - have]
+               and int(t.user_attrs.get("repair_round", 0)) <= spec.confirm_repairs} - have
+    extra = [t for t in admissible(study, spec.tolerance) if same_training(t) in allowed]
     return sorted(plain + extra, key=_rank)
 
 

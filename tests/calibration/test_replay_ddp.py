@@ -18,7 +18,7 @@ from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.ranks.loop import train_workload
 from nfabric_cli.runtime.attach import attach_with
 from tests.calibration.tiny import TinyWorkload
-from tests.distutil import run_ranks
+from tests.distutil import agreed, run_ranks
 
 #: DDP's bucket cap (MB): the first step reduces one bucket of 4276 elements, later steps the
 #: rebuilt ones of 3316 and 960.
@@ -75,8 +75,7 @@ def _arms(rank: int, size: int) -> dict[tuple[str, int], dict]:
         out[arm, world] = {
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "losses": losses,
-            "events": [] if state is None else
-            [{k: v for k, v in e.items() if k != "rank"} for e in state.events],
+            "events": [] if state is None else agreed(state.events),
         }
         if state is not None:
             state.close()

@@ -22,7 +22,7 @@ from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, tiny_spec
 from tests.calibration.tiny import TinyBNWorkload, TinyQuirksWorkload
-from tests.distutil import run_ranks
+from tests.distutil import agreed, run_ranks
 
 STEPS, SEED = 4, 3
 
@@ -71,7 +71,7 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
     return {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
         "fraction": state.meter.fraction(include_control=False),
-        "events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events],
+        "events": agreed(state.events),
         "metric": wl.evaluate(model),
     }
 
@@ -313,7 +313,7 @@ def _glyphs_worker(rank: int, world: int, steps: int, case: str) -> dict:
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "fraction": state.meter.fraction(include_control=False),
             "verdicts": {len(names): v.admit for (names, _), v in state.gate.decided().items()},
-            "events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events]}
+            "events": agreed(state.events)}
 
 
 @pytest.mark.parametrize("case", list(GATE_CASES))

@@ -16,7 +16,7 @@ from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.routes import RouteSpec, make_route
 from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.inject import parse_injections
-from tests.distutil import run_ranks
+from tests.distutil import agreed, run_ranks
 from tests.runtime.models import batch, make_model, train_steps
 
 
@@ -238,8 +238,7 @@ def test_injected_nan_neutralises_step_and_a_repeat_falls_back_on_every_rank(
         # the lone NaN at 2 is only neutralised; the second within the window falls back
         assert steps == [(2, "all", "skipped"), (3, "all", "fp32"), (3, "all", "skipped")]
         assert set(r["routes"].values()) == {"fp32"}  # still cooling down at step 6
-    strip = lambda evs: [{k: v for k, v in e.items() if k != "rank"} for e in evs]  # noqa: E731
-    assert strip(out[0]["events"]) == strip(out[1]["events"])
+    assert agreed(out[0]["events"]) == agreed(out[1]["events"])
 
 
 def _spike_worker(rank: int, world: int) -> list:
@@ -257,7 +256,7 @@ def _spike_worker(rank: int, world: int) -> list:
         loss.backward()
         opt.step()
     state.close()
-    return [{k: v for k, v in e.items() if k != "rank"} for e in state.events]
+    return agreed(state.events)
 
 
 def test_ranks_switch_at_the_same_step_from_different_local_losses(two_ranks: list[dict]) -> None:

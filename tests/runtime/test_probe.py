@@ -18,7 +18,7 @@ from nfabric_cli.runtime.attach import attach_with
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.probe import FP32, LOWBIT, PROBE_ON, WARMUP, MeasuredAdmission, ProbeStep
-from tests.distutil import run_ranks
+from tests.distutil import agreed, run_ranks
 from tests.runtime.models import make_model, train_steps
 
 PHASE = "all"
@@ -352,8 +352,7 @@ def _measured_run(rank: int, world: int, nan_at: int | None = None,
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     state.close()
     frame = state.traffic_frame()
-    return {"events": [{k: v for k, v in e.items() if k != "rank"} for e in state.events
-                       if e.get("from") == "probe"],
+    return {"events": agreed(e for e in state.events if e.get("from") == "probe"),
             "skipped": state.skipped_steps, "weights": weights,
             "control_steps": sorted(set(frame[frame.route == "control"].step)),
             "sign_steps": sorted(set(frame[frame.route == "sign/sharded"].step))}

@@ -20,6 +20,7 @@ from bench.link_paired import (
     round_orders,
 )
 from nfabric_cli.ranks.functions import run_function_ranks
+from tests.distutil import agreed
 
 
 def test_rounds_leave_out_each_arms_first_step_and_ratios_are_per_round(capsys) -> None:
@@ -170,9 +171,6 @@ def test_every_arm_trains_its_blocks_in_the_same_ranks() -> None:
            "rounds": 2, "block": 3}
     out = run_function_ranks(_rank, 2, cfg)
     assert out[0]["times"] == out[1]["times"]  # the slowest rank's time per step, agreed
-
-    def agreed(events: list[dict]) -> list[dict]:  # what every rank decided, less who logged it
-        return [{k: v for k, v in e.items() if k != "rank"} for e in events]
 
     # the gate's probe may decide inside these 6 steps or not (it times them): when it does,
     # both ranks log the same decision, each under its own rank
