@@ -40,6 +40,7 @@ from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.guard import Held, UpdateGuard
 from nfabric_cli.runtime.health import (
     ALL,
+    BLOWUP,
     HealthMonitor,
     HealthThresholds,
     StepStats,
@@ -103,6 +104,7 @@ class StepController:
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
                                  thresholds.update_cap)
+        self.blowup_cap = thresholds.blowup_cap  # 0: a blow-up's step is held at update_cap
         if gate not in (True, False, "measure"):
             raise InputError(f"gate: True, False or 'measure', got {gate!r}")
         self.gate = CapacityGate(bindings.meta.get("substrate"), world_size, enabled=bool(gate),
@@ -230,7 +232,10 @@ class StepController:
                 scope = self.region(name)
                 sums[scope] = sums.get(scope, 0.0) + update_norms[name] ** 2
         norms = {s: math.sqrt(v) for s, v in sums.items()}
-        held = self.guard.judge(norms, scopes, skipped)
+        # the step a blow-up is detected in a scope is held to about one healthy update
+        caps = {s: self.blowup_cap for s, reason in why.items()
+                if self.blowup_cap > 0 and reason.startswith(BLOWUP)}
+        held = self.guard.judge(norms, scopes, skipped, caps)
         self._holding &= scopes  # a scope released by the monitor logs its next hold again
         for h in held:
             self.held.append((step, h.scope, h.factor))
@@ -240,7 +245,7 @@ class StepController:
                 cause = f" for {why[h.scope]}{kept}" if h.scope in why else ""
                 self.log({"step": step, "scope": h.scope, "from": "update", "to": "held",
                           "reason": f"update norm {h.norm:.3g} held to {h.cap:.3g} "
-                                    f"({self.guard.cap:g} x median of healthy updates){cause}; "
+                                    f"({h.multiple:g} x median of healthy updates){cause}; "
                                     "every held step is scaled down likewise"})
         return held
 

@@ -13,7 +13,8 @@ decision):
 - the scope is held (tripped this step, cooling down, on probation or pinned) and its window
   holds at least `min_history` norms: the update is scaled down to ``update_cap * median``
   when larger (never up; the default cap, 2, sits above the healthy updates' own spread, so
-  an ordinary update passes and a spike does not);
+  an ordinary update passes and a spike does not); on the step a blow-up is detected in the
+  scope the caller may pass a cap of its own (`blowup_cap`, 1: about one healthy update);
 - otherwise the step's update norm joins the scope's window (a skipped, non-finite step's
   never does), so the median is always that of healthy, profile-routed updates.
 
@@ -38,6 +39,7 @@ class Held:
     factor: float  # what the update was multiplied by (< 1)
     norm: float  # its norm before
     cap: float  # the norm it was held to
+    multiple: float  # cap / the median of the scope's healthy updates
 
 
 class UpdateGuard:
@@ -49,10 +51,13 @@ class UpdateGuard:
         self._windows: dict[str, deque[float]] = {s: deque(maxlen=window) for s in scopes}
 
     def judge(
-        self, norms: Mapping[str, float], held: Iterable[str], skipped: bool
+        self, norms: Mapping[str, float], held: Iterable[str], skipped: bool,
+        caps: Mapping[str, float] | None = None,
     ) -> list[Held]:
-        """The scale-downs for one step's update norms (per scope) given the held scopes;
-        records the healthy norms. Returns one `Held` per scope scaled, in scope order."""
+        """The scale-downs for one step's update norms (per scope) given the held scopes and,
+        for some of them, a cap of their own (x median, in place of `cap`); records the
+        healthy norms. Returns one `Held` per scope scaled, in scope order."""
+        caps = caps or {}
         if skipped:
             return []
         held = set(held)
@@ -66,9 +71,10 @@ class UpdateGuard:
                 continue
             if self.cap <= 0 or len(window) < self.min_history:
                 continue
-            cap = self.cap * statistics.median(window)
+            multiple = caps.get(scope, self.cap)
+            cap = multiple * statistics.median(window)
             if norm > cap > 0:
-                out.append(Held(scope, cap / norm, norm, cap))
+                out.append(Held(scope, cap / norm, norm, cap, multiple))
         return out
 
     def state_dict(self) -> dict[str, Any]:

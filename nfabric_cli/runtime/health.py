@@ -58,7 +58,7 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.routes.spec import ROUTE_NAMES
 from nfabric_cli.runtime.thresholds import HealthThresholds
 
-__all__ = ["ALL", "SPIKE", "HealthEvent", "HealthMonitor", "HealthThresholds", "StepStats",
+__all__ = ["ALL", "BLOWUP", "SPIKE", "HealthEvent", "HealthMonitor", "HealthThresholds", "StepStats",
            "absent_scopes"]
 
 #: The scope name that stands for every scope at once.
@@ -107,6 +107,8 @@ _GUARD = "guard"
 _COLLAPSE = "grad-norm collapse"
 #: How a loss spike's detection reason starts (`calibration/quiet.py` reads them).
 SPIKE = "loss spike"
+#: How a gradient-norm blow-up's detection reason starts (the controller caps its step).
+BLOWUP = "grad-norm blow-up"
 
 
 @dataclass
@@ -321,7 +323,7 @@ class HealthMonitor:
                 floor = self._floor(scope, t.grad_blowup_floor)
                 # held in place by the guard, unless told to trip or there is no guard
                 trips = t.grad_blowup_trips or t.update_cap <= 0
-                blowup = (_TRIP if trips else _GUARD, f"grad-norm blow-up {ratio:.1f}x median")
+                blowup = (_TRIP if trips else _GUARD, f"{BLOWUP} {ratio:.1f}x median")
                 over = self._over_loss(ratio, loss)
                 if over <= t.grad_blowup:  # the batch's loss rose with it: a hard batch
                     verdicts.append((_UNHEALTHY, ""))

@@ -70,6 +70,14 @@ class HealthThresholds:
     healthy_to_readmit: int = 5  # consecutive healthy checks after cooldown to re-admit
     max_trips: int = 3  # trips of a scope within a phase; then pinned FP32 for the phase
     update_cap: float = 2.0  # a held scope's update norm <= update_cap * its healthy median (0: off)
+    # ... and on the step a blow-up is detected in a scope, its update norm <= blowup_cap * the
+    # median. That one step's size is what the fault made it: a clean update is about the
+    # median's size, so 1 delivers about one healthy step where update_cap's 2 lets twice one
+    # through (vision.v12, seed 5, 300 steps, two ranks, an injected x1e3 spike: 0.9611 held at
+    # 2x, 0.9750 at 1x, 0.9722 with no fault; docs/health.md). update_cap stays 2 for the steps
+    # a scope is held after: under AdamW a long hold at 1x barely learns. 0: the blow-up's step
+    # is held at update_cap like any held step, the rule of profiles calibrated before it
+    blowup_cap: float = 1.0
     # Non-finite steps within `window` steps that trip "all" to fp32; fewer are only skipped
     # (zeroed on every rank, as AMP's GradScaler skips an overflowing step). A lone NaN says
     # nothing about the routes (they never encode one), and falling back for it cost up to
@@ -112,6 +120,7 @@ class HealthThresholds:
             ("healthy_to_readmit", self.healthy_to_readmit >= 1, ">= 1"),
             ("max_trips", self.max_trips >= 1, ">= 1"),
             ("update_cap", self.update_cap >= 0, ">= 0 (0 turns the update guard off)"),
+            ("blowup_cap", self.blowup_cap >= 0, ">= 0 (0: held at update_cap)"),
             ("nonfinite_repeat", self.nonfinite_repeat >= 1, ">= 1"),
             ("loss_spike_repeat", self.loss_spike_repeat >= 1, ">= 1"),
         ]
@@ -147,7 +156,7 @@ class HealthThresholds:
 
 
 #: Thresholds added after profiles were calibrated, at the value that keeps the older rule.
-PREDATED: dict[str, Any] = {"grad_blowup_per_loss": 0}
+PREDATED: dict[str, Any] = {"grad_blowup_per_loss": 0, "blowup_cap": 0}
 
 
 def _is_finite_number(value: Any) -> bool:

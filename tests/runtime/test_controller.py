@@ -96,6 +96,36 @@ def test_a_blowup_on_a_hard_batch_is_not_held_unless_the_profile_predates_the_ru
         assert [e["to"] for e in log] == (["held"] if held else [])
 
 
+@pytest.mark.parametrize("blowup_cap, first", [(1.0, 1.0), (0.0, 2.0), (1.5, 1.5)])
+def test_a_blowups_own_step_is_held_to_blowup_cap_and_the_steps_held_after_to_update_cap(
+        blowup_cap: float, first: float):
+    """The step a blow-up is detected on leaves the hook at `blowup_cap` x the healthy median
+    (1: about one healthy update); the steps its scope is held after (tripped here,
+    `grad_blowup_trips` 1) at `update_cap` (2). `blowup_cap` 0, the rule of profiles calibrated
+    before it, holds the blow-up's step at `update_cap` too."""
+    c, log = controller(update_cap=2.0, blowup_cap=blowup_cap)
+    for u in [1.0, 1.2, 0.8, 1.1, 0.9, 1.0]:  # median 1.0
+        step(c, 1.0, 1.0, u)
+    d = step(c, 1.0, 50.0, 30.0)
+    assert 30.0 * d.scales["*"] == pytest.approx(first, rel=1e-12)
+    (held,) = [e for e in log if e["to"] == "held"]
+    assert held["reason"].startswith(f"update norm 30 held to {first:g} ({first:g} x median")
+    assert c.effective("body.weight").name == "fp32"  # held after, on fp32
+    d = step(c, 1.0, 1.0, 5.0)
+    assert 5.0 * d.scales["*"] == pytest.approx(2.0, rel=1e-12)
+
+
+def test_a_loss_spikes_hold_is_capped_at_update_cap_not_blowup_cap():
+    """A loss spike holds every scope's update at `update_cap`: `blowup_cap` is the blow-up's."""
+    c, log = controller(update_cap=2.0, blowup_cap=1.0, loss_spike_z=0.0, loss_spike_floor=0.0)
+    for u, loss in zip([1.0, 1.2, 0.8, 1.1, 0.9, 1.0], [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]):
+        step(c, loss, 1.0, u)
+    d = step(c, 10.0, 1.0, 30.0)  # the loss 10x its median, the gradient norm as before
+    ((_, scope, why),) = c.monitor.detections
+    assert scope == "all" and why.startswith("loss spike 10.0x median")
+    assert 30.0 * d.scales["*"] == pytest.approx(2.0, rel=1e-12)
+
+
 def test_a_scope_no_rank_used_is_neither_held_nor_in_the_guards_window():
     """DDP leaves the parameters of a scope no rank used untouched, so there is no update to
     hold, and its norm (a low-bit route's output for zeros) is not a healthy update."""

@@ -469,6 +469,19 @@ def test_a_profile_keeps_the_blowup_rule_it_was_proven_with():
     assert HealthThresholds.from_dict({"cooldown": 3}).grad_blowup_per_loss == 1
 
 
+def test_a_profile_keeps_the_cap_its_blowups_were_held_at():
+    """`blowup_cap` came after the reference profiles were calibrated: one that lacks it holds
+    a blow-up's step at `update_cap` (0), as when it was proven; the default is 1."""
+    stored = HealthThresholds().to_dict()
+    del stored["blowup_cap"]
+    old = {"health": stored, "provenance": {"source": "calibrate"}}
+    assert HealthThresholds.from_profile(old) == HealthThresholds(blowup_cap=0)
+    assert HealthThresholds().blowup_cap == 1
+    assert HealthThresholds.from_profile({"health": stored}).blowup_cap == 1
+    with pytest.raises(InputError, match="^health threshold blowup_cap must be >= 0"):
+        HealthThresholds(blowup_cap=-1)
+
+
 def test_with_the_update_guard_off_a_blowup_trips():
     """`update_cap` 0: nothing would hold a blow-up in place, so it trips the scope."""
     m = make_monitor(grad_blowup_trips=0, update_cap=0.0)
