@@ -64,6 +64,7 @@ from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.store import read_profile, resolve_profile
+from nfabric_cli.runtime.health import BLOWUP
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.thresholds import HealthThresholds
 from nfabric_cli.validation.run import default_steps
@@ -161,7 +162,7 @@ def run_cell(name: str, seed: int, steps: int, world: int, noise: int = 0,
     return cell
 
 
-_BLOWUP = re.compile(r"grad-norm blow-up ([0-9.]+)x median")
+_BLOWUP = re.compile(re.escape(BLOWUP) + r" ([0-9.]+)x median")
 
 
 def max_blowup(detections: list[tuple[int, str, str]]) -> float | None:

@@ -118,7 +118,7 @@ def test_a_blowups_own_step_is_held_to_blowup_cap_and_the_steps_held_after_to_up
 def test_a_loss_spikes_hold_is_capped_at_update_cap_not_blowup_cap():
     """A loss spike holds every scope's update at `update_cap`: `blowup_cap` is the blow-up's."""
     c, log = controller(update_cap=2.0, blowup_cap=1.0, loss_spike_z=0.0, loss_spike_floor=0.0)
-    for u, loss in zip([1.0, 1.2, 0.8, 1.1, 0.9, 1.0], [1.0, 1.1, 0.9, 1.0, 1.05, 0.95]):
+    for u, loss in zip([1.0, 1.2, 0.8, 1.1, 0.9, 1.0], [1.0, 1.1, 0.9, 1.0, 1.05, 0.95], strict=True):
         step(c, loss, 1.0, u)
     d = step(c, 10.0, 1.0, 30.0)  # the loss 10x its median, the gradient norm as before
     ((_, scope, why),) = c.monitor.detections
