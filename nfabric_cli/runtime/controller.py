@@ -103,8 +103,7 @@ class StepController:
             if all(b.routes[p.name].name == "fp32" for b in bindings.params.values()))
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
-                                 thresholds.update_cap)
-        self.blowup_cap = thresholds.blowup_cap  # 0: a blow-up's step is held at update_cap
+                                 thresholds.update_cap, thresholds.blowup_cap)
         if gate not in (True, False, "measure"):
             raise InputError(f"gate: True, False or 'measure', got {gate!r}")
         self.gate = CapacityGate(bindings.meta.get("substrate"), world_size, enabled=bool(gate),
@@ -232,10 +231,8 @@ class StepController:
                 scope = self.region(name)
                 sums[scope] = sums.get(scope, 0.0) + update_norms[name] ** 2
         norms = {s: math.sqrt(v) for s, v in sums.items()}
-        # the step a blow-up is detected in a scope is held to about one healthy update
-        caps = {s: self.blowup_cap for s, reason in why.items()
-                if self.blowup_cap > 0 and reason.startswith(BLOWUP)}
-        held = self.guard.judge(norms, scopes, skipped, caps)
+        blowups = [s for s, reason in why.items() if reason.startswith(BLOWUP)]
+        held = self.guard.judge(norms, scopes, skipped, blowups)
         self._holding &= scopes  # a scope released by the monitor logs its next hold again
         for h in held:
             self.held.append((step, h.scope, h.factor))

@@ -14,7 +14,7 @@ decision):
   holds at least `min_history` norms: the update is scaled down to ``update_cap * median``
   when larger (never up; the default cap, 2, sits above the healthy updates' own spread, so
   an ordinary update passes and a spike does not); on the step a blow-up is detected in the
-  scope the caller may pass a cap of its own (`blowup_cap`, 1: about one healthy update);
+  scope, to ``blowup_cap * median`` instead (1: about one healthy update; 0: ``update_cap``);
 - otherwise the step's update norm joins the scope's window (a skipped, non-finite step's
   never does), so the median is always that of healthy, profile-routed updates.
 
@@ -45,22 +45,23 @@ class Held:
 class UpdateGuard:
     """Per-scope windows of healthy update norms; see the module docstring."""
 
-    def __init__(self, scopes: Iterable[str], window: int, min_history: int, cap: float) -> None:
+    def __init__(self, scopes: Iterable[str], window: int, min_history: int, cap: float,
+                 blowup_cap: float = 0.0) -> None:
         self.cap = float(cap)
+        self.blowup_cap = float(blowup_cap) or self.cap  # 0: a blow-up's step at `cap` too
         self.min_history = int(min_history)
         self._windows: dict[str, deque[float]] = {s: deque(maxlen=window) for s in scopes}
 
     def judge(
         self, norms: Mapping[str, float], held: Iterable[str], skipped: bool,
-        caps: Mapping[str, float] | None = None,
+        blowups: Iterable[str] = (),
     ) -> list[Held]:
-        """The scale-downs for one step's update norms (per scope) given the held scopes and,
-        for some of them, a cap of their own (x median, in place of `cap`); records the
-        healthy norms. Returns one `Held` per scope scaled, in scope order."""
-        caps = caps or {}
+        """The scale-downs for one step's update norms (per scope) given the held scopes and
+        those a blow-up was detected in this step (held at `blowup_cap`); records the healthy
+        norms. Returns one `Held` per scope scaled, in scope order."""
         if skipped:
             return []
-        held = set(held)
+        held, blowups = set(held), set(blowups)
         out = []
         for scope, window in self._windows.items():
             norm = norms.get(scope)
@@ -71,7 +72,7 @@ class UpdateGuard:
                 continue
             if self.cap <= 0 or len(window) < self.min_history:
                 continue
-            multiple = caps.get(scope, self.cap)
+            multiple = self.blowup_cap if scope in blowups else self.cap
             cap = multiple * statistics.median(window)
             if norm > cap > 0:
                 out.append(Held(scope, cap / norm, norm, cap, multiple))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from nfabric_cli.binding import compile_profile, on_route
-from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.calibration.simulate import SimResult, simulate_run
+from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.store import read_profile
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.workloads.registry import get_workload
@@ -58,9 +59,9 @@ V12_SEED, V12_STEPS, V12_WORLD = 5, 300, 2  # a proven cell at the tolerance's e
 
 
 @pytest.fixture(scope="module")
-def held_at() -> dict[float, object]:
-    """vision.v12's cell (seed 5, 300 steps, two ranks), rank 1's gradients x1e3 at 40 % of
-    the run, with a blow-up's own step held at 2x (`blowup_cap` 0: the profile's own rule,
+def held_at() -> tuple[OperatingProfile, dict[float, SimResult]]:
+    """vision.v12 and its cell (seed 5, 300 steps, two ranks), rank 1's gradients x1e3 at 40 %
+    of the run, with a blow-up's own step held at 2x (`blowup_cap` 0: the profile's own rule,
     `update_cap`) and at 1x the healthy median (`blowup_cap` 1)."""
     wl = get_workload("vision")
     profile = read_profile(V12)
@@ -72,21 +73,22 @@ def held_at() -> dict[float, object]:
         out[cap] = simulate_run(wl, bindings, V12_WORLD, V12_STEPS, V12_SEED,
                                 checkpoints=(V12_STEPS,),
                                 injections=(Injection("spike", 2 * V12_STEPS // 5, 1),))
-    return out
+    return profile, out
 
 
 def test_a_blowups_own_step_held_to_one_healthy_update_keeps_the_run_in_tolerance(held_at):
     """Held at 2x, the spike's step moved the run 3.1 points under fp32 (tolerance 2): the
     one fault `bench.robustness` found not rescued on vision. Held to 1x it ends no more than
     one test image under its clean cell. Both hold the one step the spike is detected on."""
-    (cell,) = [c for c in read_profile(V12).meta["proven"]["cells"]
+    profile, held_at = held_at
+    (cell,) = [c for c in profile.meta["proven"]["cells"]
                if (c["seed"], c["steps"], c["world_size"]) == (V12_SEED, V12_STEPS, V12_WORLD)]
-    tolerance = read_profile(V12).meta["target"]["tolerance"]
+    tolerance = profile.meta["target"]["tolerance"]
     one_image = 1 / 360  # the digits test split
     assert held_at[0.0].metric < cell["reference"] - tolerance
     assert held_at[1.0].metric >= cell["metric"] - one_image
     assert held_at[1.0].metric >= cell["reference"] - tolerance
-    update_cap = read_profile(V12).meta["health"]["update_cap"]  # 2
+    update_cap = profile.meta["health"]["update_cap"]  # 2
     for cap, run in held_at.items():
         held = [e for e in run.events if e["to"] == "held"]
         assert {e["step"] for e in held} == {2 * V12_STEPS // 5}
