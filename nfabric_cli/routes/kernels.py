@@ -166,13 +166,18 @@ class Kernels:
 
     # -- sign -----------------------------------------------------------------------------
     def sign_encode(
-        self, x: torch.Tensor, layout: ChunkLayout, bits: bool = True, up: bool = False
+        self, x: torch.Tensor, layout: ChunkLayout, bits: bool = True, up: bool = False,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(per-chunk mean |x|, packed bits of x > 0, or x >= 0 with `up`, or None) in one
-        visit per chunk."""
+        visit per chunk; the bits into the first bytes of `out` (uint8) when given."""
         n, blocks = x.numel(), _blocks(layout)
         scales = torch.empty(layout.nchunks)
-        packed = torch.empty((n + 7) // 8, dtype=torch.uint8) if bits else None
+        packed = None
+        if bits:
+            nbytes = (n + 7) // 8
+            packed = (torch.empty(nbytes, dtype=torch.uint8) if out is None
+                      else _need(out, nbytes, "sign bits")[:nbytes])
         self.lib.nf_sign_encode(_src(x, layout).data_ptr(), n, blocks.data_ptr(), len(layout.blocks),
                                 scales.data_ptr(), _ptr(packed), int(up))
         return scales, packed

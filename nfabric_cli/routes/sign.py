@@ -59,15 +59,15 @@ class SignRoute(CodeRoute):
         self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,
         out: torch.Tensor | None = None,
     ) -> Payload:
-        """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`); the
-        bits are new memory (`out` is not used)."""
+        """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`), the bits
+        into `out` when given (the exchange's wire buffer: no copy, no fresh pages)."""
         k = kernels.native(x)
         if k is None:
-            return super().encode(x, segments, noise)
+            return super().encode(x, segments, noise, out)
         x = check_input(x).float()
         segs = check_segments(x.numel(), segments)
         scales, bits = k.sign_encode(x, chunk_layout(segs, self.spec.effective_chunk),
-                                     up=_zeros_up(noise))
+                                     up=_zeros_up(noise), out=out)
         return Payload(bits, scales, x.numel(), segs)
 
     def combine(

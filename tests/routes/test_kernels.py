@@ -136,6 +136,25 @@ def test_native_matches_torch_bit_for_bit(
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["sign", "int8", "int4"])
+def test_encode_writes_its_codes_into_out(isa: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given `out` (the exchange's wire buffer), the native encode writes the same codes
+    there, in place, and leaves the bytes after them alone."""
+    monkeypatch.setenv(kernels.ISA_ENV, isa)
+    _variant(isa)
+    route, segs = make_route(RouteSpec(name)), SEGMENTS[1]
+    x = _grads(sum(segs), 1, seed=7)[0]
+    for up in (ZeroVote(False), ZeroVote(True)):
+        ref = route.encode(x, segs, up)
+        out = torch.full((ref.codes.numel() + 5,), 0xAB, dtype=torch.uint8)
+        got = route.encode(x, segs, up, out)
+        assert got.codes.data_ptr() == out.data_ptr()
+        assert_same(got.codes, ref.codes, "codes")
+        assert_same(got.scales, ref.scales, "scales")
+        assert out[ref.codes.numel():].eq(0xAB).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("name", ["int8", "int4", "ternary", "sign"])
 def test_inf_and_nan_handled_alike(isa: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     segs = (6000, 3)
