@@ -225,17 +225,18 @@ class SimulatedDDP:
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)
         measure = self.controller.acting and not (self.controller.plain or gated_off)
-        self.ranks.step(step, plan, decide, measure=measure)
+        out = self.ranks.step(step, plan, decide, measure=measure)
         if not self.bindings.find_unused_parameters:
-            self._check_used(step)
+            self._check_used(step, out.used)
         if not gated_off:  # the buckets it laid out, as the hook records its worker steps'
             self.controller.priced(self._lowbit_buckets[key[0], key[2]])
         self.controller.advance(step)
 
-    def _check_used(self, step: int) -> None:
-        """A parameter some rank's graph left out fails real DDP at the next step unless it
-        finds unused parameters: say so here instead of simulating a run that cannot be had."""
-        unused = torch.nonzero(~self.ranks.used).tolist()
+    def _check_used(self, step: int, used: torch.Tensor) -> None:
+        """A parameter some rank's graph left out (`used`: the step's flags, per rank and
+        parameter) fails real DDP at the next step unless it finds unused parameters: say so
+        here instead of simulating a run that cannot be had."""
+        unused = torch.nonzero(~used).tolist()
         if unused:
             rank, i = unused[0]
             raise InputError(

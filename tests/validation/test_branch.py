@@ -4,11 +4,13 @@ simulator replays them: one that leaves parameters out of some steps' graphs
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import pytest
 
 from nfabric_cli.binding import compile_profile, on_route, static_profile
-from nfabric_cli.calibration.simulate import simulate_run
+from nfabric_cli.calibration.simulate import SimulatedDDP, simulate_run
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import write_profile
 from tests.validation.common import nfabric, summary
@@ -62,6 +64,31 @@ def test_a_branching_model_that_does_not_say_so_is_refused_by_the_simulator() ->
     with pytest.raises(InputError, match=r"^parameter b\.weight got no gradient on rank 0 at "
                                          r"step 0: DDP refuses that unless"):
         simulate_run(wl, bindings, 2, 4, SEED)
+
+
+def test_the_check_reads_its_own_steps_graph_while_children_compute_the_next(monkeypatch) -> None:
+    """With a process per rank, each child computes the next step's gradients as soon as a
+    step is done, and marks which parameters that step's graph used: the check must read the
+    step's own marks. Step 0 runs both ranks through expert `a`, step 1 rank 0 through `b`; the
+    check is slowed down here so the children are surely into step 1 by then (reading the
+    shared marks, it named `a.weight`; under pytest-xdist it sometimes did unslowed)."""
+    wl = BranchWorkload()
+    wl.find_unused_parameters = False
+    means = [float(wl.train_batch(s, r, 2, SEED)[0][:, 0].mean()) > 0.37
+             for s in (0, 1) for r in (0, 1)]
+    assert means == [True, True, False, True]  # expert a, a; then b on rank 0
+    model = wl.build_model(SEED)
+    bindings = compile_profile(static_profile(model, "sign"), model, world_size=2, total_steps=4)
+    check = SimulatedDDP._check_used
+
+    def slow(self, step, used):  # noqa: ANN001, ANN202
+        time.sleep(1.0)
+        return check(self, step, used)
+
+    monkeypatch.setattr(SimulatedDDP, "_check_used", slow)
+    with pytest.raises(InputError, match=r"^parameter b\.weight got no gradient on rank 0 at "
+                                         r"step 0: "):
+        simulate_run(wl, bindings, 2, 4, SEED, processes=2)
 
 
 def test_an_evaluate_that_sets_no_mode_is_called_in_eval_mode_by_validate_and_the_simulator(
