@@ -122,8 +122,9 @@ class SimulatedRanks:
     the optimizer step (none without an optimizer).
 
     `views[rank][i]`: rank's flat gradient of parameter i, and `out_views[i]`: what every rank
-    received, at the last step (with forked children the gradients may already be the next
-    step's)."""
+    received, at the last step. With forked children, `views`, `bad` and `used` may already
+    hold the next step's values once `step` returns (each child computes it ahead): read a
+    step's flags from its `RanksStep`; `out_views` stays until the next `step`."""
 
     def __init__(
         self,
