@@ -80,11 +80,11 @@ class RanksStep:
     norms: list[list[float]]
     nonfinite: bool
     agreement: Agreement
-    #: per parameter: the norm of the aggregate (what every rank received), before any decision
-    update_norms: list[float] | None = None
     #: per rank and parameter: in the rank's autograd graph this step. A copy: the children
     #: compute the next step's gradients, and their flags, as soon as this step is done
-    used: torch.Tensor | None = None
+    used: torch.Tensor
+    #: per parameter: the norm of the aggregate (what every rank received), before any decision
+    update_norms: list[float] | None = None
 
 
 #: The caller's decision on a step, from its `RanksStep` (the step controller's): whether the
@@ -287,8 +287,8 @@ class SimulatedRanks:
                 owned = self.shards[0]
                 norms = self._norms(owned) if measure else {}
                 out = RanksStep([d[0] for d in done], [d[1] for d in done], nonfinite, agree,
-                                [norms[i] for i in range(len(self.params))] if norms else None,
-                                self.used.clone())
+                                self.used.clone(),
+                                [norms[i] for i in range(len(self.params))] if norms else None)
                 self._update(owned, plan, self._decision(out, plan, decide))
             return out
         known = plan in self._plans
@@ -308,9 +308,8 @@ class SimulatedRanks:
         nonfinite = not all(_finite(v, n) for v, n in zip(losses, norms, strict=True))
         # read while every child waits for the decision: once it has it, a child goes on to
         # the next step's gradients and overwrites the shared flags
-        out = RanksStep(losses, norms, nonfinite, merge_agreement(agreements),
-                        [updates[i] for i in range(len(self.params))] if updates else None,
-                        self.used.clone())
+        out = RanksStep(losses, norms, nonfinite, merge_agreement(agreements), self.used.clone(),
+                        [updates[i] for i in range(len(self.params))] if updates else None)
         decision = self._decision(out, plan, decide)
         for conn in self.conns:
             conn.send(decision)

@@ -128,6 +128,15 @@ def _need(t: torch.Tensor, nbytes: int, what: str) -> torch.Tensor:
     return t
 
 
+def _dest(out: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
+    """The first `numel` elements of a caller's destination, written in place: it must be
+    contiguous `dtype` (a copy would leave the caller's buffer unwritten)."""
+    if out.dtype != dtype or not out.is_contiguous() or out.numel() < numel:
+        raise ValueError(f"{what}: need contiguous {dtype} of >= {numel} elements, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    return out[:numel]
+
+
 def _check_out(out: torch.Tensor, layout: ChunkLayout) -> None:
     """A decode's destination: contiguous float32, one element per element of the layout."""
     if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
@@ -177,7 +186,7 @@ class Kernels:
         if bits:
             nbytes = (n + 7) // 8
             packed = (torch.empty(nbytes, dtype=torch.uint8) if out is None
-                      else _need(out, nbytes, "sign bits")[:nbytes])
+                      else _dest(out, torch.uint8, nbytes, "sign bits"))
         self.lib.nf_sign_encode(_src(x, layout).data_ptr(), n, blocks.data_ptr(), len(layout.blocks),
                                 scales.data_ptr(), _ptr(packed), int(up))
         return scales, packed
@@ -209,7 +218,7 @@ class Kernels:
         if out is None:
             out = self.empty(x.numel(), torch.int8)
         else:
-            out = _need(out, x.numel(), "int8 codes")
+            out = _dest(out, torch.int8, x.numel(), "int8 codes")
         self.lib.nf_quantize(_src(x, layout).data_ptr(), _ptr(noise), _blocks(layout).data_ptr(),
                              len(layout.blocks), inv.data_ptr(), float(qmax), out.data_ptr())
         return out
@@ -226,7 +235,7 @@ class Kernels:
         if out is None:
             out = self.empty(nbytes, torch.uint8)
         else:
-            out = _need(out, nbytes, "int codes")[:nbytes]
+            out = _dest(out, torch.uint8, nbytes, "int codes")
         self.lib.nf_int_encode(_src(x, layout).data_ptr(), _blocks(layout).data_ptr(),
                                len(layout.blocks), float(qmax), absmax.data_ptr(),
                                out.data_ptr(), int(nibbles))

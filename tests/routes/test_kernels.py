@@ -152,6 +152,10 @@ def test_encode_writes_its_codes_into_out(isa: str, name: str, monkeypatch: pyte
         assert_same(got.codes, ref.codes, "codes")
         assert_same(got.scales, ref.scales, "scales")
         assert out[ref.codes.numel():].eq(0xAB).all()
+    # a destination the codes could not be written into in place is refused, not copied
+    for bad in (torch.zeros(2 * out.numel(), dtype=torch.uint8)[::2], out.view(torch.int8)):
+        with pytest.raises(ValueError, match="need contiguous torch.uint8"):
+            route.encode(x, segs, ZeroVote(False), bad)
 
 
 @pytest.mark.parametrize("isa", ISAS)

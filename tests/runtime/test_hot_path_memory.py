@@ -1,8 +1,8 @@
 """The hook reduces low-bit buckets without full-size copies (issue 16, part 1).
 
 A bucket of low-bit parameters is encoded from, and decoded into, the bucket's own memory, and
-its codes are written into the kept wire buffer: the only tensors the reduce allocates are
-per-chunk scales. Counted with torch.profiler's allocation sizes over everything the hook runs (inline
+at W = 2 (where every route gathers its codes) its codes are written into the kept wire buffer:
+the only tensors the reduce allocates there are per-chunk scales. Counted with torch.profiler's allocation sizes over everything the hook runs (inline
 in the backward thread here, as in `test_host_reads.py`), on 2 real gloo ranks. The bucket
 holds weights and biases of several regions in an order where a region's parameters are not
 consecutive, so the gather-and-scatter case is covered too.
