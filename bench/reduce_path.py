@@ -8,7 +8,7 @@ Issue 16's goals at 9.4M elements (one Linear(3072, 3072) weight), W = 2: sign <
 int8 <= 0.6x the fp32 all-reduce.
 
 The fp32 all-reduce's median moves from one launch of the ranks to the next far more than
-within one (23.5-43.0 ms at W = 2 over 25 launches of one session), so each world size is
+within one (23.2-43.0 ms at W = 2 over 25 launches of one session), so each world size is
 launched `--launches` times, fresh processes each; the line gives every launch's ratio and
 their median.
 
