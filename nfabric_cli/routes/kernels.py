@@ -128,19 +128,17 @@ def _need(t: torch.Tensor, nbytes: int, what: str) -> torch.Tensor:
     return t
 
 
-def _dest(out: torch.Tensor, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
+def _dest(out: torch.Tensor, dtype: torch.dtype, numel: int, what: str,
+          exact: bool = False) -> torch.Tensor:
     """The first `numel` elements of a caller's destination, written in place: it must be
-    contiguous `dtype` (a copy would leave the caller's buffer unwritten)."""
-    if out.dtype != dtype or not out.is_contiguous() or out.numel() < numel:
-        raise ValueError(f"{what}: need contiguous {dtype} of >= {numel} elements, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    contiguous `dtype` (a copy would leave the caller's buffer unwritten), of at least (with
+    `exact`, just) `numel` elements. Codes go to the front of a wire buffer; a decode fills
+    its whole `out`."""
+    short = out.numel() != numel if exact else out.numel() < numel
+    if out.dtype != dtype or not out.is_contiguous() or short:
+        raise ValueError(f"{what}: need contiguous {dtype} of {'' if exact else '>= '}{numel} "
+                         f"elements, got {out.dtype} {tuple(out.shape)}")
     return out[:numel]
-
-
-def _check_out(out: torch.Tensor, layout: ChunkLayout) -> None:
-    """A decode's destination: contiguous float32, one element per element of the layout."""
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != layout.numel:
-        raise ValueError(f"out must be contiguous float32 of {layout.numel} elements")
 
 
 HUGE_MIN_BYTES = 4 << 20
@@ -404,7 +402,7 @@ class Kernels:
         if out is None:
             out = self.empty(layout.numel)
         else:
-            _check_out(out, layout)
+            _dest(out, torch.float32, layout.numel, "decode out", exact=True)
         self.lib.nf_decode_codes(packed.data_ptr(), bits, mul, lo, _blocks(layout).data_ptr(),
                                  len(layout.blocks), scales.data_ptr(), mode, d, out.data_ptr())
         return out
@@ -429,7 +427,7 @@ class Kernels:
             if values.numel() < len(shards) + 1:
                 raise ValueError("values must have one entry per count 0..W")
         scales = _need(scales.float(), 4 * layout.nchunks, "scales")
-        _check_out(out, layout)
+        _dest(out, torch.float32, layout.numel, "decode out", exact=True)
         m = _Margins(tally, layout.numel)
         self.lib.nf_combine_decode(ptrs, len(shards), nbytes, code, offset, _ptr(values),
                                    _blocks(layout).data_ptr(), len(layout.blocks),
@@ -450,7 +448,7 @@ class Kernels:
         if nbytes * per < layout.numel:
             raise ValueError(f"{nbytes * per} codes for a layout of {layout.numel}")
         scales = _need(scales.float(), 4 * len(shards) * layout.nchunks, "scales")
-        _check_out(out, layout)
+        _dest(out, torch.float32, layout.numel, "decode out", exact=True)
         self.lib.nf_combine_decode_local(ptrs, len(shards), nbytes, code, offset, inv,
                                          _blocks(layout).data_ptr(), len(layout.blocks),
                                          layout.nchunks, scales.data_ptr(), layout.numel,

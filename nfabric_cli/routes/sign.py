@@ -59,8 +59,9 @@ class SignRoute(CodeRoute):
         self, x: torch.Tensor, segments: Segments = None, noise: Noise = None,
         out: torch.Tensor | None = None,
     ) -> Payload:
-        """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`), the bits
-        into `out` when given (the exchange's wire buffer: no copy, no fresh pages)."""
+        """Scales and bits in one visit per chunk (same bytes as `CodeRoute.encode`); the
+        native kernel writes the bits into `out` when given (the exchange's wire buffer: no
+        copy, no fresh pages), the torch path into new memory."""
         k = kernels.native(x)
         if k is None:
             return super().encode(x, segments, noise, out)

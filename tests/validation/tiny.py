@@ -79,17 +79,22 @@ def build_wide() -> TinyWorkload:
     return TinyWorkload(hidden=256, features=256)
 
 
+def through_a(x: torch.Tensor) -> bool:
+    """Whether `BranchMLP` sends batch `x` through expert `a`: its first feature's mean above
+    the training set's (0.37)."""
+    return float(x[:, 0].mean()) > 0.37
+
+
 class BranchMLP(MLP):
-    """`MLP` whose batch goes through expert `a` or `b`, by its first feature's mean against
-    the training set's (0.37): some steps leave an expert out of a rank's graph, some out of
-    every rank's."""
+    """`MLP` whose batch goes through expert `a` or `b` (`through_a`): some steps leave an
+    expert out of a rank's graph, some out of every rank's."""
 
     def __init__(self, features: int, hidden: int, classes: int) -> None:
         super().__init__(features, hidden, classes)
         self.a, self.b = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        expert = self.a if float(x[:, 0].mean()) > 0.37 else self.b
+        expert = self.a if through_a(x) else self.b
         return self.head(torch.tanh(expert(self.body(x))))
 
 
