@@ -274,9 +274,12 @@ class SimulatedRanks:
         return StepDecision(out.nonfinite and not plan.plain)
 
     def step(self, step: int, plan: StepRoutes, decide: Decide | None = None,
-             measure: bool = True) -> RanksStep:
+             measure: bool = True, last: bool = False) -> RanksStep:
         """Train `step`: gradients, losses, norms, the aggregate under `plan`, `decide`'s
-        scale-downs (given `measure`, from the aggregate's norms) and the optimizer step."""
+        scale-downs (given `measure`, from the aggregate's norms) and the optimizer step.
+        `last`: the run ends here, so the children do not compute the next step's gradients
+        ahead (they would compete with the final evaluation for nothing; a later `step`
+        still works, computing its gradients when asked)."""
         measure = measure and decide is not None
         if not self.conns:
             with one_thread():
@@ -312,7 +315,7 @@ class SimulatedRanks:
                         [updates[i] for i in range(len(self.params))] if updates else None)
         decision = self._decision(out, plan, decide)
         for conn in self.conns:
-            conn.send(decision)
+            conn.send((decision, not last))
         self._collect(step)  # every shard updated
         return out
 
@@ -380,7 +383,8 @@ class SimulatedRanks:
     def _serve(self, conn: Connection, parent_end: Connection, p: int) -> None:
         """A child's loop: for each (step, plan) received, its ranks' gradients (usually
         computed ahead), its shard's aggregate and optimizer step, the reply, a barrier, then
-        the next step's gradients ahead of its plan; None ends it."""
+        the next step's gradients ahead of its plan (not after the run's last step); None ends
+        it."""
         # Only the parent may hold the parent's ends (ours and earlier siblings'), or a parent
         # killed outright would leave this child waiting forever instead of reading EOF.
         for other in (*self.conns, parent_end):
@@ -428,11 +432,12 @@ class SimulatedRanks:
                 continue
             conn.send(("ok", outcome[1], agree, updates))
             try:
-                decision = conn.recv()  # the parent's decision on this step
+                reply = conn.recv()  # the parent's decision on this step, and whether more come
             except EOFError:
                 return
-            if decision is None:
+            if reply is None:
                 return
+            decision, more = reply
             try:
                 self._update(owned, plans[number], decision)
             except Exception as exc:  # noqa: BLE001
@@ -444,6 +449,8 @@ class SimulatedRanks:
                 self.barrier.wait()  # every shard is updated and every gradient read
             except threading.BrokenBarrierError:
                 ahead = (step + 1, ("error", _BROKEN, ""), [])
+                continue
+            if not more:
                 continue
             states = [self.rng[r].state.clone() for r in ranks]
             ahead = (step + 1, self._gradients(ranks, step + 1), states)

@@ -225,7 +225,8 @@ class SimulatedDDP:
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)
         measure = self.controller.acting and not (self.controller.plain or gated_off)
-        out = self.ranks.step(step, plan, decide, measure=measure)
+        out = self.ranks.step(step, plan, decide, measure=measure,
+                              last=step == self.total_steps - 1)
         if not self.bindings.find_unused_parameters:
             self._check_used(step, out.used)
         if not gated_off:  # the buckets it laid out, as the hook records its worker steps'

@@ -320,6 +320,44 @@ def test_a_failure_computed_ahead_is_reported_for_its_step_only() -> None:
     assert not mp.active_children()
 
 
+class Logged(DropoutWorkload):
+    """Appends each (step, rank) whose batch a rank draws to `log` (a file: children write it)."""
+
+    log: Path
+
+    def train_batch(self, step: int, rank: int, world_size: int, seed: int):  # noqa: ANN201
+        with open(self.log, "a") as f:
+            f.write(f"{step} {rank}\n")
+        return super().train_batch(step, rank, world_size, seed)
+
+
+def _after_last(log: Path, processes: int) -> tuple[list, nn.Module]:
+    """Steps 0-2, step 2 said to be the run's last, then step 5 asked for anyway (the last
+    again: nothing is drawn after it either); each step's losses, and the model."""
+    wl = Logged()
+    wl.log = log
+    model = wl.build_model(0)
+    ranks = _ranks(wl, model, 4, seed=0, processes=processes)
+    try:
+        losses = [ranks.step(s, _fp32_plan(model), last=s in (2, 5)).losses for s in (0, 1, 2, 5)]
+    finally:
+        ranks.close()
+    return losses, model
+
+
+def test_no_gradients_are_computed_ahead_of_a_runs_last_step(tmp_path: Path) -> None:
+    """After the step a run says is its last, the children do not draw the next step's
+    batches (a child computes ahead before it reads its next request, so step 3 would be in
+    the log before step 5); a step asked for after it is still computed, as one process
+    computes it, bit for bit."""
+    (l1, m1), (l2, m2) = (_after_last(tmp_path / f"p{p}", p) for p in (1, 2))
+    drawn = sorted((tmp_path / "p2").read_text().split("\n")[:-1])
+    assert drawn == sorted(f"{s} {r}" for s in (0, 1, 2, 5) for r in range(4))
+    assert l1 == l2
+    for p, q in zip(m1.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 class CoupledSGD(torch.optim.SGD):
     """A subclass may couple parameters (say, clip by the global norm): not sharded."""
 
