@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import typer
 
@@ -16,16 +17,21 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+def _print_version(value: bool) -> None:
+    """`--version` alone: eager, so it answers before a command is asked for."""
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.",
+                                 is_eager=True, callback=_print_version),
 ) -> None:
     if debug:
         os.environ["NFABRIC_DEBUG"] = "1"
-    if version:
-        typer.echo(__version__)
-        raise typer.Exit(0)
 
 
 def _register_all() -> None:
@@ -63,13 +69,38 @@ def main() -> None:
     from nfabric_cli.ranks.exit import env_rank, exit_rank
 
     if env_rank() is None:
-        app()
-        return
+        _run()
     try:
-        app()
+        _run()
     except SystemExit as done:
         exit_rank(done.code)  # type: ignore[arg-type]
     exit_rank(0)
+
+
+def _run() -> None:
+    """`app()`, exiting with its status, except that a usage error (an unknown option, a
+    value of the wrong type) prints one line, ``error: ... (see CMD --help)``, and exits 2,
+    as the commands' own bad-input errors do: Typer prints a boxed panel of several lines."""
+    try:  # Typer >= 0.2x runs its own copy of click
+        from typer._click import exceptions as click_errors
+    except ImportError:
+        from click import exceptions as click_errors
+
+    try:
+        code = app(standalone_mode=False)
+    except click_errors.UsageError as exc:
+        if type(exc).__name__ != "NoArgsIsHelpError":  # (the help is printed already)
+            where = exc.ctx.command_path if exc.ctx is not None else "nfabric"
+            message = " ".join(exc.format_message().split())
+            print(f"error: {message} (see {where} --help)", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except click_errors.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        print("Aborted!", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
 
 if __name__ == "__main__":

@@ -62,3 +62,28 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def check_writable(path: str | os.PathLike[str], option: str, folder: bool = False) -> None:
+    """Refuse, before any work, a destination nothing can be written to (a file where a
+    folder is needed, a folder that takes no file, /proc): found after a long run, it would
+    lose the run. `folder`: `path` is a folder the command writes into (it may not exist
+    yet); else a file written in its parent. Probes the nearest existing folder with a
+    temporary file, removed at once; creates nothing."""
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        raise WriteError(f"{option} {path}: is a file, not a folder")
+    if not folder and path.is_dir():
+        raise WriteError(f"{option} {path}: is a folder, not a file to write")
+    existing = (path if folder else path.parent).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise WriteError(f"{option} {path}: {existing} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".nfabric-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise WriteError(f"{option} {path}: cannot write in {existing} "
+                         f"({exc.strerror or type(exc).__name__})") from None

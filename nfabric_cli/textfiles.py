@@ -10,11 +10,17 @@ from typing import Any
 from nfabric_cli.errors import InputError
 
 
-def read_toml(path: str | Path, what: str) -> dict[str, Any]:
-    """Parse a TOML file; missing or malformed -> `InputError` naming `what` and the path."""
+def _existing_file(path: str | Path, what: str) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise InputError(f"{what} {p}: no such file")
+        raise InputError(f"{what} {p}: " + ("is a folder, not a file" if p.is_dir() else
+                                            "no such file"))
+    return p
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """Parse a TOML file; missing or malformed -> `InputError` naming `what` and the path."""
+    p = _existing_file(path, what)
     try:
         return tomllib.loads(p.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
@@ -23,9 +29,7 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
 
 def read_json(path: str | Path, what: str) -> Any:
     """Parse a JSON file; missing or malformed -> `InputError` naming `what` and the path."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{what} {p}: no such file")
+    p = _existing_file(path, what)
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -50,14 +50,20 @@ def cap_text(bucket_cap_mb: float | None) -> str:
     return f"bucket cap {bucket_cap_mb:g} MB"
 
 
+def check_bucket_cap(bucket_cap_mb: float) -> None:
+    """InputError (one line) unless the cap is a finite number of MB > 0."""
+    if not 0 < bucket_cap_mb < math.inf:
+        raise InputError(f"bucket cap must be a finite number > 0 MB, got {bucket_cap_mb}")
+
+
 def bucket_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     """(first bucket bytes, bucket bytes) exactly as the installed DDP derives them.
 
     `None` means DDP's default (25 MB with a 1 MB first bucket). On torch versions whose DDP
     has `_BucketCapacityConfig`, an explicit `bucket_cap_mb` also caps the first bucket.
     """
-    if bucket_cap_mb is not None and not 0 < bucket_cap_mb < math.inf:
-        raise InputError(f"bucket cap must be a finite number > 0 MB, got {bucket_cap_mb}")
+    if bucket_cap_mb is not None:
+        check_bucket_cap(bucket_cap_mb)
     try:
         from torch.nn.parallel.distributed import _BucketCapacityConfig
     except ImportError:  # older torch: a fixed small first bucket

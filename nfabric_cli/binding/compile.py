@@ -149,8 +149,6 @@ def compile_profile(
     """
     profile.validate()
     ws = default_world_size(profile, world_size)
-    if not isinstance(ws, int) or ws < 1:
-        raise InputError(f"world size must be a positive integer, got {ws!r}")
     if total_steps is not None and total_steps < 1:
         raise InputError(f"total steps must be >= 1, got {total_steps}")
     params = trainable_parameters(model)
@@ -192,9 +190,13 @@ def compile_profile(
     return bindings
 
 
-def default_world_size(profile: OperatingProfile, world_size: int | None = None) -> Any:
-    """The ranks to compile for: `world_size`, else the profile's, else 2."""
-    return world_size if world_size is not None else (profile.meta.get("world_size") or 2)
+def default_world_size(profile: OperatingProfile, world_size: int | None = None) -> int:
+    """The ranks to compile for: `world_size`, else the profile's, else 2 (InputError unless
+    a positive integer)."""
+    ws = world_size if world_size is not None else (profile.meta.get("world_size") or 2)
+    if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+        raise InputError(f"world size must be a positive integer, got {ws!r}")
+    return ws
 
 
 def compile_for_workload(

@@ -42,7 +42,7 @@ from nfabric_cli.calibration.hyperband import HyperbandShape
 from nfabric_cli.calibration.spec_values import (
     Range,
     Region,
-    boundary,
+    boundaries,
     choices,
     error_feedback,
     ints,
@@ -58,6 +58,7 @@ from nfabric_cli.routes.spec import REDUCERS, ROUNDINGS, SIGN_MODES
 from nfabric_cli.runtime.health import HealthThresholds
 from nfabric_cli.substrate.model import substrate_dict
 from nfabric_cli.textfiles import read_toml
+from nfabric_cli.workloads.common import check_seed
 
 SAMPLERS: tuple[str, ...] = ("tpe", "nsga2", "random")
 PRUNERS: tuple[str, ...] = ("hyperband", "median", "none")
@@ -266,7 +267,7 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
     spec = CalibrationSpec(
         workload=workload,
         regions=regions,
-        boundaries=tuple(boundary(b, i) for i, b in enumerate(phases.get("boundaries", []))),
+        boundaries=boundaries(phases.get("boundaries", [])),
         tau=value_range(routes.get("tau", 0.5), "routes.tau"),
         error_feedback=error_feedback(routes.get("error_feedback", False)),
         rounding=choices(routes.get("rounding", "nearest"), ROUNDINGS, "routes.rounding"),
@@ -299,8 +300,7 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
         raise InputError(f"eval_every must be in [1, steps={spec.steps}], got {spec.eval_every}")
     if not (math.isfinite(spec.tolerance) and 0 < spec.tolerance <= 1):
         raise InputError(f"tolerance must be in (0, 1], got {spec.tolerance}")
-    if spec.seed < 0:
-        raise InputError(f"seed must be >= 0, got {spec.seed}")
+    check_seed(spec.seed, "seed")
     if spec.sampler not in SAMPLERS:
         raise InputError(f"unknown sampler {spec.sampler!r} (choose from {', '.join(SAMPLERS)})")
     if spec.pruner not in PRUNERS:
@@ -330,8 +330,8 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
         dupes = sorted({v for v in values if values.count(v) > 1})
         if dupes:
             raise InputError(f"regions share a {label}: {', '.join(dupes)}")
-    if any(s < 0 for s in spec.confirm_seeds):
-        raise InputError(f"confirm.seeds must be >= 0, got {list(spec.confirm_seeds)}")
+    for s in spec.confirm_seeds:
+        check_seed(s, "confirm.seeds")
     if any(not 1 <= n <= MAX_STEPS for n in spec.confirm_steps):
         raise InputError(f"confirm.steps must each be in [1, {MAX_STEPS}], got "
                          f"{list(spec.confirm_steps)}")

@@ -111,6 +111,14 @@ def boundary(value: Any, i: int) -> Range:
     return value_range(value, f"phases.boundaries[{i}]")
 
 
+def boundaries(value: Any) -> tuple[Range, ...]:
+    """`phases.boundaries`: a list of fractions or [lo, hi] ranges, one per phase change."""
+    if not isinstance(value, list):
+        raise InputError("phases.boundaries must be a list of fractions or [lo, hi] ranges, "
+                         f"like [[0.05, 0.3]], got {value!r}")
+    return tuple(boundary(b, i) for i, b in enumerate(value))
+
+
 def ints(value: Any, key: str) -> tuple[int, ...]:
     """A list of integers (an integer alone: a list of one), repeats dropped."""
     items = [value] if isinstance(value, int) and not isinstance(value, bool) else value

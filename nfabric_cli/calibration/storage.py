@@ -12,6 +12,7 @@ another spec is refused, since its trials would not be comparable.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -65,6 +66,7 @@ def open_storage(url: str | None, create: bool = True) -> optuna.storages.BaseSt
                 path = Path(url[len(JOURNAL_PREFIX) :])
                 if not path.parent.is_dir():
                     raise InputError(f"journal folder {path.parent} does not exist")
+                _check_journal(path)
                 from optuna.storages.journal import JournalFileBackend
 
                 return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
@@ -79,6 +81,27 @@ def open_storage(url: str | None, create: bool = True) -> optuna.storages.BaseSt
             scheme = url.split(":", 1)[0].split("+", 1)[0]
             first = DRIVERS.get(scheme, f"{first.rstrip('.')} ({scheme})")
         raise InputError(f"cannot open storage {redact(url)}: {redact(first)}") from None
+
+
+def _check_journal(path: Path) -> None:
+    """Refuse a file that is not empty and not an Optuna journal (its first line a JSON
+    record with an ``op_code``): Optuna would append a study to it, then fail to read it,
+    so a mistyped path (the spec's, say) would be damaged."""
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise InputError(f"{path} is not a file")
+    with path.open("rb") as f:
+        first = f.readline(1 << 20)
+    if not first:
+        return
+    try:
+        record = json.loads(first)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict) or "op_code" not in record:
+        raise InputError(f"{path} is not an Optuna journal (its first line is not a journal "
+                         "record); name a new file or an existing journal")
 
 
 def _file_of(url: str) -> Path | None:

@@ -56,7 +56,8 @@ def warm_start(spec: CalibrationSpec, profile: OperatingProfile, source: str) ->
     phases = profile.phases()
     names = [p.name for p in phases]
     if tuple(names) != spec.phases:
-        raise refuse(f"its phases {', '.join(names)} are not the spec's {', '.join(spec.phases)}")
+        raise refuse(f"its phases ({', '.join(names)}) are not the spec's "
+                     f"({', '.join(spec.phases)})")
     selectors = [r.selector for r in spec.regions]
     routes, rows = [], []
     for phase in names:

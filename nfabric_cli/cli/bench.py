@@ -25,7 +25,13 @@ def routes_cmd(
         raise InputError("--size and --repeats must be >= 1")
     from nfabric_cli.benchmarks.routes import bench_routes
 
-    result = bench_routes(size=size, repeats=repeats)
+    try:
+        result = bench_routes(size=size, repeats=repeats)
+    except (MemoryError, RuntimeError) as exc:  # torch's CPU allocator raises RuntimeError
+        if not isinstance(exc, MemoryError) and "allocate" not in str(exc):
+            raise
+        raise InputError(f"--size {size:,}: not enough memory for the benchmark's buffers "
+                         "(ask for fewer elements)") from None
     if json_out:
         print_json(result)
         return
@@ -47,9 +53,9 @@ def routes_cmd(
 @bench_app.command("runtime")
 @handle_errors
 def runtime_cmd(
-    world_size: int = typer.Option(2, "--world-size"),
-    steps: int = typer.Option(60, "--steps"),
-    json_out: bool = typer.Option(False, "--json"),
+    world_size: int = typer.Option(2, "--world-size", help="Ranks (one process each)."),
+    steps: int = typer.Option(60, "--steps", help="Steps per arm (at least 2)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """All-fp32 profile step time vs plain DDP step time (same model, same run)."""
     if world_size < 1 or steps < 2:

@@ -11,6 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from nfabric_cli.atomic import check_writable
 from nfabric_cli.cli.common import console, err_console, handle_errors, print_json
 from nfabric_cli.errors import InputError
 
@@ -132,6 +133,8 @@ def calibrate_cmd(
         raise InputError(f"--out {out}: is a file; calibrate writes OUT/<workload>/"
                          "<workload>.v<N>.parquet under a directory")
     wl = get_workload(workload, data_dir)
+    if not (no_write or status):
+        check_writable(out / wl.name, "--out", folder=True)
     cal = run_spec(wl, spec, steps=steps, sampler=sampler, pruner=pruner, substrate=substrate,
                    world_size=world_size, trials=trials, seed=seed, tolerance=tolerance,
                    confirm_seeds=_unless_none(confirm_seeds, _seeds),
@@ -232,9 +235,12 @@ def _world_sizes(text: str) -> list[int]:
 def _int_list(text: str, flag: str, example: str) -> list[int]:
     """Comma-separated integers, first occurrence kept; the spec checks their range."""
     try:
-        return list(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
+        found = list(dict.fromkeys(int(p) for p in text.split(",") if p.strip()))
     except ValueError:
-        raise InputError(f"{flag}: expected {example} or none, got {text!r}") from None
+        found = []
+    if not found:  # (an empty list is spelled none, not '')
+        raise InputError(f"{flag}: expected {example} or none, got {text!r}")
+    return found
 
 
 def _status(storage: str | None, study: str, as_json: bool) -> None:
@@ -263,7 +269,8 @@ class _RichSink:
         return self  # the bars appear with the first trial, not before a bad-input error
 
     def __exit__(self, *exc: Any) -> None:
-        self.progress.stop()
+        if self.progress.live.is_started:  # (stopping one never started prints a blank line)
+            self.progress.stop()
 
     def trial_started(self, number: int | None, kind: str, steps: int) -> None:
         label = kind if number is None else f"trial {number} ({kind})"

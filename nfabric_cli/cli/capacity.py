@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from nfabric_cli.cli.common import console, handle_errors, print_json
+from nfabric_cli.cli.common import check_replace, console, handle_errors, is_png, print_json
 from nfabric_cli.errors import InputError
 
 SWEEP_LINKS_GBPS = [0.01 * 10 ** (i / 8) for i in range(41)]  # 10 Mbit/s .. 1 Tbit/s
@@ -48,7 +48,8 @@ def capacity(
     world_size: int | None = typer.Option(None, "--world-size", help="Ranks."),
     phase: str | None = typer.Option(None, "--phase", help="Phase (default: the longest)."),
     bucket_cap_mb: float | None = typer.Option(
-        None, "--bucket-cap-mb", help="DDP bucket cap in MB (default 25; profiles only)."
+        None, "--bucket-cap-mb", help="DDP bucket cap in MB (default: a bindings file's, else "
+        "DDP's 25)."
     ),
     project: bool = typer.Option(False, "--project", help="Project to 8..1024 ranks."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG here."),
@@ -59,6 +60,12 @@ def capacity(
 
     if world_size is not None and world_size < 1:
         raise InputError(f"--world-size must be >= 1, got {world_size}")
+    if bucket_cap_mb is not None:
+        from nfabric_cli.binding.buckets import check_bucket_cap
+
+        check_bucket_cap(bucket_cap_mb)
+    if plot is not None:
+        check_replace(plot, "--plot", "PNG file", is_png)
     if link_mbit is not None:
         if link_gbps is not None:
             raise InputError("give the link once: --link-gbps or --link-mbit")
@@ -73,10 +80,14 @@ def capacity(
     if project:
         if path is not None:
             raise InputError("--project takes shapes (--workload, --model or --shape), not a file")
+        if world_size is not None or phase is not None:
+            raise InputError("--world-size and --phase are for a bindings or profile file; "
+                             "--project sweeps the world sizes itself")
         if link_gbps is None:
             overrides["link_gbps"] = 100.0  # placeholder: the projection sweeps the link
         sub = build_substrate(substrate, **overrides)
-        _run_projection(sub, workload, model, shape, bucket_cap_mb or 25.0, plot, json_out)
+        cap = 25.0 if bucket_cap_mb is None else bucket_cap_mb  # DDP's default
+        _run_projection(sub, workload, model, shape, cap, plot, json_out)
         return
     if path is None:
         raise InputError("give a bindings or profile file (or --project)")

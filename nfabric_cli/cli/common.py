@@ -90,3 +90,19 @@ def check_out(out: Path, kind: str) -> None:
         what = f"a {found} file" if found else "not an nfabric file"
         raise InputError(f"--out {out}: exists and is {what}; refusing to overwrite it with a "
                          f"{kind} file")
+
+
+def check_replace(out: Path, option: str, kind: str, is_kind: Callable[[Path], bool]) -> None:
+    """Refuse, before any work, an output file that cannot be written, or that exists and is
+    not a `kind` (`is_kind` tells): a mistyped path would lose the file (a profile, a spec)."""
+    from nfabric_cli.atomic import check_writable
+
+    check_writable(out, option)
+    if out.exists() and not is_kind(out):
+        raise InputError(f"{option} {out}: exists and is not a {kind}; refusing to overwrite it")
+
+
+def is_png(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(8) == b"\x89PNG\r\n\x1a\n"
+

@@ -10,7 +10,13 @@ import typer
 from rich import box
 from rich.table import Table
 
-from nfabric_cli.cli.common import console, err_console, handle_errors, print_json
+from nfabric_cli.cli.common import (
+    check_replace,
+    console,
+    err_console,
+    handle_errors,
+    print_json,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -39,6 +45,8 @@ def replay(
     from nfabric_cli.replay import replay_trace
 
     target = out if out is not None else trace_dir / "substrate.toml"
+    if out is not None:  # (the default is in the trace directory, which replay checks)
+        check_replace(out, "--out", "substrate TOML file", _is_substrate)
     busy = (
         err_console.status(f"replaying {trace_dir} ...")
         if err_console.is_terminal and not json_out
@@ -50,6 +58,17 @@ def replay(
         print_json(report.to_dict())
     else:
         _render(report.to_dict())
+
+
+def _is_substrate(path: Path) -> bool:
+    from nfabric_cli.errors import InputError
+    from nfabric_cli.substrate.model import load_substrate
+
+    try:
+        load_substrate(path)
+    except InputError:
+        return False
+    return True
 
 
 def _ms(seconds: float | None) -> str:

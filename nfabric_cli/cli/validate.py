@@ -22,8 +22,9 @@ def validate(
     source: Path = typer.Argument(..., help="Profile (file or directory) or bindings file."),
     workload: str = typer.Option(..., "--workload", help="vision, transformer, lm, glyphs or MODULE:FN."),
     data_dir: str | None = typer.Option(None, "--data-dir", help="The workload's data directory."),
-    world_size: int = typer.Option(
-        2, "--world-size", help="Ranks in all (torchrun: nnodes x nproc-per-node)."
+    world_size: int | None = typer.Option(
+        None, "--world-size", help="Ranks in all (default 2; under torchrun, nnodes x "
+        "nproc-per-node when that is given)."
     ),
     steps: int | None = typer.Option(
         None, "--steps", help="Steps per arm (default: a bindings file's --total-steps, else the "
@@ -203,10 +204,11 @@ class ProgressBar:
         self.task = self.bar.add_task("starting", total=None)
 
     def __enter__(self) -> Any:
-        self.bar.start()
-        return self.update
+        return self.update  # the bar appears once the input is checked, not before its error
 
     def update(self, progress: dict[int, Any]) -> None:
+        if not self.bar.live.is_started:
+            self.bar.start()
         steps = self.cfg.steps or 0
         arms = self.cfg.all_arms()
         if not progress or not steps:
@@ -217,4 +219,5 @@ class ProgressBar:
         self.bar.update(self.task, total=len(arms) * steps, completed=done, description=label)
 
     def __exit__(self, *exc: object) -> None:
-        self.bar.stop()
+        if self.bar.live.is_started:  # (stopping one never started prints a blank line)
+            self.bar.stop()

@@ -84,6 +84,8 @@ class RouteSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouteSpec:
+        if not isinstance(data, dict):
+            raise InputError(f"a route spec is a table of its fields (name, ...), got {data!r}")
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data and data[k] is not None}
         return cls(**known)
 

@@ -85,6 +85,15 @@ def check_ranks(injections: Iterable[Injection], world_size: int) -> None:
             )
 
 
+def check_steps(injections: Iterable[Injection], steps: int) -> None:
+    """Refuse injections at a step the run never reaches (they could not fire)."""
+    for inj in injections:
+        if inj.step >= steps:
+            raise InputError(
+                f"injection {inj} is at step {inj.step}, but the run's steps are 0-{steps - 1}"
+            )
+
+
 def apply_injection(
     injections: Iterable[Injection], step: int, rank: int, grads: Sequence[Tensor | None]
 ) -> None:

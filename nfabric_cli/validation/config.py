@@ -19,6 +19,7 @@ from typing import Any
 from nfabric_cli.atomic import atomic_write_text
 from nfabric_cli.errors import InputError
 from nfabric_cli.runtime.inject import check_ranks, parse_injections
+from nfabric_cli.workloads.common import check_seed
 
 #: Arms in report order. `fp32` always runs: it is the reference every delta is taken against.
 ARMS: tuple[str, ...] = ("fp32", "static", "profile")
@@ -38,7 +39,7 @@ class ValidateConfig:
 
     source: str  # profile file/dir or bindings file
     workload: str
-    world_size: int = 2
+    world_size: int | None = None  # None: --nnodes x --nproc-per-node under torchrun, else 2
     steps: int | None = None  # None: `run.default_steps` (the profile's calibrated length, ...)
     arms: list[str] = field(default_factory=lambda: list(ARMS))
     baselines: list[str] = field(default_factory=list)
@@ -75,10 +76,16 @@ class ValidateConfig:
     # -- checks -----------------------------------------------------------------------------
     def check(self) -> ValidateConfig:
         """Raise `InputError` (one line) on anything unusable; return self."""
+        if self.world_size is None:
+            per_node = self.nproc_per_node
+            self.world_size = per_node * self.nnodes if per_node and self.nnodes > 0 else 2
         if self.world_size < 1:
             raise InputError(f"--world-size must be >= 1, got {self.world_size}")
+        check_seed(self.seed, "--seed")
         if self.steps is not None and self.steps < 1:
             raise InputError(f"--steps must be >= 1, got {self.steps}")
+        if not self.arms:
+            raise InputError(f"--arms names no arm (choose from {', '.join(ARMS)})")
         unknown = [a for a in self.arms if a not in ARMS]
         if unknown:
             raise InputError(f"unknown arm {unknown[0]!r} (choose from {', '.join(ARMS)})")
@@ -129,8 +136,9 @@ class ValidateConfig:
             self.nproc_per_node = self.world_size // self.nnodes
         elif per_node < 1:
             raise InputError(f"--nproc-per-node must be >= 1, got {per_node}")
-        else:
-            self.world_size = per_node * self.nnodes
+        elif self.world_size != per_node * self.nnodes:
+            raise InputError(f"--world-size {self.world_size} is not --nnodes {self.nnodes} x "
+                             f"--nproc-per-node {per_node}: give one or the other")
         if self.nnodes > 1 and self.rdzv_endpoint is None:
             raise InputError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
         if self.nnodes > 1 and self.link_mbit is not None:

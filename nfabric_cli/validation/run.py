@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nfabric_cli.atomic import atomic_write_text
+from nfabric_cli.atomic import atomic_write_text, check_writable
 from nfabric_cli.errors import CheckFailed, InputError
 from nfabric_cli.profile.proven import calibrated_steps
 from nfabric_cli.ranks.exit import env_rank
 from nfabric_cli.ranks.netns import link_wrap
+from nfabric_cli.runtime.inject import check_steps, parse_injections
 from nfabric_cli.validation.config import ValidateConfig, resolve_tolerance
 from nfabric_cli.validation.launch import ProgressCallback, spawn_ranks, start_torchrun, supervise
 from nfabric_cli.validation.report import step_frame, summarize, write_report
@@ -113,6 +114,7 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     source = resolve_profile(cfg.source)
     kind, meta = read_metadata(source)
     cfg.steps = cfg.steps or default_steps(kind, meta, workload.default_steps)
+    check_steps(parse_injections(cfg.inject), cfg.steps)
     steps_per_epoch = getattr(workload, "steps_per_epoch", None)
     if steps_per_epoch is not None:
         steps_per_epoch(cfg.world_size)  # InputError when a rank's shard is below one batch
@@ -125,6 +127,9 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     cfg.tolerance = resolve_tolerance(cfg.tolerance, bindings.meta.get("target"), higher)
     if not cfg.report_dir:
         cfg.report_dir = str(default_report_dir(workload.name))
+    check_writable(cfg.report_dir, "--report", folder=True)
+    if cfg.record_trace is not None:
+        check_writable(cfg.record_trace, "--record-trace", folder=True)
     return RunPlan(cfg, workload.name, higher, dict(bindings.meta))
 
 
@@ -140,6 +145,8 @@ def run_validation(
     run = plan(cfg)
     if on_outside is not None:
         on_outside(run.outside_proven([cfg.seed]))
+    if on_progress is not None:
+        on_progress({})  # checked: nothing has run yet (a progress bar may appear)
     report_dir = Path(cfg.report_dir)
     run_dir = report_dir / f".run-node{cfg.node_rank}"
     if run_dir.exists():

@@ -26,6 +26,7 @@ from nfabric_cli.errors import InputError
 from nfabric_cli.profile.target import t_quantile, within_tolerance
 from nfabric_cli.validation.config import ValidateConfig
 from nfabric_cli.validation.report import write_summary
+from nfabric_cli.workloads.common import check_seed
 
 PASS_RULE = "worst seed: every seed's profile arm within tolerance of its fp32 arm"
 MAX_SEEDS = 64
@@ -44,6 +45,7 @@ def parse_seeds(text: str, option: str = "--seeds") -> list[int]:
         hi = int(m.group(2)) if m.group(2) is not None else lo
         if hi < lo:
             raise InputError(f"{option}: range {part!r} runs backwards")
+        check_seed(hi, f"{option}: a seed")
         # a range alone past the limit is never built (0-4000000000 would fill the memory)
         if hi - lo + 1 <= MAX_SEEDS:
             seeds.update(range(lo, hi + 1))

@@ -18,6 +18,15 @@ from torch import nn
 from nfabric_cli.errors import InputError
 from nfabric_cli.workloads.base import eval_mode
 
+#: The largest seed: torch seeds its generators from a signed 64-bit integer.
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(seed: int, what: str) -> None:
+    """InputError (one line) unless `seed` is a usable seed in [0, MAX_SEED]."""
+    if not 0 <= seed <= MAX_SEED:
+        raise InputError(f"{what} must be in [0, 2**63 - 1], got {seed}")
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside a DDP (or any `.module`) wrapper, so evaluation runs no collective."""

@@ -65,7 +65,11 @@ def load_corpus(data_dir: str | None = None) -> Corpus:
             raise InputError(
                 f"--data-dir {data_dir} has no input.txt (UTF-8 text) for workload 'lm'"
             )
-        text, source = path.read_text(encoding="utf-8"), str(path)
+        try:
+            text, source = path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}): "
+                             "workload 'lm' reads UTF-8") from None
     if len(text) < 10 * LMWorkload.context:
         raise InputError(f"corpus {source} is too short ({len(text)} characters)")
     vocab = "".join(sorted(set(text)))

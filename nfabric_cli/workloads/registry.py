@@ -176,7 +176,7 @@ def _import_callable(spec: str) -> Callable[..., Any]:
             raise InputError(f"module {module_name!r} has no attribute {attr!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise InputError(f"{spec} is a {type(target).__name__}, not a callable")
+        raise InputError(f"{spec} is not callable (a {type(target).__name__} object)")
     return target
 
 

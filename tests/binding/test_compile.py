@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from nfabric_cli.binding import compile_profile, model_fingerprint, static_profile
-from nfabric_cli.binding.compile import NO_SUBSTRATE_REASON
+from nfabric_cli.binding.compile import NO_SUBSTRATE_REASON, compile_for_workload
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import OperatingProfile, ProfileRow, parse_phases
 from nfabric_cli.routes import make_route
@@ -275,6 +275,13 @@ def test_a_passed_substrate_is_what_the_runtime_gate_prices():
 def test_bad_world_size_and_steps():
     with pytest.raises(InputError, match="world size must be a positive integer"):
         compile_profile(rules(("*", "sign")), models.mlp(), world_size=0)
+
+    class Unread:  # a workload whose data must not be read for a world size of 0
+        def train_batch(self, *args: object) -> None:
+            raise AssertionError("read data for an impossible world size")
+
+    with pytest.raises(InputError, match="world size must be a positive integer, got -1"):
+        compile_for_workload(rules(("*", "sign")), models.mlp(), Unread(), world_size=-1)
     with pytest.raises(InputError, match="total steps must be >= 1"):
         compile_profile(rules(("*", "sign")), models.mlp(), total_steps=0)
     b = compile_profile(rules(("*", "sign")), models.mlp())

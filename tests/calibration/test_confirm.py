@@ -59,7 +59,7 @@ def test_the_grid_is_seeds_times_lengths_less_the_searchs_own_cell() -> None:
     assert tiny_spec(confirm={"world_sizes": [4]}).search_key() == tiny_spec().search_key()
     with pytest.raises(InputError, match=r"confirm.world_sizes must each be in \[2, 64\], got \[1\]"):
         tiny_spec(confirm={"world_sizes": [1]})
-    with pytest.raises(InputError, match="confirm.seeds must be >= 0"):
+    with pytest.raises(InputError, match=r"confirm.seeds must be in \[0, 2\*\*63 - 1\], got -1"):
         tiny_spec(confirm={"seeds": [-1]})
     with pytest.raises(InputError, match=r"unknown key\(s\) in \[confirm\]: seed"):
         tiny_spec(confirm={"seed": [1]})

@@ -101,6 +101,10 @@ def test_hyperband_shape_keys_parse_and_stay_out_of_the_search_key(tmp_path: Pat
         ({"phases": {"boundaries": [[0.5, 0.2]]}}, "must not exceed"),
         ({"phases": {"boundaries": [0.5, 0.4]}}, r"boundaries\[1\]"),
         ({"phases": {"boundaries": [1.0]}}, r"boundaries\[0\]"),
+        ({"phases": {"boundaries": 0.5}}, r"phases.boundaries must be a list of fractions or "
+                                          r"\[lo, hi\] ranges, like \[\[0.05, 0.3\]\], got 0.5"),
+        ({"phases": {"boundaries": "0.5"}}, r"phases.boundaries must be a list .*, got '0.5'"),
+        ({"seed": -1}, r"seed must be in \[0, 2\*\*63 - 1\], got -1"),
         ({"routes": {"tau": [0.2, 1.0]}}, r"routes.tau must lie in \[0, 1\)"),
         ({"routes": {"error_feedback": "yes"}}, "error_feedback must be"),
         ({"routes": {"rounding": "floor"}}, r"routes.rounding: unknown 'floor' \(choose from"),

@@ -332,6 +332,8 @@ def test_cli_prints_the_confirmation_table_with_other_world_sizes(tmp_path: Path
         (["--confirm-world-sizes", "two"], "--confirm-world-sizes: expected world sizes like"),
         (["--confirm-steps", "3x"], "--confirm-steps: expected lengths like 300,600 or none"),
         (["--confirm-repairs", "9"], "confirm.repairs must be in [0, 8], got 9"),
+        (["--confirm-steps", ""], "--confirm-steps: expected lengths like 300,600 or none, got ''"),
+        (["--out", "/proc/nfabric-out"], "--out /proc/nfabric-out/tiny: cannot write in /proc"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], message: str) -> None:
@@ -339,6 +341,26 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path: Path, args: list[str], me
     assert res.exit_code == 2, res.output
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and message in lines[0], res.output
+    assert res.output.startswith("error: ")  # no blank line of a progress bar before it
+
+
+def test_cli_refuses_a_journal_storage_that_is_another_file(tmp_path: Path) -> None:
+    """A mistyped journal path (the spec's, say) is refused, not appended to and then
+    misread: the file is left as it was. An empty file is a new journal."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(toml_text(tiny_spec_dict(trials=1)))
+    before = spec.read_bytes()
+    res = _cli(tmp_path, "--storage", f"journal:{spec}")
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and (f"cannot open storage journal:{spec}: {spec} is not an Optuna "
+                                "journal (its first line is not a journal record)") in lines[0]
+    assert spec.read_bytes() == before
+    (tmp_path / "j.log").write_text("")
+    res = _cli(tmp_path, "--storage", f"journal:{tmp_path}/j.log", "--out", str(tmp_path / "o"),
+               "--trials", "1", "--confirm-seeds", "none")
+    assert res.exit_code == 0, res.output
+    assert '"op_code"' in (tmp_path / "j.log").read_text().splitlines()[0]
 
 
 def test_cli_a_bf16_model_exits_2_saying_what_to_calibrate(tmp_path: Path) -> None:

@@ -89,7 +89,7 @@ def test_options_the_search_does_not_vary_are_noted_not_kept() -> None:
             [dataclasses.replace(r, error_feedback=r.route == "sign") for r in _profile().rows]),
          "its rows disagree on error_feedback (False, True), and a trial sets one"),
         (lambda: OperatingProfile([r for r in _profile().rows if r.phase == "main"]),
-         "its phases main are not the spec's warmup, main"),
+         "its phases (main) are not the spec's (warmup, main)"),
     ],
 )
 def test_a_profile_that_does_not_fit_the_spec_is_refused_in_one_line(profile, message: str) -> None:  # noqa: ANN001

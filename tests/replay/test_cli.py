@@ -133,6 +133,18 @@ def test_bad_trace_directories(trace_copy: Path, tmp_path: Path) -> None:
     bad_input(run("replay", trace_copy), "not an nfabric trace (trace.json format")
 
 
+def test_an_out_that_is_another_file_or_unwritable_is_refused_before_anything_runs(
+    recorded: Path, tmp_path: Path
+) -> None:
+    spec = tmp_path / "vision.toml"
+    spec.write_text('workload = "vision"\n')
+    bad_input(run("replay", recorded, "--out", spec), f"--out {spec}: exists and is not a "
+              "substrate TOML file; refusing to overwrite it")
+    assert spec.read_text() == 'workload = "vision"\n'
+    bad_input(run("replay", recorded, "--out", "/proc/nfabric.toml"),
+              "--out /proc/nfabric.toml: cannot write in /proc")
+
+
 def test_link_without_root_is_refused_before_anything_runs(tmp_path: Path) -> None:
     # As root, drop the effective uid for this one call (a real unprivileged check, undone
     # after): the refusal comes before the trace is even read.

@@ -203,6 +203,10 @@ def test_bad_input_is_named() -> None:
         route.encode(torch.randn(10, 10).t())
     with pytest.raises(InputError, match="unknown route 'int3'"):
         RouteSpec("int3")
+    with pytest.raises(InputError, match=r"a route spec is a table of its fields \(name, ...\), "
+                                         r"got \[1, 2\]"):
+        RouteSpec.from_dict([1, 2])  # type: ignore[arg-type]
+    assert RouteSpec.from_dict({"name": "int8", "chunk": 256}) == RouteSpec("int8", chunk=256)
     with pytest.raises(InputError, match="up to 255 ranks"):
         route.simulate([torch.randn(4)] * 256)
     with pytest.raises(InputError, match="up to 127 ranks"):

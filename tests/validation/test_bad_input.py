@@ -24,6 +24,7 @@ def bad_input(tmp_path, prof, *args, fragment: str) -> None:
     assert r.exit_code == 2, (r.stdout, r.stderr)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert r.stderr.startswith("error: ")  # no blank line of a progress bar before it
     assert fragment in lines[0], lines[0]
     assert "Traceback" not in r.stdout + r.stderr
     assert not (report / "logs").exists()  # nothing was launched
@@ -44,10 +45,31 @@ def bad_input(tmp_path, prof, *args, fragment: str) -> None:
         (("--link-mbit", -5), "--link-mbit must be a positive number"),
         (("--seeds", "4-2"), "--seeds: range '4-2' runs backwards"),
         (("--gate", "timed"), "--gate: model or measure"),
+        (("--steps", 5, "--inject", "nan@5"), "injection nan@5 is at step 5, but the run's steps "
+                                              "are 0-4"),
+        (("--seed", -1), "--seed must be in [0, 2**63 - 1], got -1"),
+        (("--seeds", "0,99999999999999999999"), "--seeds: a seed must be in [0, 2**63 - 1]"),
+        (("--arms", ","), "--arms names no arm (choose from fp32, static, profile)"),
+        (("--launcher", "torchrun", "--world-size", 2, "--nproc-per-node", 3),
+         "--world-size 2 is not --nnodes 1 x --nproc-per-node 3: give one or the other"),
+        (("--record-trace", "/proc/nfabric-trace"), "--record-trace /proc/nfabric-trace: cannot "
+                                                    "write in /proc"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, prof, args, fragment):
     bad_input(tmp_path, prof, *args, fragment=fragment)
+
+
+@pytest.mark.parametrize("where", ["/proc/nfabric-report", "file"])
+def test_a_report_folder_nothing_can_be_written_in_exits_2_before_any_rank(tmp_path, prof, where):
+    report = tmp_path / "file" if where == "file" else where
+    (tmp_path / "file").write_text("not a folder")
+    r = runner.invoke(app, ["validate", str(prof), "--workload", TINY, "--report", str(report)])
+    assert r.exit_code == 2, (r.stdout, r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    why = "cannot write in /proc" if where != "file" else "is a file, not a folder"
+    assert len(lines) == 1 and f"--report {report}: {why}" in lines[0], r.stderr
+    assert (tmp_path / "file").read_text() == "not a folder"
 
 
 def test_profile_for_another_model(tmp_path, prof):

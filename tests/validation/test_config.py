@@ -28,6 +28,11 @@ def test_arms_run_fp32_first_then_ours_then_baselines():
     ("kw", "fragment"),
     [
         ({"world_size": 0}, "--world-size must be >= 1"),
+        ({"seed": -1}, "--seed must be in [0, 2**63 - 1], got -1"),
+        ({"seed": 2**63}, "--seed must be in [0, 2**63 - 1], got 9223372036854775808"),
+        ({"arms": []}, "--arms names no arm (choose from fp32, static, profile)"),
+        ({"launcher": "torchrun", "world_size": 2, "nproc_per_node": 3},
+         "--world-size 2 is not --nnodes 1 x --nproc-per-node 3: give one or the other"),
         ({"steps": 0}, "--steps must be >= 1"),
         ({"arms": ["fp32", "dynamic"]}, "unknown arm 'dynamic'"),
         ({"baselines": ["fp8"]}, "unknown baseline 'fp8'"),
@@ -67,6 +72,10 @@ def test_torchrun_world_size_from_nodes():
     assert c.nproc_per_node == 2
     c = cfg(launcher="torchrun", nproc_per_node=3, nnodes=2, rdzv_endpoint="[::1]:29400").check()
     assert c.world_size == 6
+    c = cfg(launcher="torchrun", world_size=6, nproc_per_node=3, nnodes=2,
+            rdzv_endpoint="[::1]:29400").check()
+    assert c.nproc_per_node == 3
+    assert cfg().check().world_size == 2
 
 
 @pytest.mark.parametrize(

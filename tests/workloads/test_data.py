@@ -56,6 +56,11 @@ def test_lm_reads_input_txt(tmp_path) -> None:
     assert w.data_fingerprint() == hashlib.sha256(text.encode()).hexdigest()
     with pytest.raises(InputError, match="has no input.txt"):
         get_workload("lm", str(tmp_path / "missing"))
+    (tmp_path / "utf16").mkdir()
+    (tmp_path / "utf16" / "input.txt").write_text(text, encoding="utf-16")
+    with pytest.raises(InputError, match=r"utf16/input.txt is not UTF-8 text \(invalid start "
+                                         r"byte at byte 0\): workload 'lm' reads UTF-8"):
+        get_workload("lm", str(tmp_path / "utf16"))
 
 
 def _cifar_records(labels: list[tuple[int, ...]], seed: int) -> tuple[bytes, np.ndarray]:

@@ -113,7 +113,7 @@ def test_plugin_model(plugin) -> None:
     ("fn", "message"),
     [
         ("nosuch", "module '{mod}' has no attribute 'nosuch'"),
-        ("NOT_CALLABLE", "{mod}:NOT_CALLABLE is a int, not a callable"),
+        ("NOT_CALLABLE", "{mod}:NOT_CALLABLE is not callable (a int object)"),
         ("not_a_workload", "{mod}:not_a_workload() returned int, not a workload: missing name,"),
         (
             "half_workload",
