@@ -71,19 +71,21 @@ def check_writable(path: str | os.PathLike[str], option: str, folder: bool = Fal
     yet); else a file written in its parent. Probes the nearest existing folder with a
     temporary file, removed at once; creates nothing."""
     path = Path(path)
-    if folder and path.exists() and not path.is_dir():
-        raise WriteError(f"{option} {path}: is a file, not a folder")
-    if not folder and path.is_dir():
-        raise WriteError(f"{option} {path}: is a folder, not a file to write")
     existing = (path if folder else path.parent).absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise WriteError(f"{option} {path}: {existing} is a file, not a folder")
-    try:
+    try:  # (a folder on the way that cannot be searched raises from exists() too)
+        if folder and path.exists() and not path.is_dir():
+            raise WriteError(f"{option} {path}: is a file, not a folder")
+        if not folder and path.is_dir():
+            raise WriteError(f"{option} {path}: is a folder, not a file to write")
+        while not existing.exists():
+            existing = existing.parent
+        if not existing.is_dir():
+            raise WriteError(f"{option} {path}: {existing} is a file, not a folder")
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".nfabric-probe-")
         os.close(fd)
         os.unlink(probe)
+    except WriteError:
+        raise
     except OSError as exc:
         raise WriteError(f"{option} {path}: cannot write in {existing} "
                          f"({exc.strerror or type(exc).__name__})") from None

@@ -36,6 +36,6 @@ def test_a_usage_error_is_one_line_and_exit_2() -> None:
 def test_version_alone_and_help_without_a_command() -> None:
     done = nfabric("--version")
     assert (done.returncode, done.stdout, done.stderr) == (0, f"{__version__}\n", "")
-    done = nfabric()
-    assert done.returncode == 2 and "Usage:" in done.stdout and "validate" in done.stdout
+    done = nfabric()  # (exit 2 under click >= 8.2, which Typer >= 0.2x vendors; 0 before)
+    assert done.returncode in (0, 2) and "Usage:" in done.stdout and "validate" in done.stdout
     assert done.stderr == ""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 from rich.table import Table
 
@@ -23,6 +25,10 @@ def routes_cmd(
     of 4 ranks, as every reduce ends)."""
     if size < 1 or repeats < 1:
         raise InputError("--size and --repeats must be >= 1")
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if 4 * size > memory:  # (refused before allocating: an overcommitting kernel would not)
+        raise InputError(f"--size {size:,}: its fp32 buffer alone ({4 * size / 2**30:,.1f} GiB) "
+                         f"is more than this machine's memory ({memory / 2**30:,.1f} GiB)")
     from nfabric_cli.benchmarks.routes import bench_routes
 
     try:

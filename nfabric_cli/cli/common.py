@@ -98,7 +98,11 @@ def check_replace(out: Path, option: str, kind: str, is_kind: Callable[[Path], b
     from nfabric_cli.atomic import check_writable
 
     check_writable(out, option)
-    if out.exists() and not is_kind(out):
+    try:
+        other = out.exists() and not is_kind(out)
+    except OSError as exc:  # (exists, but cannot be read)
+        raise InputError(f"{option} {out}: cannot read it ({exc.strerror})") from None
+    if other:
         raise InputError(f"{option} {out}: exists and is not a {kind}; refusing to overwrite it")
 
 

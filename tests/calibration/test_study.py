@@ -287,10 +287,14 @@ def test_study_of_another_workload_or_spec_is_refused(tmp_path: Path) -> None:
 
 
 def _cli(tmp_path: Path, *args: str):
+    """`calibrate` on the tiny workload; its study and profile land in `tmp_path` unless
+    `args` name others (the last --out / --storage wins): a case that runs where it was
+    meant to fail must not write into the repository."""
     spec = tmp_path / "spec.toml"
     if not spec.exists():
         spec.write_text(toml_text(tiny_spec_dict(trials=2)))
-    return CliRunner().invoke(app, ["calibrate", TINY, "--spec", str(spec), *args])
+    own = ["--storage", f"sqlite:///{tmp_path}/own.db", "--out", str(tmp_path / "own")]
+    return CliRunner().invoke(app, ["calibrate", TINY, "--spec", str(spec), *own, *args])
 
 
 def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
