@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,8 @@ def capacity(
     if link_mbit is not None:
         if link_gbps is not None:
             raise InputError("give the link once: --link-gbps or --link-mbit")
-        if not link_mbit > 0:
-            raise InputError(f"--link-mbit must be > 0, got {link_mbit:g}")
+        if not 0 < link_mbit < math.inf:
+            raise InputError(f"--link-mbit must be a finite number > 0, got {link_mbit:g}")
         link_gbps = link_mbit / 1000.0
     overrides: dict[str, Any] = dict(
         link_gbps=link_gbps, latency_us=latency_us, endpoint_gbps=endpoint_gbps,

@@ -233,4 +233,6 @@ def test_link_speed_in_mbit_as_validate_takes_it(files):
     assert json.loads(mbit.output) == json.loads(gbps.output)
     assert_one_line_error(invoke("b.parquet", "--link-mbit", "100", "--link-gbps", "0.1"),
                           "give the link once")
-    assert_one_line_error(invoke("b.parquet", "--link-mbit", "0"), "--link-mbit must be > 0")
+    for bad in ("0", "inf", "nan"):
+        assert_one_line_error(invoke("b.parquet", "--link-mbit", bad),
+                              f"--link-mbit must be a finite number > 0, got {bad}")
