@@ -10,6 +10,7 @@ and phase, and the modelled bytes.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from torch import nn
@@ -149,8 +150,7 @@ def compile_profile(
     """
     profile.validate()
     ws = default_world_size(profile, world_size)
-    if total_steps is not None and total_steps < 1:
-        raise InputError(f"total steps must be >= 1, got {total_steps}")
+    total_steps = check_total_steps(total_steps)
     params = trainable_parameters(model)
     if not params:
         raise InputError("the model has no trainable parameters")
@@ -188,6 +188,20 @@ def compile_profile(
         remember_substrate(bindings, substrate)
     fill_buckets(bindings, bindings.meta.get("substrate"))
     return bindings
+
+
+def check_total_steps(total_steps: Any) -> int | None:
+    """`total_steps` as an int (None stays None); InputError unless a whole number >= 1 (a
+    float, a string or 0 would place the phases somewhere nobody asked for)."""
+    if total_steps is None:
+        return None
+    try:
+        steps = operator.index(total_steps)  # ints, numpy ints; not floats, bools or strings
+    except TypeError:
+        steps = None
+    if steps is None or isinstance(total_steps, bool) or steps < 1:
+        raise InputError(f"total steps must be a whole number >= 1, got {total_steps!r}")
+    return steps
 
 
 def default_world_size(profile: OperatingProfile, world_size: int | None = None) -> int:

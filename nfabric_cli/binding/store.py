@@ -18,6 +18,7 @@ from torch import nn
 from nfabric_cli.binding.bindings import Bindings, BucketPlan, ParamBinding
 from nfabric_cli.binding.buckets import cap_text
 from nfabric_cli.binding.compile import (
+    check_total_steps,
     compile_profile,
     fill_buckets,
     plan_layout,
@@ -166,8 +167,9 @@ def load_bindings_or_profile(
     unknown = set(compile_kwargs) - _REBIND_KEYS
     if unknown:
         raise InputError(f"cannot apply {', '.join(sorted(unknown))} to compiled bindings")
-    if compile_kwargs.get("total_steps") is not None:
-        bindings.total_steps = compile_kwargs["total_steps"]
+    steps = check_total_steps(compile_kwargs.get("total_steps"))
+    if steps is not None:
+        bindings.total_steps = steps
     cap = compile_kwargs.get("bucket_cap_mb", bindings.bucket_cap_mb)
     unused = compile_kwargs.get("find_unused_parameters", bindings.find_unused_parameters)
     order = compile_kwargs.get("ready_order")

@@ -42,6 +42,8 @@ from nfabric_cli.runtime.state import FabricState
 def optimizer_steps(accelerator: Any, dataloader: Any, epochs: int = 1) -> int:
     """Optimizer steps of `epochs` passes over a prepared `dataloader`: `accumulate` steps
     every `gradient_accumulation_steps` batches and at the end of each pass."""
+    if epochs < 1:
+        raise InputError(f"nfabric: epochs must be >= 1, got {epochs}")
     return math.ceil(len(dataloader) / accelerator.gradient_accumulation_steps) * epochs
 
 
@@ -64,8 +66,13 @@ def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[s
     state = AttachOptions(source, total_steps, attach_options).attach(
         model, None, "Accelerate", "pass the model that accelerator.prepare returned",
         scaler=getattr(accelerator, "scaler", None))
+    # each attached model has its own files, in the order they were attached (attach them in
+    # the same order when resuming)
+    attached = accelerator.__dict__.setdefault("_nfabric_states", [])
+    index = len(attached)
+    attached.append(state)
     accelerator.register_save_state_pre_hook(
-        lambda models, weights, output_dir: save_rank_state(state, output_dir))
+        lambda models, weights, output_dir: save_rank_state(state, output_dir, index))
     accelerator.register_load_state_pre_hook(
-        lambda models, input_dir: load_rank_state(state, input_dir, "Accelerate"))
+        lambda models, input_dir: load_rank_state(state, input_dir, "Accelerate", index))
     return state

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from nfabric_cli.atomic import atomic_path
+from nfabric_cli.binding.compile import check_total_steps
 from nfabric_cli.errors import InputError
 from nfabric_cli.runtime.controller import fallbacks as count_fallbacks
 from nfabric_cli.runtime.state import FabricState
@@ -22,28 +23,39 @@ from nfabric_cli.runtime.state import FabricState
 #: frameworks name their own per-rank RNG files (`rng_state_<rank>.pth`, `random_states_<i>.pkl`)
 CHECKPOINT_KEY = "nfabric"
 RANK_FILE = "nfabric_state_{rank}.pt"
+#: the same for a run's second, third, ... attached model (Accelerate: a GAN's two models)
+MODEL_RANK_FILE = "nfabric_model{index}_state_{rank}.pt"
 #: a folder saved by nfabric before the per-rank files: every rank's part in one file
 GATHERED_FILE = "nfabric_state.pt"
 
 
-def save_rank_state(fabric: FabricState, folder: str | os.PathLike[str]) -> Path:
+def rank_file(rank: int, index: int = 0) -> str:
+    """The file of `rank`'s state of the run's `index`-th attached model."""
+    return RANK_FILE.format(rank=rank) if index == 0 else MODEL_RANK_FILE.format(index=index,
+                                                                                rank=rank)
+
+
+def save_rank_state(fabric: FabricState, folder: str | os.PathLike[str], index: int = 0) -> Path:
     """Write this rank's fabric state (the shared part and its own residuals, byte counters
     and events: `state_dict(all_ranks=False)`) to `folder`, atomically; every rank calls it.
     No collective, and no rank holds another's residuals: gathering them (W x the compressed
-    parameters in float32 on a rank) would not fit a large model's host memory."""
-    path = Path(folder) / RANK_FILE.format(rank=fabric.rank)
+    parameters in float32 on a rank) would not fit a large model's host memory. `index`: which
+    of the run's attached models (each has its own file)."""
+    path = Path(folder) / rank_file(fabric.rank, index)
     state = fabric.state_dict(all_ranks=False)
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
     return path
 
 
-def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framework: str) -> None:
+def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framework: str,
+                    index: int = 0) -> None:
     """Restore this rank's state from `folder` (`save_rank_state`; or the one gathered file
-    an earlier nfabric wrote there). One line when the folder holds neither."""
+    an earlier nfabric wrote there). One line when the folder holds neither, or a file that
+    is not a saved state."""
     folder = Path(folder)
-    path = folder / RANK_FILE.format(rank=fabric.rank)
-    if not path.is_file() and (folder / GATHERED_FILE).is_file():
+    path = folder / rank_file(fabric.rank, index)
+    if not path.is_file() and index == 0 and (folder / GATHERED_FILE).is_file():
         path = folder / GATHERED_FILE
     if not path.is_file():
         saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
@@ -51,8 +63,14 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
                f"{fabric.world_size}" if saved and saved != fabric.world_size else
                "saved without nfabric, or on another node: each rank reads its own file")
         raise InputError(f"nfabric: {framework} resumes from {folder}, which holds no "
-                         f"{RANK_FILE.format(rank=fabric.rank)} for this rank ({why})")
-    fabric.load_state_dict(torch.load(path, weights_only=True))
+                         f"{rank_file(fabric.rank, index)} for this rank ({why})")
+    try:
+        saved = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises several kinds for a damaged file
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"nfabric: {path} is not a readable fabric state ({first[:200]})") \
+            from None
+    fabric.load_state_dict(saved)
 
 
 @dataclass
@@ -63,13 +81,29 @@ class AttachOptions:
     total_steps: int | None = None  # default: the framework's count of optimizer steps
     extra: dict[str, Any] = field(default_factory=dict)  # substrate, monitor, gate, seed
 
+    def __post_init__(self) -> None:
+        """The user's own values, checked where they are given (not after the ranks start)."""
+        self.total_steps = check_total_steps(self.total_steps)
+        named = sorted({"total_steps", "source", "ddp_model"} & set(self.extra))
+        if named:
+            raise InputError(f"nfabric: {', '.join(named)} in the attach options: pass "
+                             "total_steps= (and the profile) to the adapter itself")
+        unknown = sorted(set(self.extra) - set(_ATTACH_OPTIONS))
+        if unknown:
+            raise InputError(f"nfabric: unknown attach option(s) {', '.join(unknown)} (choose "
+                             f"from {', '.join(_ATTACH_OPTIONS)})")
+        if isinstance(self.source, (str, os.PathLike)):
+            from nfabric_cli.profile.store import resolve_profile
+
+            resolve_profile(self.source)  # a missing profile: now, not once the ranks start
+
     def attach(self, ddp: Any, total_steps: int | None, framework: str,
                hint: str = "", scaler: Any = None) -> FabricState:
         """`attach` as the framework set the run up; `scaler`: its loss scaler, if any."""
         from nfabric_cli import attach
 
         require_ddp(ddp, framework, hint)
-        steps = self.total_steps or total_steps
+        steps = self.total_steps if self.total_steps is not None else total_steps
         if not steps or steps < 1 or steps == float("inf"):
             raise InputError(f"nfabric: {framework} does not know how many optimizer steps the "
                              f"run takes (got {steps!r}): pass total_steps=")
@@ -83,6 +117,11 @@ class AttachOptions:
         if scaler is None or "nonfinite" in self.extra:
             return dict(self.extra)
         return {**self.extra, "nonfinite": "pass"}
+
+
+#: `nfabric_cli.attach`'s keyword options
+_ATTACH_OPTIONS = ("substrate", "monitor", "gate", "seed", "dedicated_group", "trace_dir",
+                   "nonfinite")
 
 
 def require_ddp(model: Any, framework: str, hint: str = "") -> None:

@@ -16,15 +16,16 @@ import logging
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from nfabric_cli.atomic import check_writable
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.buckets import makes_sparse
-from nfabric_cli.binding.compile import compile_profile
-from nfabric_cli.binding.fingerprint import trainable_parameters
+from nfabric_cli.binding.compile import check_total_steps, compile_profile
+from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
 from nfabric_cli.binding.store import load_bindings_or_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
@@ -33,9 +34,7 @@ from nfabric_cli.runtime.hook import fabric_hook
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.state import FabricState
 from nfabric_cli.runtime.trace import TraceRecorder
-
-if TYPE_CHECKING:
-    from nfabric_cli.substrate.model import Substrate
+from nfabric_cli.substrate.model import Substrate
 
 _LIVE: weakref.WeakSet[FabricState] = weakref.WeakSet()
 _log = logging.getLogger("nfabric")
@@ -117,12 +116,23 @@ def create_state(
     if getattr(ddp_model, "_comm_hooks", None):  # DDP takes one hook, for its lifetime
         raise InputError("this DDP model already has a communication hook (nfabric's or "
                          "another): attach once per DDP model, before any other hook")
+    total_steps = check_total_steps(total_steps)
+    if not isinstance(source, (str, os.PathLike, Bindings, OperatingProfile)):
+        raise InputError("attach takes a profile or bindings (a path, an OperatingProfile or "
+                         f"Bindings), got {type(source).__name__}")
+    if substrate is not None and not isinstance(substrate, (dict, Substrate)):
+        raise InputError(f"substrate must be a Substrate or its dict, got {substrate!r}")
     module = ddp_model.module
     _check_dense(module)
     pg = ddp_model.process_group
     world_size = dist.get_world_size(pg)
     if isinstance(source, Bindings):
         bindings = source
+        if model_fingerprint(module) != bindings.fingerprint:  # as a bindings file is checked
+            raise InputError(
+                f"these bindings were compiled for another model (fingerprint "
+                f"{bindings.fingerprint}, this model {model_fingerprint(module)}): compile the "
+                "profile against this model")
     elif isinstance(source, OperatingProfile):
         bindings = compile_profile(
             source, module, world_size=world_size, total_steps=total_steps,
@@ -142,7 +152,6 @@ def create_state(
     if steps is None:
         if len(bindings.phases) > 1:
             raise InputError("the profile has several phases: pass total_steps to attach")
-        steps = 1
     elif dist.get_rank(pg) == 0:
         for note in outside_proven(bindings.meta, steps=steps, world_size=world_size):
             warnings.warn(f"nfabric: {note}", stacklevel=3)
@@ -156,6 +165,7 @@ def create_state(
                                use_local_synchronization=ranks is not None)
     trace = None
     if trace_dir is not None:
+        check_writable(trace_dir, "trace_dir", folder=True)
         trace = TraceRecorder(trace_dir, dist.get_rank(group), dist.get_world_size(group),
                               dist.get_backend(group))
     state = FabricState(

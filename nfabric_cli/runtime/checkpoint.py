@@ -57,6 +57,9 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True,
     rank, or only onto group rank `dst` when given (the other ranks get their own part)."""
     if state._pending:
         raise RuntimeError("state_dict() during a step: call it between optimizer steps")
+    if dst is not None and not all_ranks:
+        raise InputError(f"state_dict(all_ranks=False, dst={dst}): dst is where all ranks' "
+                         "parts are gathered; without all_ranks each rank keeps its own")
     if dst is not None and not 0 <= dst < state.world_size:
         raise InputError(f"state_dict(dst={dst}): dst is a rank of the fabric's group, "
                          f"0 to {state.world_size - 1}")
@@ -106,6 +109,10 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
                          f"reads ({STATE_VERSION}): upgrade nfabric")
     if state._pending:
         raise RuntimeError("load_state_dict() during a step: call it between optimizer steps")
+    missing = [k for k in _REQUIRED if k not in sd]
+    if missing or not isinstance(sd["ranks"], dict):
+        what = f"no {', '.join(missing)}" if missing else "its ranks are not a dict"
+        raise InputError(f"fabric state is incomplete ({what}): nothing was loaded")
     key = bindings_key(state.bindings)
     if sd["bindings"] != key:
         raise InputError(
@@ -127,13 +134,33 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
             raise InputError(msg)
         notes.append(msg + "; this rank starts with no error-feedback residuals")
         mine = _rank_part(ErrorFeedback(), TrafficMeter(state.rank), [], [])
-    state.ef.load_state_dict(mine["ef"], state.device)
-    state.meter.load_state_dict(mine["meter"])
-    state.events[:] = [dict(e) for e in mine["events"]]
-    state.step_times[:] = list(mine["step_times"])
-    keys = [(tuple(names), phase) for names, phase in sd.get("pending_times", [])]
-    seconds = mine.get("bucket_seconds") or [0.0] * len(keys)  # a missing part: no times
-    state._bucket_times[:] = list(zip(keys, seconds, strict=True))
+    # Everything is read into new objects, and the controller restored if it fails part way:
+    # a malformed state leaves the run as it was.
+    before, logged = state.controller.state_dict(), len(state.events)
+    try:
+        ef, meter = ErrorFeedback(), TrafficMeter(state.meter.rank)
+        ef.load_state_dict(mine["ef"], state.device)
+        meter.load_state_dict(mine["meter"])
+        events = [dict(e) for e in mine["events"]]
+        step_times = [float(t) for t in mine["step_times"]]
+        keys = [(tuple(names), phase) for names, phase in sd.get("pending_times", [])]
+        seconds = mine.get("bucket_seconds") or [0.0] * len(keys)  # a missing part: no times
+        bucket_times = list(zip(keys, seconds, strict=True))
+        state.controller.load_state_dict(sd)  # may log entering the resumed step's phase
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        state.controller.load_state_dict(before)
+        del state.events[logged:]
+        raise InputError(f"fabric state is malformed ({type(exc).__name__}: {exc}): nothing "
+                         "was loaded") from None
+    state.ef, state.meter = ef, meter
+    state.events[:] = events + state.events[logged:]
+    state.step_times[:] = step_times
+    state._bucket_times[:] = bucket_times
     state._timing = None  # a step timed before the load is not this run's
-    state.controller.load_state_dict(sd)
     return notes
+
+
+#: The keys every saved state has (`guard`, `held`, `holding`, `priced` and `pending_times`
+#: came later: states saved before them load without).
+_REQUIRED = ("bindings", "world_size", "total_steps", "step", "skipped_steps", "monitor", "gate",
+             "ranks")

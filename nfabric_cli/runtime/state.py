@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import numbers
 import threading
 import time
 import warnings
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.fingerprint import trainable_parameters
+from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
 from nfabric_cli.routes.exchange import WHOLE
@@ -110,7 +112,7 @@ class FabricState:
         self,
         bindings: Bindings,
         module: torch.nn.Module,
-        total_steps: int,
+        total_steps: int | None,
         group: dist.ProcessGroup | None,
         *,
         monitor: bool = True,
@@ -123,7 +125,9 @@ class FabricState:
     ) -> None:
         self.bindings = bindings
         self.trace = trace
-        self.total_steps = max(1, int(total_steps))
+        # None: a one-phase run whose length nobody said (nothing to place, nothing to warn of)
+        self.steps_known = total_steps is not None
+        self.total_steps = max(1, int(total_steps)) if total_steps is not None else 1
         self.comm = Comm(group)
         self.rank = self.comm.rank
         self.world_size = self.comm.world_size
@@ -227,13 +231,24 @@ class FabricState:
         return self.controller.skipped_steps
 
     def observe(self, loss: torch.Tensor | float) -> None:
-        """Feed this step's local training loss to the health monitor (call before backward).
-        A tensor is not read here: it is read with the step's other statistics, once."""
-        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+        """Feed this step's local training loss to the health monitor (call before backward;
+        the last call of a step counts). A tensor is not read here: it is read with the step's
+        other statistics, once."""
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise InputError(f"observe() takes the step's loss as one number, got a tensor of "
+                                 f"shape {tuple(loss.shape)}: reduce it first (loss.mean())")
+            value: torch.Tensor | float = loss.detach()
+        elif isinstance(loss, numbers.Real) and not isinstance(loss, bool):
+            value = float(loss)
+        else:
+            raise InputError(f"observe() takes the step's loss (a tensor or a number), got "
+                             f"{type(loss).__name__}")
         fed: list[bool] | None = None
-        if isinstance(loss, torch.Tensor) and loss.requires_grad and not self._late_warned:
+        witness = _backward_witness(loss) if not self._late_warned else None
+        if witness is not None:
             fed = [False]  # set when backward passes through this loss (`_check_observed`)
-            loss.register_hook(lambda grad: fed.__setitem__(0, True))
+            witness.register_prehook(lambda grad_outputs: fed.__setitem__(0, True))
         with self._lock:
             self._loss, self._loss_fed = value, fed
 
@@ -297,7 +312,8 @@ class FabricState:
             self.comm.release()  # the wire buffers (a bucket's size each): nothing is sent now
             if self.trace is not None:
                 self.trace.close()
-            if self.step != self.total_steps and self.step > 0 and self.step != self._saved_at:
+            if (self.steps_known and self.step != self.total_steps and self.step > 0
+                    and self.step != self._saved_at):
                 warnings.warn(
                     f"nfabric: the run closed at step {self.step} of total_steps="
                     f"{self.total_steps}: phases are placed by total_steps, so pass the number "
@@ -621,7 +637,7 @@ class FabricState:
             self.step_times.append(time.perf_counter() - self._step_started)
             self._step_started = None
         self.controller.advance(step)
-        if self.step == self.total_steps + 1:
+        if self.steps_known and self.step == self.total_steps + 1:
             warnings.warn(
                 f"nfabric: step {self.step} is past total_steps={self.total_steps}: the last "
                 "phase goes on; pass the number of optimizer steps the run takes", stacklevel=2)
@@ -649,6 +665,20 @@ class FabricState:
     def _log(self, event: dict[str, Any]) -> None:
         event = {"step": event["step"], "rank": self.rank, **{k: v for k, v in event.items() if k != "step"}}
         self.events.append(event)
+
+
+def _backward_witness(loss: Any) -> Any:
+    """The autograd node a backward through `loss` runs, however the loss was derived before
+    `observe` (``loss.float()``, ``loss.reshape(1)``, ``2 * loss``): down its graph while each
+    node has one input, so a backward of the loss itself passes it too; None for a number or
+    a tensor outside any graph. A hook there fires only if that backward runs after observe."""
+    node = loss.grad_fn if isinstance(loss, torch.Tensor) and loss.requires_grad else None
+    while node is not None:
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:
+            break
+        node = inputs[0]
+    return node
 
 
 def _future(buffer: torch.Tensor) -> torch.futures.Future:

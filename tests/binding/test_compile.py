@@ -282,8 +282,9 @@ def test_bad_world_size_and_steps():
 
     with pytest.raises(InputError, match="world size must be a positive integer, got -1"):
         compile_for_workload(rules(("*", "sign")), models.mlp(), Unread(), world_size=-1)
-    with pytest.raises(InputError, match="total steps must be >= 1"):
-        compile_profile(rules(("*", "sign")), models.mlp(), total_steps=0)
+    for bad in (0, -5, 2.5, "10", True):
+        with pytest.raises(InputError, match=f"total steps must be a whole number >= 1, got {bad!r}"):
+            compile_profile(rules(("*", "sign")), models.mlp(), total_steps=bad)
     b = compile_profile(rules(("*", "sign")), models.mlp())
     assert b.world_size == 2
     with pytest.raises(InputError, match="total steps unknown"):

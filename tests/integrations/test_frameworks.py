@@ -11,6 +11,7 @@ import pytest
 
 from tests.integrations.helpers import check_clean, failure_line, ranks_of, run_example
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS, MORE, ACCUMULATE = 4, 6, 2
 # per optimizer step and rank on this example's Net (head 260 elements on fp32, body 5184 on
 # 1-bit sign with error feedback, 2 ranks): what the hook reports it moved. At 2 ranks sign
@@ -149,9 +150,32 @@ def test_a_framework_loss_scaler_makes_nonfinite_pass_unless_the_user_said() -> 
     from nfabric_cli.integrations.common import AttachOptions
 
     scaler = object()  # whatever the framework holds: only its presence counts
-    assert AttachOptions("p", None, {"seed": 1}).options(scaler) == {"seed": 1, "nonfinite": "pass"}
-    assert AttachOptions("p", None, {"nonfinite": "zero"}).options(scaler) == {"nonfinite": "zero"}
-    assert AttachOptions("p", None, {"seed": 1}).options(None) == {"seed": 1}
+    p = str(REPO / "profiles" / "vision")
+    assert AttachOptions(p, None, {"seed": 1}).options(scaler) == {"seed": 1, "nonfinite": "pass"}
+    assert AttachOptions(p, None, {"nonfinite": "zero"}).options(scaler) == {"nonfinite": "zero"}
+    assert AttachOptions(p, None, {"seed": 1}).options(None) == {"seed": 1}
+
+
+@pytest.mark.parametrize(
+    ("source", "total_steps", "extra", "message"),
+    [("vision", 0, {}, "total steps must be a whole number >= 1, got 0"),
+     ("vision", -5, {}, "total steps must be a whole number >= 1, got -5"),
+     ("vision", None, {"total_steps": 3}, "nfabric: total_steps in the attach options: pass "
+                                          "total_steps= (and the profile) to the adapter itself"),
+     ("vision", None, {"gates": "x"}, "nfabric: unknown attach option(s) gates (choose from "
+                                      "substrate, monitor, gate, seed,"),
+     ("nope", None, {}, "no such file or directory")],
+)  # fmt: skip
+def test_an_adapters_own_options_are_checked_where_they_are_given(
+        source: str, total_steps: int | None, extra: dict, message: str) -> None:
+    """Checked when the adapter is built (Lightning builds its strategy before the ranks start),
+    not ignored (a total_steps of 0 once meant the framework's count) or found later."""
+    from nfabric_cli.errors import InputError
+    from nfabric_cli.integrations.common import AttachOptions
+
+    with pytest.raises(InputError) as err:
+        AttachOptions(str(REPO / "profiles" / source), total_steps, extra)
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.slow

@@ -163,15 +163,31 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
             out.append("loaded")
         except InputError as exc:
             out.append(str(exc))
-        another.close()
-        state.close()
+    seen = (state.step, list(state.events), state.bytes_per_route(), state.monitor.state_dict())
+    no_ef = {r: {k: v for k, v in part.items() if k != "ef"} for r, part in good["ranks"].items()}
+    for bad in ({k: v for k, v in good.items() if k != "step"}, {**good, "ranks": no_ef},
+                {**good, "monitor": {}}, {**good, "guard": good["guard"], "held": None}):
+        try:
+            state.load_state_dict(bad)
+            out.append("accepted")
+        except InputError as exc:
+            out.append(str(exc))
+    now = (state.step, list(state.events), state.bytes_per_route(), state.monitor.state_dict())
+    out.append("unchanged" if now == seen else f"changed: {seen} -> {now}")
+    try:
+        state.state_dict(all_ranks=False, dst=0)
+        out.append("kept")
+    except InputError as exc:
+        out.append(str(exc))
+    another.close()
+    state.close()
     return out
 
 
 @pytest.mark.slow
 def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path: Path) -> None:
     for rank, out in enumerate(run_ranks(_refusals, 2, str(tmp_path))):
-        other, newer, alien, missing, lenient, longer, writer, no_file = out
+        other, newer, alien, missing, lenient, longer, writer, no_file, *malformed = out
         assert other.startswith("fabric state is from other bindings") and \
             other.endswith("another model or profile")
         assert "the run was 20 steps long and is now 40: phase boundaries" in longer
@@ -183,6 +199,15 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
         assert no_file == (f"nfabric: X resumes from {tmp_path}, which holds no "
                            f"nfabric_state_{rank}.pt for this rank (saved without nfabric, or on "
                            "another node: each rank reads its own file)")
+        # a truncated or malformed state is refused in one line, and nothing of it is loaded
+        no_step, no_ef, bad_monitor, bad_held, unchanged, contradiction = malformed
+        assert no_step == "fabric state is incomplete (no step): nothing was loaded"
+        assert no_ef == "fabric state is malformed (KeyError: 'ef'): nothing was loaded"
+        assert bad_monitor.startswith("fabric state is malformed (KeyError: ")
+        assert bad_held == ("fabric state is malformed (TypeError: 'NoneType' object is not "
+                            "iterable): nothing was loaded")
+        assert unchanged == "unchanged"
+        assert contradiction.startswith("state_dict(all_ranks=False, dst=0): dst is where")
         assert all("\n" not in m for m in out)
 
 
@@ -248,3 +273,38 @@ def test_a_run_resumed_in_a_gated_off_phase_sends_its_first_step_as_the_whole_ru
         assert w["events"] == r["events"] and not any(e["to"] == "held" for e in w["events"])
         assert w["worker_steps"] == r["worker_steps"] == [TOTAL * 6 // 10]  # "late" begins
         assert o["worker_steps"] == [SPIKE_AT, TOTAL * 6 // 10]
+
+
+def _two_models(rank: int, world: int, folder: str) -> list[str]:
+    """Two attached models (a GAN's), each saved to its own rank file and restored from it;
+    then a damaged file."""
+    from nfabric_cli.integrations.common import load_rank_state, save_rank_state
+
+    (ddp_a, a, opt_a), (ddp_b, b, opt_b) = _setup(rank), _setup(rank)
+    _steps(ddp_a, a, opt_a, rank, 0, 3)
+    _steps(ddp_b, b, opt_b, rank, 0, 5)
+    names = [save_rank_state(s, folder, i).name for i, s in enumerate((a, b))]
+    saved = [s.state_dict(all_ranks=False)["step"] for s in (a, b)]
+    for i, s in enumerate((a, b)):
+        load_rank_state(s, folder, "X", i)
+    out = [*names, f"steps {a.step} {b.step} (saved {saved})"]
+    Path(folder, f"nfabric_state_{rank}.pt").write_bytes(b"not a checkpoint")
+    try:
+        load_rank_state(a, folder, "X")
+    except InputError as exc:
+        out.append(str(exc))
+    with warnings.catch_warnings(record=True):
+        a.close()
+        b.close()
+    return out
+
+
+def test_each_attached_model_has_its_own_rank_file(tmp_path: Path) -> None:
+    """Accelerate saved every attached model's state to one file, so a second model's state
+    replaced the first's, and both resumed from it."""
+    for rank, out in enumerate(run_ranks(_two_models, 2, str(tmp_path))):
+        first, second, steps, damaged = out
+        assert (first, second) == (f"nfabric_state_{rank}.pt", f"nfabric_model1_state_{rank}.pt")
+        assert steps == "steps 3 5 (saved [3, 5])"
+        assert damaged.startswith(f"nfabric: {tmp_path}/nfabric_state_{rank}.pt is not a "
+                                  "readable fabric state (") and "\n" not in damaged

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import pytest
 import torch
@@ -371,14 +372,29 @@ def test_replicas_on_disjoint_groups_each_attach_on_their_own_ranks() -> None:
     assert same == [True, True, False]  # each replica agrees with itself; their data differ
 
 
-def _refused_worker(rank: int, world: int, case: str) -> str:
+def _refused_worker(rank: int, world: int, case: str, where: str) -> str:
     from nfabric_cli.errors import InputError
 
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=case == "sparse"),
-                                torch.nn.Linear(8, 2))
+    def net(classes: int = 2) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=case == "sparse"),
+                                   torch.nn.Linear(8, classes))
+
+    model = net()
     ddp = DDP(model)
+    source, kw = _bindings(model, "sign"), {"total_steps": 2}
+    if case in ("zero steps", "fractional steps"):
+        kw["total_steps"] = 0 if case == "zero steps" else 2.5
+    elif case == "no source":
+        source = 5
+    elif case == "substrate name":
+        kw["substrate"] = "fast"
+    elif case == "other model":
+        source = _bindings(net(3), "sign")
+    elif case == "trace file":
+        kw["trace_dir"] = where
     try:
-        attach(ddp, _bindings(model, "sign"), total_steps=2)
+        attach(ddp, source, **kw)
         if case == "twice":
             attach(ddp, _bindings(model, "sign"), total_steps=2)
     except InputError as exc:
@@ -386,15 +402,45 @@ def _refused_worker(rank: int, world: int, case: str) -> str:
     return "attached"
 
 
-@pytest.mark.parametrize("case", ["sparse", "twice"])
-def test_what_attach_cannot_serve_is_refused_in_one_line(case: str) -> None:
+@pytest.mark.parametrize("case", ["sparse", "twice", "zero steps", "fractional steps",
+                                  "no source", "substrate name", "other model", "trace file"])
+def test_what_attach_cannot_serve_is_refused_in_one_line(case: str, tmp_path) -> None:
     """sparse: DDP hands a sparse gradient over in a bucket that cannot be sliced (it failed
     at the first backward, in a torch error about `as_strided` on SparseCPU). twice: DDP takes
-    one hook for its lifetime (torch's own error came after a second state was built)."""
+    one hook for its lifetime (torch's own error came after a second state was built). The
+    others were Python errors, or (a total_steps of 0 with bindings, bindings of another
+    model) ran on, the phases squeezed into step 0 or the bytes priced for another model."""
+    where = tmp_path / "a file"
+    where.write_text("")
     expected = {
         "sparse": "nfabric reduces dense gradients only, and module '0' (Embedding) makes "
                   "sparse ones (sparse=True): build it with sparse=False to attach",
         "twice": "this DDP model already has a communication hook (nfabric's or another): "
                  "attach once per DDP model, before any other hook",
+        "zero steps": "total steps must be a whole number >= 1, got 0",
+        "fractional steps": "total steps must be a whole number >= 1, got 2.5",
+        "no source": "attach takes a profile or bindings (a path, an OperatingProfile or "
+                     "Bindings), got int",
+        "substrate name": "substrate must be a Substrate or its dict, got 'fast'",
+        "other model": "these bindings were compiled for another model (fingerprint ",
+        "trace file": f"trace_dir {where}: is a file, not a folder",
     }[case]
-    assert run_ranks(_refused_worker, 2, case) == [expected] * 2
+    said = run_ranks(_refused_worker, 2, case, str(where))
+    assert all(s.startswith(expected) and "\n" not in s for s in said), said
+
+
+def _one_phase_worker(rank: int, world: int) -> list[str]:
+    model = make_model()
+    ddp = DDP(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = attach(ddp, _bindings(model, "sign"))  # one phase: no total_steps needed
+        _train(ddp, 4, state, rank)
+        state.close()
+    return [str(w.message) for w in caught if "nfabric" in str(w.message)]
+
+
+def test_a_one_phase_profile_without_total_steps_trains_without_warnings() -> None:
+    """Documented as optional for one phase; the state took 1 step for it and warned at step
+    2, and again at close, to pass total_steps."""
+    assert run_ranks(_one_phase_worker, 2) == [[], []]

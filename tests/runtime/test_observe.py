@@ -9,33 +9,39 @@ import warnings
 import pytest
 import torch
 
+from nfabric_cli.errors import InputError
 from tests.distutil import run_ranks
 from tests.runtime.models import tiny_ddp
 
 STEPS = 4
 
 
-def _worker(rank: int, world: int, late: bool) -> list[str]:
+def _worker(rank: int, world: int, late: bool, derive: str) -> list[str]:
     wl, _, ddp, state = tiny_ddp(world, STEPS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    derived = {"as is": lambda t: t, "float": lambda t: t.float(),
+               "reshape": lambda t: t.reshape(1), "scaled": lambda t: 2 * t}[derive]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
             loss = wl.loss(ddp, wl.train_batch(step, rank, world, 0))
             opt.zero_grad()
             if not late:
-                state.observe(loss)
+                state.observe(derived(loss))
             loss.backward()
             if late:
-                state.observe(loss)
+                state.observe(derived(loss))
             opt.step()
     state.close()
     return [str(w.message) for w in caught if "observe()" in str(w.message)]
 
 
+@pytest.mark.parametrize("derive", ["as is", "float", "reshape", "scaled"])
 @pytest.mark.parametrize("late", [False, True])
-def test_a_loss_observed_after_backward_is_named_once(late: bool) -> None:
-    rank0, rank1 = run_ranks(_worker, 2, late)
+def test_a_loss_observed_after_backward_is_named_once(late: bool, derive: str) -> None:
+    """Also for a tensor derived from the loss before observe (a bf16 loss cast to float):
+    the backward of the loss itself passes the derivation's input, so it counts as seen."""
+    rank0, rank1 = run_ranks(_worker, 2, late, derive)
     assert rank1 == []  # rank 0 speaks for the run
     if late:
         assert len(rank0) == 1
@@ -43,3 +49,28 @@ def test_a_loss_observed_after_backward_is_named_once(late: bool) -> None:
         assert "between the forward and loss.backward()" in rank0[0]
     else:
         assert rank0 == []
+
+
+def _bad(rank: int, world: int) -> list[str]:
+    wl, _, ddp, state = tiny_ddp(world, STEPS)
+    said = []
+    for bad in (torch.ones(3), torch.ones(0), "1.5", None, True):
+        try:
+            state.observe(bad)
+        except InputError as exc:
+            said.append(str(exc))
+    state.close()
+    return said
+
+
+def test_observe_refuses_what_is_not_one_loss() -> None:
+    said, _ = run_ranks(_bad, 2)
+    assert said == [
+        "observe() takes the step's loss as one number, got a tensor of shape (3,): reduce it "
+        "first (loss.mean())",
+        "observe() takes the step's loss as one number, got a tensor of shape (0,): reduce it "
+        "first (loss.mean())",
+        "observe() takes the step's loss (a tensor or a number), got str",
+        "observe() takes the step's loss (a tensor or a number), got NoneType",
+        "observe() takes the step's loss (a tensor or a number), got bool",
+    ]
