@@ -326,6 +326,9 @@ class FabricState:
         """Start reducing one bucket; the returned future completes with the reduced buffer."""
         if self._pool is None:
             raise RuntimeError("nfabric state is closed")
+        if id(params[0]) not in self._names:  # (its steps would be counted twice, or fail)
+            raise InputError("a DDP model's bucket holds parameters this fabric state was not "
+                             "made for: one state per DDP model (FabricState.create for each)")
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()

@@ -444,3 +444,30 @@ def test_a_one_phase_profile_without_total_steps_trains_without_warnings() -> No
     """Documented as optional for one phase; the state took 1 step for it and warned at step
     2, and again at close, to pass total_steps."""
     assert run_ranks(_one_phase_worker, 2) == [[], []]
+
+
+def _shared_state_worker(rank: int, world: int) -> str:
+    from nfabric_cli.errors import InputError
+    from nfabric_cli.runtime.hook import fabric_hook
+    from nfabric_cli.runtime.state import FabricState
+
+    first, second = DDP(make_model()), DDP(make_model())
+    state = FabricState.create(first, _bindings(first.module, "sign"), total_steps=2)
+    first.register_comm_hook(state, fabric_hook)
+    second.register_comm_hook(state, fabric_hook)  # (DDP cannot tell)
+    x, y = batch(0, rank)
+    try:
+        F.cross_entropy(second(x), y).backward()
+        said = "reduced"
+    except InputError as exc:
+        said = str(exc)
+    state.close()
+    return said
+
+
+def test_one_state_registered_on_two_models_is_refused_at_the_first_bucket() -> None:
+    """It failed in a KeyError of a parameter's id at the second model's backward (or, in an
+    all-fp32 phase, counted every step twice)."""
+    assert run_ranks(_shared_state_worker, 2) == [
+        "a DDP model's bucket holds parameters this fabric state was not made for: one state "
+        "per DDP model (FabricState.create for each)"] * 2
