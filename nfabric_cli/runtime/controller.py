@@ -94,6 +94,8 @@ class StepController:
         self.log = log
         self.scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
         thresholds = HealthThresholds.from_profile(bindings.meta)
+        if not isinstance(monitor, bool):  # ("no" is truthy: it would turn the monitor on)
+            raise InputError(f"monitor: True or False, got {monitor!r}")
         self.monitor_enabled = monitor
         self.passive = passive
         # phases that are plain DDP (see the module doc): a property of the routes alone, so a
