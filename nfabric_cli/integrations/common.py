@@ -3,6 +3,7 @@ the per-rank state files."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,8 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
         saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
         why = (f"it holds {saved} rank files: saved by {saved} ranks, and this run has "
                f"{fabric.world_size}" if saved and saved != fabric.world_size else
+               f"the run's attached model {index + 1} has its own files: attach the models in "
+               "the order they were saved" if saved and index else
                "saved without nfabric, or on another node: each rank reads its own file")
         raise InputError(f"nfabric: {framework} resumes from {folder}, which holds no "
                          f"{rank_file(fabric.rank, index)} for this rank ({why})")
@@ -88,10 +91,14 @@ class AttachOptions:
         if named:
             raise InputError(f"nfabric: {', '.join(named)} in the attach options: pass "
                              "total_steps= (and the profile) to the adapter itself")
-        unknown = sorted(set(self.extra) - set(_ATTACH_OPTIONS))
+        from nfabric_cli import attach
+
+        known = [p.name for p in inspect.signature(attach).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
+        unknown = sorted(set(self.extra) - set(known))
         if unknown:
             raise InputError(f"nfabric: unknown attach option(s) {', '.join(unknown)} (choose "
-                             f"from {', '.join(_ATTACH_OPTIONS)})")
+                             f"from {', '.join(known)})")
         if isinstance(self.source, (str, os.PathLike)):
             from nfabric_cli.profile.store import resolve_profile
 
@@ -117,11 +124,6 @@ class AttachOptions:
         if scaler is None or "nonfinite" in self.extra:
             return dict(self.extra)
         return {**self.extra, "nonfinite": "pass"}
-
-
-#: `nfabric_cli.attach`'s keyword options
-_ATTACH_OPTIONS = ("substrate", "monitor", "gate", "seed", "dedicated_group", "trace_dir",
-                   "nonfinite")
 
 
 def require_ddp(model: Any, framework: str, hint: str = "") -> None:

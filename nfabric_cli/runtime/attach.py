@@ -30,6 +30,7 @@ from nfabric_cli.binding.store import load_bindings_or_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.proven import outside_proven
+from nfabric_cli.runtime.controller import check_options
 from nfabric_cli.runtime.hook import fabric_hook
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.state import FabricState
@@ -117,6 +118,7 @@ def create_state(
         raise InputError("this DDP model already has a communication hook (nfabric's or "
                          "another): attach once per DDP model, before any other hook")
     total_steps = check_total_steps(total_steps)
+    check_options(monitor, gate, nonfinite)  # (before any group or trace folder is made)
     if not isinstance(source, (str, os.PathLike, Bindings, OperatingProfile)):
         raise InputError("attach takes a profile or bindings (a path, an OperatingProfile or "
                          f"Bindings), got {type(source).__name__}")

@@ -136,7 +136,7 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
         mine = _rank_part(ErrorFeedback(), TrafficMeter(state.rank), [], [])
     # Everything is read into new objects, and the controller restored if it fails part way:
     # a malformed state leaves the run as it was.
-    before, logged = state.controller.state_dict(), len(state.events)
+    before, logged, started = state.controller.state_dict(), len(state.events), False
     try:
         ef, meter = ErrorFeedback(), TrafficMeter(state.meter.rank)
         ef.load_state_dict(mine["ef"], state.device)
@@ -146,10 +146,14 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
         keys = [(tuple(names), phase) for names, phase in sd.get("pending_times", [])]
         seconds = mine.get("bucket_seconds") or [0.0] * len(keys)  # a missing part: no times
         bucket_times = list(zip(keys, seconds, strict=True))
+        started = True
         state.controller.load_state_dict(sd)  # may log entering the resumed step's phase
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
-        state.controller.load_state_dict(before)
-        del state.events[logged:]
+    except Exception as exc:  # noqa: BLE001 - any malformed value: one line, nothing loaded
+        if started:  # (its saved form lacks a measured gate's block in progress: re-measured)
+            state.controller.load_state_dict(before)
+            del state.events[logged:]
+        if isinstance(exc, InputError):
+            raise
         raise InputError(f"fabric state is malformed ({type(exc).__name__}: {exc}): nothing "
                          "was loaded") from None
     state.ef, state.meter = ef, meter

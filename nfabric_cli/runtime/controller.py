@@ -70,6 +70,17 @@ class StepDecision:
     scales: dict[str, float] = field(default_factory=dict)  # scope -> factor (< 1)
 
 
+def check_options(monitor: Any, gate: Any, nonfinite: Any) -> None:
+    """InputError (one line) for an attach option the controller cannot take."""
+    if nonfinite not in NONFINITE_MODES:
+        raise InputError(f"nonfinite: one of {', '.join(map(repr, NONFINITE_MODES))}, "
+                         f"got {nonfinite!r}")
+    if not isinstance(monitor, bool):  # ("no" is truthy: it would turn the monitor on)
+        raise InputError(f"monitor: True or False, got {monitor!r}")
+    if gate is not True and gate is not False and gate != "measure":
+        raise InputError(f"gate: True, False or 'measure', got {gate!r}")
+
+
 class StepController:
     """Phase, health monitor, update guard and capacity gate of one run (see module doc)."""
 
@@ -85,17 +96,13 @@ class StepController:
         passive: bool = False,
         nonfinite: str = "zero",
     ) -> None:
-        if nonfinite not in NONFINITE_MODES:
-            raise InputError(f"nonfinite: one of {', '.join(map(repr, NONFINITE_MODES))}, "
-                             f"got {nonfinite!r}")
+        check_options(monitor, gate, nonfinite)
         self.nonfinite = nonfinite
         self.bindings = bindings
         self.total_steps = max(1, int(total_steps))
         self.log = log
         self.scopes = sorted({r for b in bindings.params.values() for r in b.regions.values()})
         thresholds = HealthThresholds.from_profile(bindings.meta)
-        if not isinstance(monitor, bool):  # ("no" is truthy: it would turn the monitor on)
-            raise InputError(f"monitor: True or False, got {monitor!r}")
         self.monitor_enabled = monitor
         self.passive = passive
         # phases that are plain DDP (see the module doc): a property of the routes alone, so a
@@ -106,8 +113,6 @@ class StepController:
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
                                  thresholds.update_cap, thresholds.blowup_cap)
-        if gate not in (True, False, "measure"):
-            raise InputError(f"gate: True, False or 'measure', got {gate!r}")
         self.gate = CapacityGate(bindings.meta.get("substrate"), world_size, enabled=bool(gate),
                                  measure=gate == "measure")
         self.step = 0

@@ -161,6 +161,7 @@ class FabricState:
         self._loss: torch.Tensor | float | None = None
         self._loss_fed: list[bool] | None = None  # whether backward ran through it (`observe`)
         self._late_warned = False
+        self._witness: Any = None  # the hook `observe` set on the loss's graph (a handle)
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
         self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
         # the step's statistics, kept as tensors until the step's one host read (agree.py):
@@ -245,10 +246,15 @@ class FabricState:
             raise InputError(f"observe() takes the step's loss (a tensor or a number), got "
                              f"{type(loss).__name__}")
         fed: list[bool] | None = None
-        witness = _backward_witness(loss) if not self._late_warned else None
-        if witness is not None:
+        if self._witness is not None:  # the last step's, had its backward not run
+            self._witness.remove()
+            self._witness = None
+        if isinstance(loss, torch.Tensor) and loss.requires_grad and not self._late_warned:
             fed = [False]  # set when backward passes through this loss (`_check_observed`)
-            witness.register_prehook(lambda grad_outputs: fed.__setitem__(0, True))
+            node = _backward_witness(loss)
+            self._witness = (node.register_prehook(lambda grad_outputs: fed.__setitem__(0, True))
+                             if node is not None else
+                             loss.register_hook(lambda grad: fed.__setitem__(0, True)))
         with self._lock:
             self._loss, self._loss_fed = value, fed
 
@@ -328,7 +334,8 @@ class FabricState:
             raise RuntimeError("nfabric state is closed")
         if id(params[0]) not in self._names:  # (its steps would be counted twice, or fail)
             raise InputError("a DDP model's bucket holds parameters this fabric state was not "
-                             "made for: one state per DDP model (FabricState.create for each)")
+                             "made for: one state per DDP model (FabricState.create for each), "
+                             "attached after the last change to which parameters train")
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()
@@ -670,15 +677,16 @@ class FabricState:
         self.events.append(event)
 
 
-def _backward_witness(loss: Any) -> Any:
+def _backward_witness(loss: torch.Tensor) -> Any:
     """The autograd node a backward through `loss` runs, however the loss was derived before
     `observe` (``loss.float()``, ``loss.reshape(1)``, ``2 * loss``): down its graph while each
-    node has one input, so a backward of the loss itself passes it too; None for a number or
-    a tensor outside any graph. A hook there fires only if that backward runs after observe."""
-    node = loss.grad_fn if isinstance(loss, torch.Tensor) and loss.requires_grad else None
+    node has one input, so a backward of the loss itself passes it too. Never a parameter's
+    gradient accumulator, which outlives the step (a late observe's hook there would fire in
+    the next step's backward): the step's own node above it; None for a leaf loss."""
+    node = loss.grad_fn
     while node is not None:
         inputs = [n for n, _ in node.next_functions if n is not None]
-        if len(inputs) != 1:
+        if len(inputs) != 1 or not inputs[0].next_functions:
             break
         node = inputs[0]
     return node

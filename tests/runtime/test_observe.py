@@ -58,6 +58,48 @@ def test_a_loss_observed_after_backward_is_named_once(late: bool) -> None:
             assert said == [], derive
 
 
+def _one_weight(rank: int, world: int, late: bool) -> tuple[list[str], int]:
+    """A loss behind a single trainable tensor (a bias-free probe, prompt tuning): its graph
+    ends in the weight's gradient accumulator, which outlives the step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from nfabric_cli import attach
+    from nfabric_cli.binding import compile_profile, static_profile
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1, bias=False)
+    ddp = DDP(model)
+    state = attach(ddp, compile_profile(static_profile(model, "sign"), model, world_size=world,
+                                        total_steps=STEPS), total_steps=STEPS)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    fired = [0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = ddp(x).pow(2).mean()
+            opt.zero_grad()
+            if not late:
+                state.observe(loss)
+            loss.grad_fn.register_prehook(lambda g: fired.__setitem__(0, fired[0] + 1))
+            loss.backward()
+            if late:
+                state.observe(loss)
+            opt.step()
+    state.close()
+    return [str(w.message) for w in caught if "observe()" in str(w.message)], fired[0]
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_a_late_observe_is_named_when_one_weight_stands_behind_the_loss(late: bool) -> None:
+    """The hook that tells whether backward ran through the loss sat on the weight's
+    accumulator: a late observe's fired in the next step's backward (no warning), and every
+    step added one more (each backward ran them all)."""
+    (said, fired), _ = run_ranks(_one_weight, 2, late)
+    assert len(said) == (1 if late else 0), said
+    assert fired == STEPS  # (the test's own hook: one per step, each run once)
+
+
 def _bad(rank: int, world: int) -> list[str]:
     wl, _, ddp, state = tiny_ddp(world, STEPS)
     said = []
