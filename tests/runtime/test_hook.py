@@ -474,4 +474,5 @@ def test_one_state_registered_on_two_models_is_refused_at_the_first_bucket() -> 
     all-fp32 phase, counted every step twice)."""
     assert run_ranks(_shared_state_worker, 2) == [
         "a DDP model's bucket holds parameters this fabric state was not made for: one state "
-        "per DDP model (FabricState.create for each)"] * 2
+        "per DDP model (FabricState.create for each), attached after the last change to which "
+        "parameters train"] * 2
