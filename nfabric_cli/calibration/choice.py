@@ -39,6 +39,8 @@ from nfabric_cli.profile.target import degradation, prediction_bound, within_tol
 
 #: the kind of a trial confirmation enqueued to repair a failing candidate (`repair.py`)
 REPAIR = "repair"
+#: the kind of a warm start's trial: the last profile's routes (`warm.py`)
+WARM = "warm"
 
 
 def config_of(trial: FrozenTrial, spec: CalibrationSpec) -> Config:
@@ -90,14 +92,17 @@ def best_admissible(study: optuna.Study, tolerance: float) -> FrozenTrial | None
 
 def candidates(study: optuna.Study, spec: CalibrationSpec) -> list[FrozenTrial]:
     """The trials confirmation tries, cheapest first: the `confirm_candidates` cheapest
-    admissible trials other than repairs, and the admissible repairs of the rounds the spec
-    allows (`repair.py`; a repair that reused an identical earlier trial's result is that
-    trial). A study without repairs has exactly its cheapest admissible trials."""
+    admissible trials other than repairs, the warm start's trial wherever it ranks (the last
+    profile: a recalibration whose cheaper candidates all fail still tries it before repairs
+    or all fp32), and the admissible repairs of the rounds the spec allows (`repair.py`; a
+    repair that reused an identical earlier trial's result is that trial). A study without
+    repairs or a warm start has exactly its cheapest admissible trials."""
     plain = admissible(study, spec.tolerance, repairs=False)[:spec.confirm_candidates]
     have = {same_training(t) for t in plain}
     allowed = {same_training(t) for t in completed(study)
-               if t.user_attrs.get("kind") == REPAIR
-               and int(t.user_attrs.get("repair_round", 0)) <= spec.confirm_repairs} - have
+               if t.user_attrs.get("kind") == WARM
+               or (t.user_attrs.get("kind") == REPAIR
+                   and int(t.user_attrs.get("repair_round", 0)) <= spec.confirm_repairs)} - have
     extra = [t for t in admissible(study, spec.tolerance) if same_training(t) in allowed]
     return sorted(plain + extra, key=_rank)
 

@@ -21,6 +21,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from nfabric_cli.calibration.choice import WARM
 from nfabric_cli.calibration.space import (
     BOUNDARY_STEP,
     TAU_STEP,
@@ -162,7 +163,7 @@ def enqueue_warm(study: optuna.Study, spec: CalibrationSpec, warm: Sequence[Warm
             notes.append(f"warm start {w.source}: not trained, the study holds its budget "
                          f"of {spec.trials} trials (a larger --trials extends it)")
         else:
-            study.enqueue_trial(w.config.params(spec), {"kind": "warm", "key": key,
+            study.enqueue_trial(w.config.params(spec), {"kind": WARM, "key": key,
                                                         "source": w.source})
             held[key] = f"warm start {w.source}"
     return notes

@@ -393,6 +393,7 @@ def test_repairs_join_the_candidates_without_taking_a_searched_candidates_place(
     off = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
                     confirm={"seeds": [1], "candidates": 2, "repairs": 0})
     assert [t.user_attrs["key"] for t in candidates(study, off)] == ["a", "b"]
+
     # repairs use no budget: three trials of it, whatever the repairs
     assert budgeted(study.trials) == 3
     # a repair that reused a searched trial's result (same configuration): that trial is the
@@ -416,6 +417,31 @@ def test_repairs_join_the_candidates_without_taking_a_searched_candidates_place(
             user_attrs={"key": key, "traffic_fraction": 0.05, "degradation": 0.0,
                         "metric": 0.9, "kind": kind, "repair_round": 1}))
     assert [t.number for t in candidates(first, off1)] == [1]
+
+def test_the_warm_starts_trial_is_a_candidate_wherever_it_ranks() -> None:
+    """glyphs' recalibration from v6: three cheaper trials took the three places, so v6's own
+    routes would not have been confirmed, and had the three failed (v6's cheaper rivals did,
+    at two ranks) the profile would have been all fp32 though the last winner still held."""
+    spec = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "candidates": 2, "repairs": 0})
+    rows = {"a": {"traffic": 0.05, "degr": 0.0}, "b": {"traffic": 0.07, "degr": 0.0},
+            "w": {"traffic": 0.11, "degr": 0.0}, "c": {"traffic": 0.12, "degr": 0.0}}
+    study = _study(spec, rows)
+    assert [t.user_attrs["key"] for t in candidates(study, spec)] == ["a", "b"]
+    dist = {"x": FloatDistribution(0, 1)}
+    study.add_trial(create_trial(
+        params={"x": 0.8}, distributions=dist, value=0.11,
+        user_attrs={"key": "warm", "traffic_fraction": 0.11, "degradation": 0.0, "metric": 0.9,
+                    "kind": "warm"}))
+    assert [t.user_attrs["key"] for t in candidates(study, spec)] == ["a", "b", "warm"]
+    far = {**{k: {**v, "degr": 0.3} for k, v in rows.items()}}  # the warm trial out of tolerance
+    late = _study(spec, far)
+    late.add_trial(create_trial(
+        params={"x": 0.8}, distributions=dist, value=0.11,
+        user_attrs={"key": "warm", "traffic_fraction": 0.11, "degradation": 0.3, "metric": 0.6,
+                    "kind": "warm"}))
+    assert candidates(late, spec) == []
+
 
 
 def test_raised_puts_each_low_bit_region_on_fp32_in_every_phase() -> None:
