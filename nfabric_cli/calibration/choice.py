@@ -4,7 +4,8 @@ The search trains every trial on one seed at one length, and the cheapest trial 
 tolerance there is selected *for* passing: its margin is optimistic. Profiles chosen that way
 failed 7 of 16 real runs on other seeds and lengths (issue 15), the lm profile by +0.070 nats
 at seed 1 against a tolerance of 0.05. So, when the spec names confirmation seeds or lengths
-(``[confirm]``), the leading admissible trials (by traffic, at most ``candidates``) are trained
+(``[confirm]``), the leading admissible trials (by traffic, ``candidates`` of them, plus a warm
+start's trial wherever it ranks, and repairs) are trained
 again on every *cell* of the grid, seeds (the spec's and ``confirm.seeds``) times lengths (its
 ``steps`` and ``confirm.steps``) at the search's world size and at each of
 ``confirm.world_sizes``, each against an FP32 reference trained on the same cell.

@@ -26,6 +26,7 @@ from typing import Any
 from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
+from nfabric_cli.calibration.choice import WARM
 from nfabric_cli.calibration.outcome import Outcome, pick_winner
 from nfabric_cli.calibration.plot import plot_search
 from nfabric_cli.calibration.spec import CalibrationSpec
@@ -36,10 +37,12 @@ from nfabric_cli.profile import write_next_version
 PROFILE_KEY = "profile@"
 
 
-def profile_key(trials: int, spec: CalibrationSpec | None = None) -> str:
+def profile_key(trials: int, spec: CalibrationSpec | None = None, warm: bool = False) -> str:
     """The job and record of one profile write: per trial count and, with a confirmation grid,
     per confirmation setting (a finished study confirmed later, or otherwise, may name another
-    winner, so it writes another profile; a rerun of the same one reports the recorded one)."""
+    winner, so it writes another profile; a rerun of the same one reports the recorded one).
+    `warm`: the study holds a warm start's trial, a confirmation candidate wherever it ranks
+    since session 61 (a study published before may name another winner now)."""
     key = f"{PROFILE_KEY}{trials}"
     if spec is None or not spec.confirm_cells():
         return key
@@ -49,6 +52,8 @@ def profile_key(trials: int, spec: CalibrationSpec | None = None) -> str:
         fields.append(spec.confirm_world_sizes)
     if spec.confirm_repairs != 1:  # (appended only when not the default, for the same reason;
         fields.append({"repairs": spec.confirm_repairs})  # a round that trained changes `trials`)
+    if warm:
+        fields.append({"warm": "a candidate"})
     setting = json.dumps(fields)
     return f"{key}+confirm-{hashlib.sha256(setting.encode()).hexdigest()[:10]}"
 
@@ -63,7 +68,8 @@ def publish(run: StudyRun, build: Callable[[], Outcome], out_root: str | Path,
         workers.fail_dead_trials(study, run.worker)
         seen = counted(study)  # before `build()`, which reads the study more than once
         outcome = build()
-        key = _job(study, profile_key(outcome.trials, run.spec), out_root)
+        warm = any(t.user_attrs.get("kind") == WARM for t in seen)
+        key = _job(study, profile_key(outcome.trials, run.spec, warm), out_root)
         if _recorded(study, key, outcome, out_root):
             return outcome
         if not write:

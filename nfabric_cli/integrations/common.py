@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nfabric_cli.atomic import atomic_path
 from nfabric_cli.binding.compile import check_total_steps
 from nfabric_cli.errors import InputError
+from nfabric_cli.runtime.controller import check_options
 from nfabric_cli.runtime.controller import fallbacks as count_fallbacks
 from nfabric_cli.runtime.state import FabricState
 
@@ -99,6 +100,8 @@ class AttachOptions:
         if unknown:
             raise InputError(f"nfabric: unknown attach option(s) {', '.join(unknown)} (choose "
                              f"from {', '.join(known)})")
+        check_options(self.extra.get("monitor", True), self.extra.get("gate", True),
+                      self.extra.get("nonfinite", "zero"))
         if isinstance(self.source, (str, os.PathLike)):
             from nfabric_cli.profile.store import resolve_profile
 

@@ -104,7 +104,10 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
     missing residuals."""
     if not isinstance(sd, dict) or sd.get("kind") != KIND:
         raise InputError("not an nfabric fabric state (expected FabricState.state_dict())")
-    if int(sd.get("version", 0)) > STATE_VERSION:
+    version = sd.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise InputError(f"fabric state is malformed (version {version!r}): nothing was loaded")
+    if version > STATE_VERSION:
         raise InputError(f"fabric state version {sd['version']} is newer than this nfabric "
                          f"reads ({STATE_VERSION}): upgrade nfabric")
     if state._pending:

@@ -81,6 +81,9 @@ def test_a_multi_objective_study_has_no_confirmation_cells_and_one_profile_key()
     assert not tiny_spec(sampler="nsga2").confirm_ignored()  # no grid written: nothing to say
     assert profile_key(5, nsga2) == profile_key(5, tiny_spec(sampler="nsga2")) == "profile@5"
     assert profile_key(5, tpe).startswith("profile@5+confirm-")
+    # a study with a warm start's trial is keyed apart: since that trial is always a candidate,
+    # a study published before may name another winner, and must not report the old profile
+    assert profile_key(5, tpe, warm=True) != profile_key(5, tpe)
     with pytest.raises(InputError, match="confirm: 89 cells"):
         tiny_spec(sampler="nsga2", confirm={"seeds": list(range(1, 10)),
                                              "steps": list(range(10, 90, 10))})

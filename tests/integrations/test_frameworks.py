@@ -164,6 +164,8 @@ def test_a_framework_loss_scaler_makes_nonfinite_pass_unless_the_user_said() -> 
                                           "total_steps= (and the profile) to the adapter itself"),
      ("vision", None, {"gates": "x"}, "nfabric: unknown attach option(s) gates (choose from "
                                       "substrate, monitor, gate, seed,"),
+     ("vision", None, {"gate": "measured"}, "gate: True, False or 'measure', got 'measured'"),
+     ("vision", None, {"monitor": "no"}, "monitor: True or False, got 'no'"),
      ("nope", None, {}, "no such file or directory")],
 )  # fmt: skip
 def test_an_adapters_own_options_are_checked_where_they_are_given(

@@ -167,7 +167,7 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
     no_ef = {r: {k: v for k, v in part.items() if k != "ef"} for r, part in good["ranks"].items()}
     for bad in ({k: v for k, v in good.items() if k != "step"}, {**good, "ranks": no_ef},
                 {**good, "monitor": {}}, {**good, "guard": good["guard"], "held": None},
-                {**good, "step": float("inf")}):
+                {**good, "step": float("inf")}, {**good, "version": "x"}):
         try:
             state.load_state_dict(bad)
             out.append("accepted")
@@ -201,7 +201,8 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
                            f"nfabric_state_{rank}.pt for this rank (saved without nfabric, or on "
                            "another node: each rank reads its own file)")
         # a truncated or malformed state is refused in one line, and nothing of it is loaded
-        no_step, no_ef, bad_monitor, bad_held, inf_step, unchanged, contradiction = malformed
+        no_step, no_ef, bad_monitor, bad_held, inf_step, bad_version, unchanged, contradiction = \
+            malformed
         assert no_step == "fabric state is incomplete (no step): nothing was loaded"
         assert no_ef == "fabric state is malformed (KeyError: 'ef'): nothing was loaded"
         assert bad_monitor.startswith("fabric state is malformed (KeyError: ")
@@ -209,6 +210,7 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
                             "iterable): nothing was loaded")
         assert inf_step == ("fabric state is malformed (OverflowError: cannot convert float "
                             "infinity to integer): nothing was loaded")
+        assert bad_version == "fabric state is malformed (version 'x'): nothing was loaded"
         assert unchanged == "unchanged"
         assert contradiction.startswith("state_dict(all_ranks=False, dst=0): dst is where")
         assert all("\n" not in m for m in out)
