@@ -107,16 +107,12 @@ def value_range(value: Any, key: str) -> Range:
     return Range(v, v)
 
 
-def boundary(value: Any, i: int) -> Range:
-    return value_range(value, f"phases.boundaries[{i}]")
-
-
 def boundaries(value: Any) -> tuple[Range, ...]:
     """`phases.boundaries`: a list of fractions or [lo, hi] ranges, one per phase change."""
     if not isinstance(value, list):
         raise InputError("phases.boundaries must be a list of fractions or [lo, hi] ranges, "
                          f"like [[0.05, 0.3]], got {value!r}")
-    return tuple(boundary(b, i) for i, b in enumerate(value))
+    return tuple(value_range(b, f"phases.boundaries[{i}]") for i, b in enumerate(value))
 
 
 def ints(value: Any, key: str) -> tuple[int, ...]:
