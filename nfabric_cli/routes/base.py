@@ -257,6 +257,16 @@ class CodeRoute(Route):
     def decode_values(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
+        """Combined values -> the decoded mean, natively (`decode_mode`) or in torch
+        (`_decode_values_torch`): the same float ops, so the same bits."""
+        k = kernels.native(values)
+        if k is not None:
+            return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
+        return self._decode_values_torch(values, scales, layout, world_size)
+
+    def _decode_values_torch(
+        self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def native_combine(self, world_size: int) -> tuple[str, int | torch.Tensor] | None:

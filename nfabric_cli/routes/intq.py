@@ -144,13 +144,10 @@ class IntRoute(CodeRoute):
     def result_range(self, world_size: int) -> tuple[int, int]:
         return -self.qmax * world_size, self.qmax * world_size
 
-    def decode_values(
+    def _decode_values_torch(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
         # values / (qmax * W) first: a constant input decodes exactly (±1 * absmax).
-        k = kernels.native(values)
-        if k is not None:
-            return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         v = values.float().div_(self.qmax * world_size)
         return layout.scale_into(v, scales, v)
 

@@ -129,12 +129,9 @@ class SignRoute(CodeRoute):
     def decode_mode(self, scales: torch.Tensor, world_size: int) -> tuple[torch.Tensor, int, float]:
         return (scales, 2, float(world_size)) if self.spec.mode == "count" else (scales, 0, 1.0)
 
-    def decode_values(
+    def _decode_values_torch(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
-        k = kernels.native(values)
-        if k is not None:
-            return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         v = values.float()
         if self.spec.mode == "count":
             v = (2 * v - world_size) / world_size

@@ -97,12 +97,9 @@ class TernaryRoute(CodeRoute):
     def result_range(self, world_size: int) -> tuple[int, int]:
         return -world_size, world_size
 
-    def decode_values(
+    def _decode_values_torch(
         self, values: torch.Tensor, scales: torch.Tensor, layout: ChunkLayout, world_size: int
     ) -> torch.Tensor:
-        k = kernels.native(values)
-        if k is not None:
-            return k.decode_values(values, layout, *self.decode_mode(scales, world_size))
         return layout.scale_into(values.float(), scales / world_size,
                                  torch.empty(values.numel(), device=values.device))
 
