@@ -1,10 +1,11 @@
 """Overhead of the fabric hook: an all-fp32 profile vs plain DDP, interleaved in one run.
 
-Both models train the same MLP on the same batches over gloo on loopback; rounds interleave
-the arms so drift in machine load hits them alike, every other round in reverse order (with
-one order, fabric always last, it read 1.056-1.123x plain where PyTorch's own hook read
-0.97-1.04x; in alternating order, 12 rounds, the two read 1.03-1.04x and 1.01-1.05x). The ratio of median step times is
-the hook's cost (worker-thread hand-off, statistics round, bookkeeping).
+Every arm trains the same MLP on the same batches over gloo on loopback; rounds interleave
+the arms so drift in machine load hits them alike, every other round in reverse order and an
+even number of rounds, so each arm runs first as often as last (in one fixed order, fabric
+always last, fabric read 1.056-1.123x plain DDP where PyTorch's own hook read 0.97-1.04x;
+alternating, fabric 0.96-1.05x and the hook 0.99-1.08x). The ratio of median step times is
+the hook's cost (the 1/W scan, bookkeeping).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list,
     return tuple(times for _, _, times in arms)
 
 
-def bench_runtime(world_size: int = 2, steps: int = 60, rounds: int = 5) -> dict:
+def bench_runtime(world_size: int = 2, steps: int = 60, rounds: int = 6) -> dict:
+    rounds += rounds % 2  # as many reversed rounds as forward ones
     plain_t, hook_t, fabric_t = run_function_ranks(_worker, world_size, steps, rounds)[0]
     plain, hook, fabric = (statistics.median(t) for t in (plain_t, hook_t, fabric_t))
     return {"world_size": world_size, "steps": steps, "rounds": rounds,
