@@ -1,20 +1,31 @@
 """The search at a glance: traffic fraction vs metric degradation per trial, the tolerance
-line, and the chosen point, saved as a PNG next to the profile."""
+line, the chosen point, and each candidate that failed confirmation drawn down to its worst
+cell (a trial can sit inside tolerance on the search's cell and fail elsewhere: glyphs.v7's
+three cheapest did at two ranks), saved as a PNG next to the profile."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from optuna.trial import FrozenTrial
 
 from nfabric_cli.atomic import atomic_path
+from nfabric_cli.calibration.choice import verdicts
 from nfabric_cli.calibration.outcome import trial_rows
 from nfabric_cli.calibration.study import StudyRun
 
 _COLOURS = {"sweep": "tab:orange", "derived": "tab:green", "warm": "tab:purple",
              "repair": "tab:red",
             "search": "tab:blue"}
+
+
+def failed_confirmation(found: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+    """(search traffic, degradation on the search's cell, worst cell's degradation) of each
+    candidate that failed confirmation (`choice.verdicts`), in the candidates' order."""
+    return [(v["traffic_fraction"], v["cells"][0]["degradation"], v["worst_degradation"])
+            for v in found if v["status"] == "fails"]
 
 
 def plot_search(run: StudyRun, winner: FrozenTrial | None, path: Path) -> Path:
@@ -35,6 +46,12 @@ def plot_search(run: StudyRun, winner: FrozenTrial | None, path: Path) -> Path:
                 ax.scatter([r["traffic_fraction"] for r in pts], [r["degradation"] for r in pts],
                            c=colour, marker=marker, alpha=alpha, label=label)
     ax.scatter([1.0], [0.0], c="black", marker="s", label="fp32 reference")
+    found = (verdicts(run.study, run.spec, run.workload.higher_is_better, run.reference)
+             if run.spec.confirm_cells() else [])
+    for i, (traffic, own, worst) in enumerate(failed_confirmation(found)):
+        ax.plot([traffic, traffic], [own, worst], color="tab:red", linestyle=":", linewidth=1)
+        ax.scatter([traffic], [worst], marker="v", facecolors="none", edgecolors="tab:red",
+                   label=None if i else "failed confirmation: its worst cell")
     if winner is not None:
         a = winner.user_attrs
         ax.scatter([a["traffic_fraction"]], [a["degradation"]], s=260, marker="*",

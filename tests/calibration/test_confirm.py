@@ -27,6 +27,7 @@ from nfabric_cli.calibration.choice import (
     verdicts,
 )
 from nfabric_cli.calibration.confirm import failed_first
+from nfabric_cli.calibration.plot import failed_confirmation
 from nfabric_cli.calibration.publish import profile_key
 from nfabric_cli.calibration.repair import enqueue_repairs, raised
 from nfabric_cli.calibration.simulate import simulate_run
@@ -134,6 +135,22 @@ def test_the_winner_is_the_cheapest_candidate_that_holds_on_every_cell() -> None
     study.set_user_attr(cell_job("mid", (1, 40)), {"metric": 0.8, "traffic_fraction": 0.1})
     assert robust_winner(study, spec, True, ref) is None
     assert not pending(study, spec, True, ref)
+
+
+def test_the_search_plot_draws_each_failed_candidate_down_to_its_worst_cell() -> None:
+    """A trial inside tolerance on the search's cell that failed elsewhere reads as admissible
+    in the plot unless its worst cell is drawn too: the failed candidates, in order, with
+    their search-cell and worst-cell degradation; one that holds is not among them."""
+    spec = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                     confirm={"seeds": [1], "candidates": 3})
+    ref = {"metric": 0.9}
+    study = _study(spec, {
+        "cheap": {"traffic": 0.05, "degr": 0.01, "cells": {(1, 40): 0.84}},
+        "twin": {"traffic": 0.06, "degr": 0.02, "cells": {(1, 40): 0.7}},
+        "mid": {"traffic": 0.2, "degr": 0.04, "cells": {(1, 40): 0.86}},
+    })
+    drawn = failed_confirmation(verdicts(study, spec, True, ref))
+    assert [c for point in drawn for c in point] == pytest.approx([0.05, 0.01, 0.06, 0.06, 0.02, 0.2])
 
 
 def test_of_the_candidates_that_hold_the_least_traffic_over_their_cells_wins() -> None:
