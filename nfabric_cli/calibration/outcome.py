@@ -23,7 +23,6 @@ from nfabric_cli.calibration.choice import (
     completed,
     config_of,
     decide,
-    robust_winner,
     verdicts,
 )
 from nfabric_cli.calibration.codeprint import code_fingerprint, foreign_results
@@ -53,12 +52,6 @@ class Outcome:
     written_by: str | None = None  # the worker that wrote the profile (`host:pid`)
     note: str | None = None  # why this worker did not write it, when it did not
     pending: bool = False  # a confirmation cell is still untrained: no winner may be written
-
-
-def pick_winner(run: StudyRun) -> FrozenTrial | None:
-    """The admissible trial that holds on the confirmation grid with the least traffic over
-    it (`choice.py`)."""
-    return robust_winner(run.study, run.spec, run.workload.higher_is_better, run.reference)
 
 
 def pareto_front(run: StudyRun) -> list[dict[str, Any]]:

@@ -9,12 +9,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from optuna.trial import FrozenTrial
-
 from nfabric_cli.atomic import atomic_path
-from nfabric_cli.calibration.choice import verdicts
 from nfabric_cli.calibration.outcome import trial_rows
 from nfabric_cli.calibration.study import StudyRun
+from nfabric_cli.profile.target import degradation
 
 _COLOURS = {"sweep": "tab:orange", "derived": "tab:green", "warm": "tab:purple",
              "repair": "tab:red",
@@ -28,7 +26,9 @@ def failed_confirmation(found: list[dict[str, Any]]) -> list[tuple[float, float,
             for v in found if v["status"] == "fails"]
 
 
-def plot_search(run: StudyRun, winner: FrozenTrial | None, path: Path) -> Path:
+def plot_search(run: StudyRun, best: dict[str, Any], path: Path) -> Path:
+    """The plot of `run`'s study with the choice `build_outcome` made (`Outcome.best`: the
+    winner, and the confirmation's verdicts where there is a grid), written to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,16 +46,15 @@ def plot_search(run: StudyRun, winner: FrozenTrial | None, path: Path) -> Path:
                 ax.scatter([r["traffic_fraction"] for r in pts], [r["degradation"] for r in pts],
                            c=colour, marker=marker, alpha=alpha, label=label)
     ax.scatter([1.0], [0.0], c="black", marker="s", label="fp32 reference")
-    found = (verdicts(run.study, run.spec, run.workload.higher_is_better, run.reference)
-             if run.spec.confirm_cells() else [])
+    found = best.get("confirmation", {}).get("candidates", [])
     for i, (traffic, own, worst) in enumerate(failed_confirmation(found)):
         ax.plot([traffic, traffic], [own, worst], color="tab:red", linestyle=":", linewidth=1)
         ax.scatter([traffic], [worst], marker="v", facecolors="none", edgecolors="tab:red",
                    label=None if i else "failed confirmation: its worst cell")
-    if winner is not None:
-        a = winner.user_attrs
-        ax.scatter([a["traffic_fraction"]], [a["degradation"]], s=260, marker="*",
-                   facecolors="gold", edgecolors="black", zorder=5, label=f"chosen (trial {winner.number})")
+    if best["trial"] is not None:
+        d = degradation(best["metric"], best["reference"], run.workload.higher_is_better)
+        ax.scatter([best["traffic_fraction"]], [d], s=260, marker="*", facecolors="gold",
+                   edgecolors="black", zorder=5, label=f"chosen (trial {best['trial']})")
     untrained = sum(1 for t in run.study.trials if "traffic_bound" in t.user_attrs)
     if untrained:
         ax.text(0.99, 0.01, f"{untrained} trial(s) pruned before training (traffic bound)",

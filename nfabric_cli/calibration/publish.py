@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 
 from nfabric_cli.calibration import workers
 from nfabric_cli.calibration.choice import WARM
-from nfabric_cli.calibration.outcome import Outcome, pick_winner
+from nfabric_cli.calibration.outcome import Outcome
 from nfabric_cli.calibration.plot import plot_search
 from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.study import StudyRun
@@ -145,7 +145,7 @@ def _recorded(study: Any, key: str, outcome: Outcome, out_root: str | Path) -> b
 def _write(run: StudyRun, outcome: Outcome, out_root: str | Path) -> None:
     path = write_next_version(outcome.profile, out_root, run.workload.name)
     png = path.with_suffix(".png")
-    plot_search(run, pick_winner(run), png)
+    plot_search(run, outcome.best, png)  # the choice the profile holds, not read again
     outcome.path, outcome.png, outcome.written_by = path, png, run.worker.id
 
 
