@@ -29,6 +29,7 @@ from nfabric_cli.routes import kernels
 from nfabric_cli.routes.base import CodeRoute, Noise, Payload, Segments, check_input
 from nfabric_cli.routes.chunks import ChunkLayout, check_segments, chunk_layout
 from nfabric_cli.routes.comm import sum_in_rank_order
+from nfabric_cli.routes.device import to_device
 from nfabric_cli.routes.packing import pack_uint, unpack_uint
 from nfabric_cli.routes.tally import Sink
 
@@ -71,7 +72,7 @@ class IntRoute(CodeRoute):
         if self.spec.rounding == "stochastic":  # `gen` may also be the noise, drawn already
             # drawn on the CPU (a CPU generator, the same draws everywhere), moved to x's device
             noise = gen if isinstance(gen, torch.Tensor) else torch.rand(x.shape, generator=gen)
-            noise = noise.to(x.device)
+            noise = to_device(noise, x.device)  # (no wait for the GPU's queued work)
         if k is not None:
             return k.quantize(x, layout, inv, self.qmax, noise, out)  # the same draws as below
         q = layout.scale_into(x, inv, torch.empty_like(x))

@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from nfabric_cli.routes.comm import Comm, sum_in_rank_order
+from nfabric_cli.routes.device import to_device
 
 _SUMS = ("agree_sum", "agree_n")  # the agreement sums, per scope
 Named = tuple[list[str], torch.Tensor]  # per bucket: a label per parameter, a value per parameter
@@ -213,12 +214,3 @@ def _f64_vector(values: Sequence[torch.Tensor | float], device: torch.device) ->
         return to_device(torch.tensor(values, dtype=torch.float64), device)
     return torch.stack([v.to(**f64).reshape(()) if isinstance(v, torch.Tensor)
                         else torch.full((), float(v), **f64) for v in values])
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`. To a GPU through pinned memory, without waiting: a
-    plain copy from pageable memory would wait for the GPU's queued work, once per call, and
-    the step makes one host read only (`host_read`)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)

@@ -33,11 +33,12 @@ from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
+from nfabric_cli.routes.device import to_device
 from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
 from nfabric_cli.routes.spec import RouteSpec
-from nfabric_cli.runtime.agree import StatsRound, to_device
+from nfabric_cli.runtime.agree import StatsRound
 from nfabric_cli.runtime.bucket import BucketJob
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
@@ -349,7 +350,7 @@ class FabricState:
         if is_last:
             self._reduce_last(args)
             return fut
-        self._queued = self._pool.submit(self._reduce_bucket, *args)
+        self._queued = self._pool.submit(_on_stream, _current_stream(buffer), self._reduce_bucket, *args)
         self._queued.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
 
@@ -690,6 +691,26 @@ def _backward_witness(loss: torch.Tensor) -> Any:
             break
         node = inputs[0]
     return node
+
+
+def _current_stream(buffer: torch.Tensor) -> Any:
+    """The CUDA stream DDP's thread is on for `buffer`'s device (None off a GPU): backward
+    wrote the bucket there, and DDP copies the results into `.grad` there."""
+    return torch.cuda.current_stream(buffer.device) if buffer.device.type == "cuda" else None
+
+
+def _on_stream(stream: Any, fn: Any, *args: Any) -> None:
+    """`fn(*args)` on the worker thread, issuing its GPU work on `stream`, DDP's thread's.
+    A thread's current stream is its own, the device's default one on a new thread, so
+    without this a run on a side stream (``with torch.cuda.stream(s):``) would have the
+    worker read buckets before backward had written them and DDP copy results before the
+    worker had written them; on one stream the GPU runs the work in the order the two
+    threads issue it, which the hand-off between them fixes."""
+    if stream is None:
+        fn(*args)
+        return
+    with torch.cuda.stream(stream):  # (also the stream's device, for calls that take none)
+        fn(*args)
 
 
 def _future(buffer: torch.Tensor) -> torch.futures.Future:

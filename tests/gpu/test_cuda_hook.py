@@ -1,0 +1,71 @@
+"""The hook on a GPU, one NCCL rank in this process: training on a side stream.
+
+A thread's current CUDA stream is its own, so the hook's worker thread must issue its work on
+the stream DDP's thread is on (`state._on_stream`): else, under ``with torch.cuda.stream(s):``,
+it would read buckets before backward had written them. Skipped without a GPU, and nothing
+here counts as checked then (docs/capacity.md, "On a GPU")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from nfabric_cli.binding import compile_profile, static_profile
+from nfabric_cli.runtime.attach import attach
+from tests.runtime.models import batch, make_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture
+def one_rank(tmp_path):  # noqa: ANN001, ANN201
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("nccl" if dist.is_nccl_available() else "gloo", store=store,
+                            rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _train(stream: torch.cuda.Stream, steps: int = 6) -> tuple[list, list]:
+    """Weights after `steps` on `stream` with the fabric (all `sign`: at one rank each route
+    applies its codec, nothing sent; several buckets), and the streams its buckets were
+    reduced on."""
+    import torch.nn.functional as F
+
+    model = make_model().cuda()
+    seen: list[torch.cuda.Stream] = []
+    with torch.cuda.stream(stream):
+        ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets: the worker takes all but one
+        bindings = compile_profile(static_profile(model, "sign"), model, world_size=1,
+                                   bucket_cap_mb=None)
+        state = attach(ddp, bindings, total_steps=steps)
+        reduce_bucket = state._reduce_bucket
+
+        def watched(*args):  # noqa: ANN002, ANN202
+            seen.append(torch.cuda.current_stream())
+            return reduce_bucket(*args)
+
+        state._reduce_bucket = watched
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        for step in range(steps):
+            x, y = (t.cuda() for t in batch(step, 0))
+            loss = F.cross_entropy(ddp(x), y)
+            state.observe(loss)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        state.close()
+    torch.cuda.synchronize()
+    return [p.detach().cpu() for p in model.parameters()], seen
+
+
+def test_the_worker_issues_on_the_training_stream(one_rank) -> None:  # noqa: ANN001
+    default, seen = _train(torch.cuda.default_stream())
+    assert len(seen) >= 6 + 1  # every bucket of every step: several a step after the first
+    side = torch.cuda.Stream()
+    on_side, seen = _train(side)
+    assert len(seen) >= 6 + 1 and all(s == side for s in seen)  # not the worker's own stream
+    for a, b in zip(default, on_side, strict=True):
+        assert torch.equal(a, b)  # the same run on either stream, bit for bit
