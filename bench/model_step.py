@@ -165,6 +165,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.steps < 3 or min(args.rounds, args.width, args.layers) < 1:
+        parser.error("--steps must be >= 3 (two are warm-up), --rounds, --width, --layers >= 1")
     res = run(args.width, args.layers, args.steps, args.rounds)
     if args.json:
         print(json.dumps(res, indent=2))

@@ -41,7 +41,7 @@ finishes (a matrix runs for tens of minutes).
                                [--faults spike,nan|none] [--profiles DIR]
                                [--health KEY=VALUE ...] [--json]
 
-`--health` sets one of the profiles' health thresholds (`runtime/thresholds.py`) for every
+`--health` sets one of the profiles' health thresholds (`profile/thresholds.py`) for every
 arm, to measure a rule before a recalibration writes it into the profiles.
 """
 
@@ -64,9 +64,9 @@ from nfabric_cli.calibration.simulate import simulate_run
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.store import read_profile, resolve_profile
+from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.runtime.health import BLOWUP
 from nfabric_cli.runtime.inject import Injection
-from nfabric_cli.runtime.thresholds import HealthThresholds
 from nfabric_cli.validation.run import default_steps
 from nfabric_cli.workloads.base import find_unused
 from nfabric_cli.workloads.registry import get_workload

@@ -32,6 +32,8 @@ def step_time(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps:
               state=None, loss: str = "ce") -> float:  # noqa: ANN001 - a FabricState or None
     """Median seconds of one training step (forward, `observe`, backward, SGD) over `steps`
     steps on `batch`, the first two left out (warm-up); `loss` is "ce" or "mse"."""
+    if steps < 3:
+        raise ValueError(f"steps must be >= 3 (two are warm-up), got {steps}")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     fn = nn.functional.cross_entropy if loss == "ce" else nn.functional.mse_loss
     x, y = batch

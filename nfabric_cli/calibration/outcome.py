@@ -33,7 +33,7 @@ from nfabric_cli.calibration.strategy import pruner_label
 from nfabric_cli.calibration.study import StudyRun
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.provenance import base_provenance
-from nfabric_cli.runtime.health import HealthThresholds
+from nfabric_cli.profile.thresholds import HealthThresholds
 
 
 @dataclass

@@ -22,8 +22,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.runtime.health import SPIKE
-from nfabric_cli.runtime.thresholds import HealthThresholds
 
 #: The raised floor: this much above the highest spike the fp32 reference showed.
 MARGIN = 1.25

@@ -54,8 +54,8 @@ from nfabric_cli.calibration.spec_values import (
 )
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import phase_names
+from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.routes.spec import REDUCERS, ROUNDINGS, SIGN_MODES
-from nfabric_cli.runtime.health import HealthThresholds
 from nfabric_cli.substrate.model import substrate_dict
 from nfabric_cli.textfiles import read_toml
 from nfabric_cli.workloads.common import check_seed

@@ -60,12 +60,15 @@ def routes_cmd(
 @handle_errors
 def runtime_cmd(
     world_size: int = typer.Option(2, "--world-size", help="Ranks (one process each)."),
-    steps: int = typer.Option(60, "--steps", help="Steps per arm (at least 2)."),
+    steps: int = typer.Option(
+        60, "--steps", help="Steps per arm and round (at least 3: the first two are warm-up)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """All-fp32 profile step time vs plain DDP step time (same model, same run)."""
-    if world_size < 1 or steps < 2:
-        raise InputError("--world-size must be >= 1 and --steps >= 2")
+    if world_size < 1 or steps < 3:
+        raise InputError("--world-size must be >= 1 and --steps >= 3 (the first two steps "
+                         "of each arm's round are warm-up, left out)")
     from nfabric_cli.benchmarks.runtime import bench_runtime
 
     result = bench_runtime(world_size=world_size, steps=steps)

@@ -69,13 +69,20 @@ def init_cmd(
     ),
     reducer: str = typer.Option("sharded", "--reducer", help="sharded or central, low-bit rows."),
     world_size: int | None = typer.Option(None, "--world-size", help="Ranks the profile is for."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace a calibrated profile at --out (refused without it)."
+    ),
     json_out: bool = _JSON,
 ) -> None:
     """Write a hand-written (static) profile: rules in order, then the default route."""
     from nfabric_cli.binding import parse_rule, static_profile
     from nfabric_cli.profile import parse_phases, write_profile
+    from nfabric_cli.profile.store import is_calibrated
 
     check_out(out, "profile")
+    if out.exists() and not force and is_calibrated(out):
+        raise InputError(f"--out {out}: exists and is a calibrated profile; refusing to "
+                         "replace it with a hand-written one (--force to do so)")
     parsed = [parse_rule(r) for r in rules]
     phase_list = parse_phases(phases)
     net, wl, label = load_model_from(workload, model)

@@ -164,13 +164,15 @@ def _verdict(summary: dict[str, Any]) -> str:
 
 def _table(summary: dict[str, Any]) -> Table:
     arrow = "↑" if summary["higher_is_better"] else "↓"
+    linked = "link_mbit" in summary
     table = Table(
         title=f"{summary['workload']}: {summary['world_size']} ranks, {summary['steps']} steps",
         caption="bytes: per rank and step, sent + received; time: median step (slowest rank); "
-        "fb: fallbacks to fp32; link: bytes sent by all ranks vs loopback tx",
+        "fb: fallbacks to fp32" + ("; link claimed / measured: bytes sent by all ranks, as the "
+                                   "routes count them / as loopback's tx counter does"
+                                   if linked else ""),
     )
     columns = ["arm", f"metric {arrow}", "Δ fp32", "bytes", "traffic", "time", "fb"]
-    linked = "link_mbit" in summary
     if linked:
         columns += ["link claimed", "measured"]
     for col in columns:

@@ -5,6 +5,11 @@ Row changes are listed field by field; metadata changes are flattened to dotted 
 profile and schema version) is listed apart so CI can ignore it; calibration evidence
 (`traffic_fraction`, `metric_delta`, `trials`, and what confirmation measured on each cell)
 can be ignored too.
+
+Route options of a route both rows share, and the health thresholds, compare as the runtime
+takes them and print so: an option or threshold left unset shows the value it stands for (its
+default, or for a calibrated profile that predates a threshold the value that keeps the rule it
+was proven with), not "-"; an unset value and that value written out are no change.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from nfabric_cli.profile.operating import PROVENANCE_KEYS, ROW_FIELDS, OperatingProfile
+from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.routes.spec import RouteSpec
 
 EVIDENCE_FIELDS: tuple[str, ...] = ("traffic_fraction", "metric_delta", "trials")
@@ -157,12 +163,11 @@ def diff_profiles(
         spec_a, spec_b = ra.spec(), rb.spec()
         for name in compared:
             va, vb = getattr(ra, name), getattr(rb, name)
-            if (name in _OPTIONS and ra.route == rb.route
-                    and getattr(spec_a, name) == getattr(spec_b, name)):
-                continue  # (another route: its options are shown as written)
+            if name in _OPTIONS and ra.route == rb.route:  # (another route: as written)
+                va, vb = getattr(spec_a, name), getattr(spec_b, name)
             if not _same(va, vb):
                 diff.changes.append(RowChange(region, phase, name, va, vb, "changed"))
-    flat_a, flat_b = flatten(a.meta), flatten(b.meta)
+    flat_a, flat_b = flatten(_as_taken(a.meta)), flatten(_as_taken(b.meta))
     for key in sorted(set(flat_a) | set(flat_b)):
         va, vb = flat_a.get(key), flat_b.get(key)
         if _same(va, vb) or (ignore_evidence and key.startswith(EVIDENCE_META)):
@@ -170,3 +175,9 @@ def diff_profiles(
         target = diff.provenance if key.split(".")[0] in PROVENANCE_KEYS else diff.metadata
         target.append(MetaChange(key, va, vb))
     return diff
+
+
+def _as_taken(meta: dict[str, Any]) -> dict[str, Any]:
+    """`meta` with its health thresholds as the monitor takes them (every one, defaults and
+    predated values filled in: `HealthThresholds.from_profile`)."""
+    return {**meta, "health": HealthThresholds.from_profile(meta).to_dict()}

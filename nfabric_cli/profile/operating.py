@@ -14,6 +14,7 @@ from typing import Any
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase, check_tiling
 from nfabric_cli.profile.schema import SCHEMA_VERSION
+from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.routes.spec import DEFAULT_TAU, LOWBIT_ROUTES, RouteSpec
 
 #: Every metadata key a profile carries (missing ones are filled with these defaults).
@@ -164,6 +165,9 @@ class OperatingProfile:
             if value is not None and not isinstance(value, dict):
                 raise InputError(f"profile {key} must be a table of keys and values, got "
                                  f"{type(value).__name__} {value!r:.60}")
+        # the monitor's thresholds, checked where the profile is read (show, compile, validate
+        # before any rank starts), not first in the ranks at attach
+        HealthThresholds.from_profile(self.meta)
         target = self.meta.get("target")
         if target is not None:
             missing = [k for k in TARGET_KEYS if k not in target]

@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import ROW_FIELDS, OperatingProfile, ProfileRow
-from nfabric_cli.profile.parquet import read_table, write_table
+from nfabric_cli.profile.parquet import read_metadata, read_table, write_table
 from nfabric_cli.profile.schema import (
     PROFILE_COLUMN_DEFAULTS,
     PROFILE_SCHEMA,
@@ -73,6 +73,15 @@ def read_profile(path: str | os.PathLike[str]) -> OperatingProfile:
         return OperatingProfile(rows, meta).validate()
     except InputError as exc:
         raise InputError(f"{path}: {exc}") from None
+
+
+def is_calibrated(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a profile `nfabric calibrate` wrote (its provenance says so): hours
+    of search and confirmation that a hand-written profile must not replace unasked."""
+    kind, meta = read_metadata(path)
+    provenance = meta.get("provenance")
+    return (kind == "profile" and isinstance(provenance, dict)
+            and provenance.get("source") == "calibrate")
 
 
 def profile_version_of(path: str | os.PathLike[str]) -> tuple[str, int] | None:

@@ -69,6 +69,12 @@ def load_trace(directory: str | Path) -> Trace:
     files = sorted(d.glob("buckets-rank*.parquet"))
     if not files:
         raise InputError(f"{d}: no buckets-rank*.parquet files (an empty or partial trace)")
+    ranks = {f"buckets-rank{r}.parquet" for r in range(meta["world_size"])}
+    stale = sorted(f.name for f in files if f.name not in ranks)
+    if stale:  # another recording's, which would be fitted in with this one's
+        raise InputError(f"{d}: {', '.join(stale)} lie beyond trace.json's world size "
+                         f"{meta['world_size']} (left by another recording?): record into an "
+                         "empty folder")
     rows: list[dict] = []
     for f in files:
         try:

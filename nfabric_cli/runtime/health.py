@@ -55,8 +55,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.routes.spec import ROUTE_NAMES
-from nfabric_cli.runtime.thresholds import HealthThresholds
 
 __all__ = ["ALL", "BLOWUP", "SPIKE", "HealthEvent", "HealthMonitor", "HealthThresholds", "StepStats",
            "absent_scopes"]

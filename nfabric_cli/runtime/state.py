@@ -33,7 +33,7 @@ from nfabric_cli.binding.fingerprint import trainable_parameters
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
-from nfabric_cli.routes.device import to_device
+from nfabric_cli.routes.device import current_stream, on_stream, to_device
 from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
@@ -350,7 +350,8 @@ class FabricState:
         if is_last:
             self._reduce_last(args)
             return fut
-        self._queued = self._pool.submit(_on_stream, _current_stream(buffer), self._reduce_bucket, *args)
+        stream = current_stream(buffer)  # DDP's thread's: the worker issues on it (`on_stream`)
+        self._queued = self._pool.submit(on_stream, stream, self._reduce_bucket, *args)
         self._queued.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
 
@@ -691,26 +692,6 @@ def _backward_witness(loss: torch.Tensor) -> Any:
             break
         node = inputs[0]
     return node
-
-
-def _current_stream(buffer: torch.Tensor) -> Any:
-    """The CUDA stream DDP's thread is on for `buffer`'s device (None off a GPU): backward
-    wrote the bucket there, and DDP copies the results into `.grad` there."""
-    return torch.cuda.current_stream(buffer.device) if buffer.device.type == "cuda" else None
-
-
-def _on_stream(stream: Any, fn: Any, *args: Any) -> None:
-    """`fn(*args)` on the worker thread, issuing its GPU work on `stream`, DDP's thread's.
-    A thread's current stream is its own, the device's default one on a new thread, so
-    without this a run on a side stream (``with torch.cuda.stream(s):``) would have the
-    worker read buckets before backward had written them and DDP copy results before the
-    worker had written them; on one stream the GPU runs the work in the order the two
-    threads issue it, which the hand-off between them fixes."""
-    if stream is None:
-        fn(*args)
-        return
-    with torch.cuda.stream(stream):  # (also the stream's device, for calls that take none)
-        fn(*args)
 
 
 def _future(buffer: torch.Tensor) -> torch.futures.Future:

@@ -104,3 +104,13 @@ class TraceRecorder:
             meta = {"format": "nfabric-trace", "version": TRACE_VERSION,
                     "world_size": self.world_size, "backend": self.backend}
             atomic_write_text(self.dir / "trace.json", json.dumps(meta, indent=2, sort_keys=True))
+
+
+def clear_trace(directory: str | Path) -> None:
+    """Remove an earlier recording's files from `directory` (trace.json, the ranks' bucket
+    files, the payload samples), so a new recording there is not read beside another run's
+    ranks or samples; anything else in the folder is left alone."""
+    d = Path(directory)
+    for f in [d / "trace.json", *d.glob("buckets-rank*.parquet"),
+              *d.glob("payloads/rank*-step*-bucket*.npy")]:
+        f.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,36 @@ def step_frame(gathered: list[list[dict[str, Any]]]) -> pd.DataFrame:
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     """summary.json: the `--json` document, indented, atomically."""
     atomic_write_text(path, json.dumps(summary, indent=2) + "\n")
+
+
+#: Marks a folder as a validation report (`claim_report`): only a marked folder is cleared.
+MARKER = ".nfabric-report"
+
+
+def claim_report(report_dir: str | Path) -> None:
+    """Ready `report_dir` for a run: a folder an earlier validation reported into (its
+    `MARKER`) loses that run's outputs (`clear_report`), then is marked as a report."""
+    root = Path(report_dir)
+    if (root / MARKER).is_file():
+        clear_report(root)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(root / MARKER, "nfabric validate report\n")
+
+
+def clear_report(report_dir: str | Path) -> None:
+    """Remove an earlier validation's outputs from `report_dir`: its steps, summary, plot,
+    records and config, rank logs, and per-seed folders that are reports themselves (marked),
+    so a report folder used again holds one run's results, never a single-seed run's steps
+    beside a multi-seed run's summary, or seeds another run chose. Anything else stays."""
+    root = Path(report_dir)
+    for name in ("steps.parquet", "summary.json", "report.png", "records.json", "config.json"):
+        (root / name).unlink(missing_ok=True)
+    for log in [*root.glob("logs/rank*.log"), *root.glob("logs/torchrun.node*.log")]:
+        log.unlink(missing_ok=True)
+    for d in root.glob("seed-*"):
+        if (d.name[len("seed-"):].isdigit() and not d.is_symlink()
+                and (d / MARKER).is_file()):
+            shutil.rmtree(d)
 
 
 def write_report(

@@ -30,9 +30,10 @@ from nfabric_cli.profile.proven import calibrated_steps
 from nfabric_cli.ranks.exit import env_rank
 from nfabric_cli.ranks.netns import link_wrap
 from nfabric_cli.runtime.inject import check_steps, parse_injections
+from nfabric_cli.runtime.trace import clear_trace
 from nfabric_cli.validation.config import ValidateConfig, resolve_tolerance
 from nfabric_cli.validation.launch import ProgressCallback, spawn_ranks, start_torchrun, supervise
-from nfabric_cli.validation.report import step_frame, summarize, write_report
+from nfabric_cli.validation.report import claim_report, step_frame, summarize, write_report
 from nfabric_cli.validation.worker import RESULTS_FILE, run_rank
 
 RUNS_DIR = Path(".nfabric") / "runs"
@@ -152,6 +153,10 @@ def run_validation(
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
+    if cfg.nnodes == 1:  # an earlier run's outputs (on several nodes: one node's might go)
+        claim_report(report_dir)
+        if cfg.record_trace is not None:
+            clear_trace(cfg.record_trace)
     cfg.run_dir = str(run_dir.resolve())
     store_dir = tempfile.mkdtemp(prefix="nfabric-store-") if cfg.launcher == "spawn" else None
     try:

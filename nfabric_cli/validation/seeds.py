@@ -25,7 +25,7 @@ import pandas as pd
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.target import t_quantile, within_tolerance
 from nfabric_cli.validation.config import ValidateConfig
-from nfabric_cli.validation.report import write_summary
+from nfabric_cli.validation.report import claim_report, write_summary
 from nfabric_cli.workloads.common import check_seed
 
 PASS_RULE = "worst seed: every seed's profile arm within tolerance of its fp32 arm"
@@ -159,6 +159,8 @@ def run_seeds(cfg: ValidateConfig, seeds: list[int], on_progress: Any = None,
     outside = checked.outside_proven(seeds)
     if on_outside is not None:
         on_outside(outside)
+    if cfg.nnodes == 1:  # an earlier run's seeds and single-seed files (`run_validation`)
+        claim_report(cfg.report_dir)
     summaries: dict[int, dict[str, Any]] = {}
     for one in seed_configs(cfg, seeds):
         if on_seed is not None:

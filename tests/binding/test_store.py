@@ -76,3 +76,25 @@ def test_bindings_file_is_not_a_profile(tmp_path, profile):
     write_bindings(compile_profile(profile, models.tied()), tmp_path / "bind.parquet")
     with pytest.raises(InputError, match="is a bindings file, expected a profile file"):
         read_profile(tmp_path / "bind.parquet")
+
+
+def test_bindings_with_thresholds_the_monitor_refuses_fail_on_reading(tmp_path, profile):
+    """Bad thresholds in a bindings file (compiled before profiles were checked for them, or
+    edited): one line on reading, as in a profile, not first at attach in the ranks."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from nfabric_cli.profile.parquet import META_PREFIX
+
+    write_bindings(compile_profile(profile, models.tied()), tmp_path / "bind.parquet")
+    table = pq.read_table(tmp_path / "bind.parquet")
+    meta = dict(table.schema.metadata)
+    key = (META_PREFIX + "profile").encode()
+    doc = json.loads(meta[key])
+    doc["health"] = {"window": 0}
+    meta[key] = json.dumps(doc).encode()
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "bad.parquet")
+    with pytest.raises(InputError, match=r"bad\.parquet: health threshold window must be >= 1, "
+                                         r"got 0"):
+        read_bindings(tmp_path / "bad.parquet")

@@ -256,6 +256,24 @@ def test_an_out_that_is_not_a_file_of_that_kind_is_refused_before_any_work(prof,
     bad_input(run("calibrate", "vision", "--out", prof), f"--out {prof}: is a file")
 
 
+def test_init_replaces_a_calibrated_profile_only_with_force(tmp_path):
+    """A calibrated profile holds hours of search and confirmation: `profile init` does not
+    write over it unless told to, and writes over a hand-written one as before."""
+    import shutil
+
+    from tests.profile.test_reference_profiles import ROOT
+
+    calibrated = tmp_path / "vision.v13.parquet"
+    shutil.copy(ROOT / "profiles" / "vision" / "vision.v13.parquet", calibrated)
+    before = calibrated.read_bytes()
+    bad_input(init(calibrated), f"--out {calibrated}: exists and is a calibrated profile; "
+              "refusing to replace it with a hand-written one (--force to do so)")
+    assert calibrated.read_bytes() == before
+    assert init(calibrated, "--force").exit_code == 0
+    assert calibrated.read_bytes() != before
+    assert init(calibrated).exit_code == 0  # now a hand-written one: replaced as before
+
+
 def test_a_rule_that_claims_nothing_is_refused_at_init_and_warned_at_compile(tmp_path):
     """`--set '*.weight=fp32' --set '0.weight=int4'`: every weight is fp32's first, so the
     int4 rule did nothing, silently (its selector matched, so it was not "dead")."""

@@ -130,4 +130,23 @@ def test_route_options_compare_as_the_route_takes_them():
     old = OperatingProfile([replace(a.rows[0]), replace(sign.rows[1], zeros="negative")],
                            dict(a.meta))
     assert [(x.field, x.a, x.b) for x in diff_profiles(old, sign).changes] == [
-        ("zeros", "negative", None)]
+        ("zeros", "negative", "split")]  # the unset vote shown as what it is, not "-"
+
+
+def test_health_thresholds_compare_as_the_monitor_takes_them():
+    """An unset threshold is its default (hand-written) or, in a calibrated profile that
+    predates it, the value that keeps its rule: shown as that, equal to it written out."""
+    from nfabric_cli.profile.thresholds import HealthThresholds
+
+    a, b = base(), base()
+    b.meta["health"] = {"window": HealthThresholds().window}
+    assert diff_profiles(a, b).equal
+    b.meta["health"] = {"window": 9}
+    assert [(m.key, m.a, m.b) for m in diff_profiles(a, b).metadata] == [
+        ("health.window", HealthThresholds().window, 9)]
+    old, new = base(), base()  # calibrated before `blowup_cap`, and after with it on
+    for p in (old, new):
+        p.meta["provenance"] = {"seed": 1, "source": "calibrate"}
+    new.meta["health"] = {"blowup_cap": 1.0}
+    changes = {m.key: (m.a, m.b) for m in diff_profiles(old, new).metadata}
+    assert changes["health.blowup_cap"] == (0.0, 1.0)

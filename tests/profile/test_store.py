@@ -235,6 +235,10 @@ def test_versioned_names_newest_wins(tmp_path):
     ("provenance", "x", "profile provenance must be a table of keys and values, got str 'x'"),
     ("health", [1], "profile health must be a table"),
     ("world_size", True, "profile world_size must be a positive integer, got True"),
+    # thresholds the monitor refuses: refused on reading, not first inside the ranks
+    ("health", {"window": -5}, "health threshold window must be >= 1, got -5"),
+    ("health", {"window": "x"}, "health threshold window must be an integer, got 'x'"),
+    ("health", {"windw": 9}, "unknown health threshold(s): windw"),
 ])
 def test_metadata_of_the_wrong_shape_is_one_line_not_a_crash(tmp_path, key, value, message):
     """A `target` of 5 was a TypeError inside diff-profile (exit 1: "different" to CI)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,9 @@ def build_plan_stub():
     (lambda d: _meta(d, world_size=0), "world_size must be an integer >= 1"),
     (lambda d: [p.unlink() for p in d.glob("*.parquet")], "no buckets-rank*.parquet"),
     (lambda d: (d / "buckets-rank0.parquet").write_text("x"), "not a readable Parquet file"),
+    # a rank's file left by an earlier recording at three ranks: fitting it in would mix runs
+    (lambda d: shutil.copy(d / "buckets-rank1.parquet", d / "buckets-rank2.parquet"),
+     "buckets-rank2.parquet lie beyond trace.json's world size 2 (left by another recording?)"),
 ])
 def test_unusable_trace_directories(trace_copy: Path, edit, message: str) -> None:
     edit(trace_copy)

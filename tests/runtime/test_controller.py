@@ -12,9 +12,10 @@ from torch import nn
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase
+from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.guard import UpdateGuard
-from nfabric_cli.runtime.health import HealthMonitor, HealthThresholds, StepStats
+from nfabric_cli.runtime.health import HealthMonitor, StepStats
 
 # Blow-ups trip to fp32 here (grad_blowup_trips=1): the simplest trip, to test what a hold and a
 # re-admission deliver; the default, a blow-up guarded in place, is the first test.

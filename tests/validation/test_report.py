@@ -8,7 +8,15 @@ import math
 import pandas as pd
 import pytest
 
-from nfabric_cli.validation.report import STEP_COLUMNS, judge, step_frame, summarize, write_report
+from nfabric_cli.validation.report import (
+    MARKER,
+    STEP_COLUMNS,
+    claim_report,
+    judge,
+    step_frame,
+    summarize,
+    write_report,
+)
 
 
 def record(arm, rank, *, sent, received, times, metric=None, events=(), link=None):
@@ -103,3 +111,25 @@ def test_report_files(tmp_path):
     assert math.isclose(row["loss"], 0.8)
     assert json.loads(paths["summary"].read_text()) == json.loads(json.dumps(s))
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_report_folder_used_again_loses_only_the_earlier_runs_outputs(tmp_path):
+    ours = ["steps.parquet", "summary.json", "report.png", "records.json", "config.json",
+            "logs/rank3.log", "logs/torchrun.node0.log", "seed-2/summary.json",
+            "seed-11/steps.parquet"]
+    theirs = ["notes.txt", "seed-x/keep.txt", "seed-5/mine.txt", "logs/mine.txt",
+              ".run-node0/config.json"]
+    for rel in ours + theirs:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    for marked in ("seed-2", "seed-11"):  # reports of earlier seeds; seed-5 is not one
+        (tmp_path / marked / MARKER).write_text("")
+    claim_report(tmp_path)  # not a report folder yet: nothing is removed, it is marked
+    kept = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert kept == {*ours, *theirs, MARKER, f"seed-2/{MARKER}", f"seed-11/{MARKER}"}
+    claim_report(tmp_path)  # used again: the earlier run's outputs go
+    kept = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()}
+    assert kept == {*theirs, MARKER}
+    assert not (tmp_path / "seed-2").exists() and not (tmp_path / "seed-11").exists()
+    claim_report(tmp_path / "new")  # a new folder: made and marked
+    assert (tmp_path / "new" / MARKER).is_file()

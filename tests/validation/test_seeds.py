@@ -9,6 +9,7 @@ import pytest
 from scipy.stats import t
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.validation.report import MARKER
 from nfabric_cli.validation.seeds import aggregate, delta_stats, parse_seeds
 from tests.validation.common import TINY, head_fp32_profile, nfabric, summary
 
@@ -70,6 +71,11 @@ def test_a_two_seed_run_reports_each_seed_as_its_single_seed_run_does(tmp_path) 
     prof = head_fp32_profile(tmp_path / "p.parquet",
                              proven={"seeds": [0], "steps": [6], "world_size": 2})
     common = (prof, "--workload", TINY, "--steps", "6", "--arms", "fp32,profile", "--json")
+    (tmp_path / "many" / "seed-7").mkdir(parents=True)  # an earlier run's seed and steps
+    for marked in ("many", "many/seed-7"):
+        (tmp_path / marked / MARKER).write_text("")
+    (tmp_path / "many" / "seed-7" / "summary.json").write_text("{}")
+    (tmp_path / "many" / "steps.parquet").write_bytes(b"x")
     many = nfabric("validate", *common, "--seeds", "0,1", "--report", tmp_path / "many")
     assert many.returncode in (0, 1), many.stderr
     doc = json.loads(many.stdout)
@@ -84,6 +90,8 @@ def test_a_two_seed_run_reports_each_seed_as_its_single_seed_run_does(tmp_path) 
     assert doc["outside_proven"] == single["outside_proven"] == [outside]
     assert (tmp_path / "many" / "report.png").stat().st_size > 0
     assert all((tmp_path / "many" / f"seed-{s}" / "summary.json").is_file() for s in (0, 1))
+    assert sorted(p.name for p in (tmp_path / "many").glob("seed-*")) == ["seed-0", "seed-1"]
+    assert not (tmp_path / "many" / "steps.parquet").exists()
     assert many.returncode == (0 if doc["passed"] else 1)  # bad --seeds: test_bad_input
 
 

@@ -56,6 +56,11 @@ def powersgd_elements(model, rank: int = 2, min_rate: float = 2.0) -> int:
 @pytest.fixture(scope="module")
 def all_arms(prof, tmp_path_factory):
     report = tmp_path_factory.mktemp("all") / "report"
+    # an earlier recording at three ranks in the trace folder, and a file of the user's
+    (report.parent / "trace" / "payloads").mkdir(parents=True)
+    for stale in ("buckets-rank2.parquet", "payloads/rank2-step0-bucket0-g0-int8.npy"):
+        (report.parent / "trace" / stale).write_bytes(b"x")
+    (report.parent / "trace" / "notes.txt").write_text("mine")
     r = nfabric(
         "validate", prof, "--workload", TINY, "--steps", STEPS, "--baselines", "fp16,powersgd",
         "--inject", "nan@2:0,nan@3:1", "--report", report, "--record-trace", report.parent / "trace",
@@ -68,8 +73,12 @@ def test_record_trace_writes_a_replayable_trace_of_the_profile_arm(all_arms):
     from nfabric_cli.replay.trace import load_trace
 
     _, report = all_arms
-    trace = load_trace(report.parent / "trace")
+    trace = load_trace(report.parent / "trace")  # the earlier recording's files removed
     assert trace.world_size == 2
+    assert sorted(p.name for p in (report.parent / "trace").glob("buckets-rank*")) == [
+        "buckets-rank0.parquet", "buckets-rank1.parquet"]
+    assert not list((report.parent / "trace").glob("payloads/rank2-*"))
+    assert (report.parent / "trace" / "notes.txt").read_text() == "mine"
     labels = {g.label for g in trace.groups}
     assert "sign/sharded" in labels  # the profile arm's body; static arm traces nothing
     assert all(g.rows > 0 for g in trace.groups)
