@@ -16,7 +16,8 @@ process). `save_state` (which every process calls) has each rank write its own s
 `nfabric_state_<rank>.pt`, beside Accelerate's own `random_states_<rank>.pkl`, and `load_state`
 has each rank read its own (save and load pre-hooks: `register_for_checkpointing` would save the
 main process's object only, so every rank's residuals would have to be gathered onto it).
-`accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once per
+Attach before `load_state` (its pre-hook reads the fabric's files; attached after it, the
+state starts afresh, with a warning). `accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once per
 optimizer step: `optimizer_steps` counts those, not batches.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,11 @@ def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[s
             "CPU `accelerate launch --cpu` starts one: use torchrun --nproc_per_node N with "
             "Accelerator(cpu=True)")
     require_one_sync_per_step(accelerator, accelerator.gradient_accumulation_steps, "Accelerate")
+    if getattr(accelerator, "step", 0):  # `load_state` restores it; the hook below is too late
+        warnings.warn(
+            f"nfabric: accelerator.step is {accelerator.step} at attach: load_state (or "
+            "training) ran before it, so no fabric state was restored and the fabric counts "
+            "its steps from 0; attach before accelerator.load_state to resume it", stacklevel=2)
     source = str(profile) if isinstance(profile, (str, Path)) else profile
     state = AttachOptions(source, total_steps, attach_options).attach(
         model, None, "Accelerate", "pass the model that accelerator.prepare returned",

@@ -18,6 +18,7 @@ import warnings
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
@@ -30,6 +31,7 @@ from nfabric_cli.binding.store import load_bindings_or_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.proven import outside_proven
+from nfabric_cli.runtime.agreement import attach_facts, check_ranks_agree
 from nfabric_cli.runtime.controller import check_options
 from nfabric_cli.runtime.hook import fabric_hook
 from nfabric_cli.runtime.inject import Injection
@@ -90,10 +92,27 @@ def attach_with(
     """`attach` with the validation harness's knobs: injected faults (`validate --inject`,
     tests) and `direct_fp32=False` (all-fp32 phases through the worker path too: tests,
     tracing)."""
+    previous = _closed_fabric(ddp_model)
     state = create_state(ddp_model, source, total_steps, injections=injections,
-                         direct_fp32=direct_fp32, **options)
-    ddp_model.register_comm_hook(state, fabric_hook)
+                         direct_fp32=direct_fp32, rehook=previous is not None, **options)
+    if previous is None:
+        ddp_model.register_comm_hook(state, fabric_hook)
+    else:  # DDP keeps its first hook for life: the closed state passes the buckets on
+        previous.hand_over(state)
     return state
+
+
+def _closed_fabric(ddp_model: Any) -> FabricState | None:
+    """The nfabric state registered on `ddp_model` if every state attached to it since has
+    closed (it can hand over to a new one), else None where it has no hook at all."""
+    hooks = getattr(ddp_model, "_comm_hooks", None) or []
+    for hook, registered in hooks:
+        if hook is fabric_hook and isinstance(registered, FabricState):
+            last = registered
+            while last._successor is not None:
+                last = last._successor
+            return registered if last.closed else None
+    return None
 
 
 def create_state(
@@ -110,14 +129,19 @@ def create_state(
     injections: tuple[Injection, ...] = (),
     direct_fp32: bool = True,
     nonfinite: str = "zero",
+    rehook: bool = False,
 ) -> FabricState:
-    """The state `attach` registers, not yet registered (`FabricState.create`)."""
+    """The state `attach` registers, not yet registered (`FabricState.create`); `rehook`: the
+    model's own closed nfabric state will hand its buckets over to it (`attach_with`)."""
     if not isinstance(ddp_model, DistributedDataParallel):
         raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    if getattr(ddp_model, "_comm_hooks", None):  # DDP takes one hook, for its lifetime
-        raise InputError("this DDP model already has a communication hook (nfabric's or "
-                         "another): attach once per DDP model, before any other hook")
+    if getattr(ddp_model, "_comm_hooks", None) and not rehook:  # one hook, for DDP's lifetime
+        raise InputError("this DDP model already has a communication hook (another, or an "
+                         "nfabric state still open): attach once per DDP model, before any "
+                         "other hook, or again once its nfabric state is closed")
     total_steps = check_total_steps(total_steps)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise InputError(f"seed must be an integer, got {seed!r}")
     check_options(monitor, gate, nonfinite)  # (before any group or trace folder is made)
     if not isinstance(source, (str, os.PathLike, Bindings, OperatingProfile)):
         raise InputError("attach takes a profile or bindings (a path, an OperatingProfile or "
@@ -151,6 +175,11 @@ def create_state(
     for note in (bindings.meta.get("model_match") or {}).get("notes", []):
         _log.info("nfabric: the profile matched this model after a rename: %s", note)
     steps = total_steps or bindings.total_steps
+    # before anything else is collective (the group below): a rank that attached another
+    # profile or total_steps would fail far into the run, in a gloo abort or an NCCL hang
+    device = next((p.device for p in module.parameters()), None)
+    check_ranks_agree(pg, attach_facts(bindings, steps, seed, (monitor, gate, nonfinite)),
+                      device if device is not None else torch.device("cpu"))
     if steps is None:
         if len(bindings.phases) > 1:
             raise InputError("the profile has several phases: pass total_steps to attach")

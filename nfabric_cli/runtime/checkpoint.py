@@ -60,6 +60,9 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True,
     if dst is not None and not all_ranks:
         raise InputError(f"state_dict(all_ranks=False, dst={dst}): dst is where all ranks' "
                          "parts are gathered; without all_ranks each rank keeps its own")
+    if dst is not None and (not isinstance(dst, int) or isinstance(dst, bool)):
+        raise InputError(f"state_dict(dst={dst!r}): dst is a rank of the fabric's group, an "
+                         "integer")
     if dst is not None and not 0 <= dst < state.world_size:
         raise InputError(f"state_dict(dst={dst}): dst is a rank of the fabric's group, "
                          f"0 to {state.world_size - 1}")

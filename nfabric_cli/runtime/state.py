@@ -190,6 +190,9 @@ class FabricState:
         self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future]] = []
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
         self._queued: concurrent.futures.Future | None = None  # the worker's last job
+        # the state attached to this DDP model after this one closed (`hand_over`): DDP keeps
+        # the hook it was first given, for its lifetime
+        self._successor: FabricState | None = None
 
     @classmethod
     def create(cls, ddp_model: Any, source: Any, total_steps: int | None = None,
@@ -309,6 +312,18 @@ class FabricState:
         reduces nothing more."""
         return self._pool is None
 
+    def hand_over(self, successor: FabricState) -> None:
+        """Send this closed state's DDP model's buckets to `successor` from now on: attaching
+        to a DDP model again after `close()` (a second `trainer.train()` on the DDP wrapper the
+        HF Trainer keeps), where DDP would not take a second hook."""
+        last = self
+        while last._successor is not None:
+            last = last._successor
+        if not last.closed:
+            raise InputError("this DDP model's nfabric state is still open: close() it before "
+                             "attaching again")
+        last._successor = successor
+
     def close(self) -> None:
         """Stop the worker thread (idempotent). Call before destroying the process group.
         Warns when the run stopped short of `total_steps` (its last phases never ran) or ran
@@ -331,6 +346,8 @@ class FabricState:
         self, buffer: torch.Tensor, params: list[torch.Tensor], is_last: bool
     ) -> torch.futures.Future:
         """Start reducing one bucket; the returned future completes with the reduced buffer."""
+        if self._successor is not None:  # attached again after close (`hand_over`)
+            return self._successor.submit(buffer, params, is_last)
         if self._pool is None:
             raise RuntimeError("nfabric state is closed")
         if id(params[0]) not in self._names:  # (its steps would be counted twice, or fail)

@@ -253,3 +253,19 @@ def test_sync_each_batch_with_accumulation_is_refused_in_one_line() -> None:
         require_one_sync_per_step(ok, 2 if ok is None else ok.gradient_accumulation_steps, "x")
     with pytest.raises(InputError, match="did not wrap the model"):  # past the check: attach's
         attach_accelerate(accelerator(False, 2), object(), "profiles/vision", 10)
+
+
+def test_attaching_after_accelerates_load_state_warns() -> None:
+    """`load_state` runs the load pre-hooks registered by then and restores
+    `accelerator.step`: attached after it, the fabric starts afresh, which attach says."""
+    from types import SimpleNamespace
+
+    from nfabric_cli.errors import InputError
+    from nfabric_cli.integrations.accelerate import attach_accelerate
+
+    restored = SimpleNamespace(num_processes=2, gradient_accumulation_steps=1, step=8,
+                               gradient_state=SimpleNamespace(plugin_kwargs={}))
+    with pytest.warns(UserWarning, match=r"^nfabric: accelerator.step is 8 at attach: load_state "
+                                         r".*attach before accelerator.load_state to resume it$"):
+        with pytest.raises(InputError, match="did not wrap the model"):  # (then attach's own)
+            attach_accelerate(restored, object(), "profiles/vision", 10)

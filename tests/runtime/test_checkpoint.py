@@ -153,11 +153,14 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
         out.append(str(caught[0].message) if caught else "no warning")
         state.load_state_dict({**good, "total_steps": TOTAL // 2})  # a longer run resumed
         out.append(str(caught[-1].message) if len(caught) > 1 else "no warning")
-        try:
-            state.state_dict(dst=2)
-            out.append("gathered")
-        except InputError as exc:
-            out.append(str(exc))
+        writers = []
+        for dst in (2, "0"):  # a rank outside the group; a rank that is no integer
+            try:
+                state.state_dict(dst=dst)
+                writers.append("gathered")
+            except InputError as exc:
+                writers.append(str(exc))
+        out.append(" | ".join(writers))
         try:  # a framework's checkpoint folder without this rank's file
             load_rank_state(state, path, "X")
             out.append("loaded")
@@ -196,7 +199,8 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
         assert alien == "not an nfabric fabric state (expected FabricState.state_dict())"
         assert missing.startswith(f"fabric state holds rank(s) [{1 - rank}] only, not rank {rank}")
         assert "this rank starts with no error-feedback residuals" in lenient
-        assert writer == "state_dict(dst=2): dst is a rank of the fabric's group, 0 to 1"
+        assert writer == ("state_dict(dst=2): dst is a rank of the fabric's group, 0 to 1 | "
+                          "state_dict(dst='0'): dst is a rank of the fabric's group, an integer")
         assert no_file == (f"nfabric: X resumes from {tmp_path}, which holds no "
                            f"nfabric_state_{rank}.pt for this rank (saved without nfabric, or on "
                            "another node: each rank reads its own file)")
