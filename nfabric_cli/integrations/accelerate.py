@@ -17,7 +17,7 @@ process). `save_state` (which every process calls) has each rank write its own s
 has each rank read its own (save and load pre-hooks: `register_for_checkpointing` would save the
 main process's object only, so every rank's residuals would have to be gathered onto it).
 Attach before `load_state` (its pre-hook reads the fabric's files; attached after it, the
-state starts afresh, with a warning). `accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once per
+state starts afresh, with a warning where `accelerator.step` shows it). `accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once per
 optimizer step: `optimizer_steps` counts those, not batches.
 """
 
@@ -64,7 +64,11 @@ def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[s
             "CPU `accelerate launch --cpu` starts one: use torchrun --nproc_per_node N with "
             "Accelerator(cpu=True)")
     require_one_sync_per_step(accelerator, accelerator.gradient_accumulation_steps, "Accelerate")
-    if getattr(accelerator, "step", 0):  # `load_state` restores it; the hook below is too late
+    attached = accelerator.__dict__.setdefault("_nfabric_states", [])
+    # attached again to a model whose state closed: that model's files, its hooks, are its
+    again = next((entry for entry in attached if entry[0] is model and entry[1].closed), None)
+    if getattr(accelerator, "step", 0) and again is None:  # `load_state` restores it, when
+        # the run was inside `accumulate` (at an epoch's end it is 0 again): hooks come late
         warnings.warn(
             f"nfabric: accelerator.step is {accelerator.step} at attach: load_state (or "
             "training) ran before it, so no fabric state was restored and the fabric counts "
@@ -73,13 +77,16 @@ def attach_accelerate(accelerator: Any, model: Any, profile: str | os.PathLike[s
     state = AttachOptions(source, total_steps, attach_options).attach(
         model, None, "Accelerate", "pass the model that accelerator.prepare returned",
         scaler=getattr(accelerator, "scaler", None))
+    if again is not None:  # its hooks read the entry: they now save and load the new state
+        again[1] = state
+        return state
     # each attached model has its own files, in the order they were attached (attach them in
     # the same order when resuming)
-    attached = accelerator.__dict__.setdefault("_nfabric_states", [])
     index = len(attached)
-    attached.append(state)
+    entry = [model, state]
+    attached.append(entry)
     accelerator.register_save_state_pre_hook(
-        lambda models, weights, output_dir: save_rank_state(state, output_dir, index))
+        lambda models, weights, output_dir: save_rank_state(entry[1], output_dir, index))
     accelerator.register_load_state_pre_hook(
-        lambda models, input_dir: load_rank_state(state, input_dir, "Accelerate", index))
+        lambda models, input_dir: load_rank_state(entry[1], input_dir, "Accelerate", index))
     return state

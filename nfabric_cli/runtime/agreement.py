@@ -1,11 +1,14 @@
 """Every rank attaches the same fabric: checked once, at attach, in one small all-gather.
 
-The ranks' hooks issue collectives in lockstep: a phase switch, a route, a monitor verdict or
-a codec's noise seed that differs between ranks makes one rank's collective meet another's of
+The ranks' hooks issue collectives in lockstep: a phase switch, a route, a bucket verdict or a
+monitor threshold that differs between ranks makes one rank's collective meet another's of
 another size. gloo then aborts the process (`Received data size doesn't match expected size`,
 a C++ terminate), NCCL hangs. Ranks that each take `total_steps` from their own data loader,
 or load different profile files, drift apart like that only at the first phase switch, far
-into the run. So attach compares what must be equal, and every rank raises the same one line.
+into the run. So attach compares what must be equal, and every rank raises one line. A rank
+whose own attach failed says so in the same all-gather, so the others raise too instead of
+waiting for it in the next collective. (The seed need not agree: the codecs' noise is drawn
+per rank anyway, `routes/base.py`, `codec_noise`.)
 """
 
 from __future__ import annotations
@@ -19,44 +22,50 @@ import torch.distributed as dist
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.thresholds import HealthThresholds
+
+#: What every rank must agree on, in the order `attach_facts` gives it.
+FACTS = ("the profile's routes, phases and bucket verdicts", "the health thresholds",
+         "the options (monitor, gate, nonfinite, dedicated_group)", "total_steps")
 
 
-def attach_facts(bindings: Bindings, total_steps: int | None, seed: int,
-                 options: Sequence[Any]) -> list[tuple[str, int]]:
-    """What every rank must agree on, as (what, a number): routes, thresholds and options as
-    a digest (their text is long), total_steps (-1: None) and the seed as themselves."""
+def attach_facts(bindings: Bindings, total_steps: int | None, options: Sequence[Any]) -> list[int]:
+    """`FACTS` as numbers: a digest where the text is long, total_steps itself (-1: None)."""
     routes = repr([(b.name, sorted(b.routes.items()), sorted(b.regions.items()))
                    for b in bindings.params.values()])
-    facts = [
-        ("the profile's routes and phases", _digest(repr(bindings.phases) + routes)),
-        ("the health thresholds", _digest(repr(sorted((bindings.meta.get("health") or {})
-                                                     .items())))),
-        ("the options (monitor, gate, nonfinite)", _digest(repr(tuple(options)))),
-    ]
-    return [*facts, ("total_steps", -1 if total_steps is None else int(total_steps)),
-            ("seed", int(seed))]
+    health = HealthThresholds.from_profile(bindings.meta).to_dict()  # as the monitor takes them
+    return [_digest(repr(bindings.phases) + routes + repr(bindings.buckets)),
+            _digest(repr(sorted(health.items()))), _digest(repr(tuple(options))),
+            -1 if total_steps is None else int(total_steps)]
 
 
-def check_ranks_agree(group: Any, facts: list[tuple[str, int]],
-                      device: torch.device) -> None:
-    """All-gather `facts`' numbers over `group` (a collective: every rank calls it) and raise
-    the same `InputError` on every rank if any differs."""
+def check_ranks_agree(group: Any, facts: list[int] | None, device: torch.device) -> None:
+    """All-gather this rank's `facts` (None: its own attach failed, which it raises itself)
+    over `group`, a collective every rank of it calls, and raise the same `InputError` on
+    every rank whose attach had not failed if any rank failed or any fact differs."""
     world = dist.get_world_size(group)
     if world == 1:
         return
-    mine = torch.tensor([v for _, v in facts], dtype=torch.int64, device=device)
+    mine = torch.tensor([0] * (1 + len(FACTS)) if facts is None else [1, *facts],
+                        dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
     table = torch.stack(rows).cpu().tolist()
-    for k, (what, _) in enumerate(facts):
+    if facts is None:
+        return
+    failed = [r for r, row in enumerate(table) if row[0] == 0]
+    if failed:
+        raise InputError(f"rank {failed[0]} could not attach (its own error says why), so no "
+                         "rank attaches")
+    for k, what in enumerate(FACTS, start=1):
         values = [row[k] for row in table]
         if len(set(values)) > 1:
-            first = next(r for r, v in enumerate(values) if v != values[0])
+            other = next(r for r, v in enumerate(values) if v != values[0])
             raise InputError(
                 f"ranks attach different fabrics: {what} differ ({_show(what, values[0])} on "
-                f"rank 0, {_show(what, values[first])} on rank {first}); every rank "
-                "must attach the same profile with the same total_steps, seed and options, "
-                "or their collectives stop lining up")
+                f"rank 0, {_show(what, values[other])} on rank {other}); every rank must "
+                "attach the same profile with the same total_steps and options, or their "
+                "collectives stop lining up")
 
 
 def _digest(text: str) -> int:
@@ -67,6 +76,4 @@ def _digest(text: str) -> int:
 def _show(what: str, value: int) -> str:
     if what == "total_steps":
         return "None" if value < 0 else str(value)
-    if what == "seed":
-        return str(value)
     return f"digest {value & 0xFFFFFFFF:08x}"

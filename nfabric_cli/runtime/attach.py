@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import warnings
 import weakref
@@ -69,7 +70,9 @@ def attach(
     `nonfinite`: a step whose gradients are not finite is ``"zero"``-ed on every rank (a NaN
     update would wreck the model), or, with a loss scaler (AMP's ``GradScaler``), ``"pass"``-ed
     on not finite as plain DDP does, so that the scaler skips it and lowers its scale.
-    The same as ``ddp_model.register_comm_hook(FabricState.create(...), fabric_hook)``.
+    The same as ``ddp_model.register_comm_hook(FabricState.create(...), fabric_hook)`` the
+    first time; attached again once the model's state is closed, that state hands its buckets
+    over to the new one (DDP keeps its first hook for life).
 
     Example::
 
@@ -94,7 +97,7 @@ def attach_with(
     tracing)."""
     previous = _closed_fabric(ddp_model)
     state = create_state(ddp_model, source, total_steps, injections=injections,
-                         direct_fp32=direct_fp32, rehook=previous is not None, **options)
+                         direct_fp32=direct_fp32, _rehook=previous is not None, **options)
     if previous is None:
         ddp_model.register_comm_hook(state, fabric_hook)
     else:  # DDP keeps its first hook for life: the closed state passes the buckets on
@@ -103,15 +106,12 @@ def attach_with(
 
 
 def _closed_fabric(ddp_model: Any) -> FabricState | None:
-    """The nfabric state registered on `ddp_model` if every state attached to it since has
-    closed (it can hand over to a new one), else None where it has no hook at all."""
-    hooks = getattr(ddp_model, "_comm_hooks", None) or []
-    for hook, registered in hooks:
+    """The nfabric state registered on `ddp_model` when it, and the state it hands over to if
+    any, are closed: it can hand over to a new one (`FabricState.hand_over`); else None."""
+    for hook, registered in getattr(ddp_model, "_comm_hooks", None) or []:
         if hook is fabric_hook and isinstance(registered, FabricState):
-            last = registered
-            while last._successor is not None:
-                last = last._successor
-            return registered if last.closed else None
+            current = registered._successor or registered
+            return registered if current.closed else None
     return None
 
 
@@ -129,61 +129,31 @@ def create_state(
     injections: tuple[Injection, ...] = (),
     direct_fp32: bool = True,
     nonfinite: str = "zero",
-    rehook: bool = False,
+    _rehook: bool = False,
 ) -> FabricState:
-    """The state `attach` registers, not yet registered (`FabricState.create`); `rehook`: the
-    model's own closed nfabric state will hand its buckets over to it (`attach_with`)."""
+    """The state `attach` registers, not yet registered (`FabricState.create`); `_rehook`
+    (`attach_with` only): the model's own closed nfabric state hands its buckets over to it.
+
+    Every check that can fail on one rank alone (a file missing on one node, a total_steps
+    of 0 from one rank's loader) runs before one all-gather that every rank joins
+    (`agreement.py`): a rank that failed raises its own error there, the others raise that it
+    failed, and none waits for it in a later collective."""
     if not isinstance(ddp_model, DistributedDataParallel):
         raise InputError(f"attach needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
-    if getattr(ddp_model, "_comm_hooks", None) and not rehook:  # one hook, for DDP's lifetime
-        raise InputError("this DDP model already has a communication hook (another, or an "
-                         "nfabric state still open): attach once per DDP model, before any "
-                         "other hook, or again once its nfabric state is closed")
-    total_steps = check_total_steps(total_steps)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise InputError(f"seed must be an integer, got {seed!r}")
-    check_options(monitor, gate, nonfinite)  # (before any group or trace folder is made)
-    if not isinstance(source, (str, os.PathLike, Bindings, OperatingProfile)):
-        raise InputError("attach takes a profile or bindings (a path, an OperatingProfile or "
-                         f"Bindings), got {type(source).__name__}")
-    if substrate is not None and not isinstance(substrate, (dict, Substrate)):
-        raise InputError(f"substrate must be a Substrate or its dict, got {substrate!r}")
     module = ddp_model.module
-    _check_dense(module)
     pg = ddp_model.process_group
+    trainable = trainable_parameters(module)  # the all-gather goes on their device (NCCL)
+    device = trainable[0].param.device if trainable else torch.device("cpu")
+    try:
+        bindings, steps, seed = _bind(ddp_model, source, total_steps, substrate, seed, monitor,
+                                      gate, nonfinite, trace_dir, _rehook)
+    except InputError:
+        check_ranks_agree(pg, None, device)  # the other ranks learn it, and raise
+        raise
+    check_ranks_agree(pg, attach_facts(bindings, steps,
+                                       (monitor, gate, nonfinite, dedicated_group)), device)
     world_size = dist.get_world_size(pg)
-    if isinstance(source, Bindings):
-        bindings = source
-        if model_fingerprint(module) != bindings.fingerprint:  # as a bindings file is checked
-            raise InputError(
-                f"these bindings were compiled for another model (fingerprint "
-                f"{bindings.fingerprint}, this model {model_fingerprint(module)}): compile the "
-                "profile against this model")
-    elif isinstance(source, OperatingProfile):
-        bindings = compile_profile(
-            source, module, world_size=world_size, total_steps=total_steps,
-            bucket_cap_mb=_bucket_cap_mb(ddp_model), substrate=substrate,
-            find_unused_parameters=bool(ddp_model.find_unused_parameters),
-        )
-    else:
-        bindings = load_bindings_or_profile(
-            source, module, world_size=world_size, total_steps=total_steps,
-            bucket_cap_mb=_bucket_cap_mb(ddp_model), substrate=substrate,
-            find_unused_parameters=bool(ddp_model.find_unused_parameters),
-        )
-    _check_coverage(bindings, module)
-    for note in (bindings.meta.get("model_match") or {}).get("notes", []):
-        _log.info("nfabric: the profile matched this model after a rename: %s", note)
-    steps = total_steps or bindings.total_steps
-    # before anything else is collective (the group below): a rank that attached another
-    # profile or total_steps would fail far into the run, in a gloo abort or an NCCL hang
-    device = next((p.device for p in module.parameters()), None)
-    check_ranks_agree(pg, attach_facts(bindings, steps, seed, (monitor, gate, nonfinite)),
-                      device if device is not None else torch.device("cpu"))
-    if steps is None:
-        if len(bindings.phases) > 1:
-            raise InputError("the profile has several phases: pass total_steps to attach")
-    elif dist.get_rank(pg) == 0:
+    if steps is not None and dist.get_rank(pg) == 0:
         for note in outside_proven(bindings.meta, steps=steps, world_size=world_size):
             warnings.warn(f"nfabric: {note}", stacklevel=3)
     group = pg
@@ -195,8 +165,7 @@ def create_state(
         group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg),
                                use_local_synchronization=ranks is not None)
     trace = None
-    if trace_dir is not None:
-        check_writable(trace_dir, "trace_dir", folder=True)
+    if trace_dir is not None:  # (checked writable in `_bind`)
         trace = TraceRecorder(trace_dir, dist.get_rank(group), dist.get_world_size(group),
                               dist.get_backend(group))
     state = FabricState(
@@ -206,6 +175,55 @@ def create_state(
     )
     _LIVE.add(state)
     return state
+
+
+def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | None,
+          substrate: Any, seed: Any, monitor: bool, gate: bool | str, nonfinite: str,
+          trace_dir: Any, rehook: bool) -> tuple[Bindings, int | None, int]:
+    """`create_state`'s checks and the bindings: (bindings, the run's steps, the seed)."""
+    if getattr(ddp_model, "_comm_hooks", None) and not rehook:  # one hook, for DDP's lifetime
+        raise InputError("this DDP model already has a communication hook (another, or an "
+                         "nfabric state still open): attach once per DDP model, before any "
+                         "other hook, or attach again once its nfabric state is closed")
+    total_steps = check_total_steps(total_steps)
+    try:  # an int or a numpy integer, not a bool or a float
+        whole = None if isinstance(seed, bool) else operator.index(seed)
+    except TypeError:
+        whole = None
+    if whole is None:
+        raise InputError(f"seed must be an integer, got {seed!r}")
+    check_options(monitor, gate, nonfinite)  # (before any group or trace folder is made)
+    if not isinstance(source, (str, os.PathLike, Bindings, OperatingProfile)):
+        raise InputError("attach takes a profile or bindings (a path, an OperatingProfile or "
+                         f"Bindings), got {type(source).__name__}")
+    if substrate is not None and not isinstance(substrate, (dict, Substrate)):
+        raise InputError(f"substrate must be a Substrate or its dict, got {substrate!r}")
+    if trace_dir is not None:
+        check_writable(trace_dir, "trace_dir", folder=True)
+    module = ddp_model.module
+    _check_dense(module)
+    world_size = dist.get_world_size(ddp_model.process_group)
+    if isinstance(source, Bindings):
+        bindings = source
+        if model_fingerprint(module) != bindings.fingerprint:  # as a bindings file is checked
+            raise InputError(
+                f"these bindings were compiled for another model (fingerprint "
+                f"{bindings.fingerprint}, this model {model_fingerprint(module)}): compile the "
+                "profile against this model")
+    else:
+        compile_ = compile_profile if isinstance(source, OperatingProfile) else load_bindings_or_profile
+        bindings = compile_(
+            source, module, world_size=world_size, total_steps=total_steps,
+            bucket_cap_mb=_bucket_cap_mb(ddp_model), substrate=substrate,
+            find_unused_parameters=bool(ddp_model.find_unused_parameters),
+        )
+    _check_coverage(bindings, module)
+    for note in (bindings.meta.get("model_match") or {}).get("notes", []):
+        _log.info("nfabric: the profile matched this model after a rename: %s", note)
+    steps = total_steps or bindings.total_steps
+    if steps is None and len(bindings.phases) > 1:
+        raise InputError("the profile has several phases: pass total_steps to attach")
+    return bindings, steps, whole
 
 
 def _bucket_cap_mb(ddp_model: DistributedDataParallel) -> float | None:

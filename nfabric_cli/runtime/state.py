@@ -107,7 +107,7 @@ class FabricState:
 
     Thread safety: `observe` may be called from any thread; the reduction runs on the state's
     own worker thread (the step's last bucket on DDP's thread, after the worker's);
-    `state_dict` / `load_state_dict` / `close` belong between steps."""
+    `state_dict` / `load_state_dict` / `close` / `hand_over` belong between steps."""
 
     def __init__(
         self,
@@ -313,16 +313,16 @@ class FabricState:
         return self._pool is None
 
     def hand_over(self, successor: FabricState) -> None:
-        """Send this closed state's DDP model's buckets to `successor` from now on: attaching
-        to a DDP model again after `close()` (a second `trainer.train()` on the DDP wrapper the
-        HF Trainer keeps), where DDP would not take a second hook."""
-        last = self
-        while last._successor is not None:
-            last = last._successor
-        if not last.closed:
+        """Send the buckets of this state's DDP model to `successor` from now on: attaching to
+        a DDP model again once its state is closed (a second `trainer.train()` on the DDP
+        wrapper the HF Trainer keeps), where DDP would not take a second hook. Called on the
+        state DDP holds; it points at the newest one only (the ones between are freed)."""
+        if successor is self or successor.closed:
+            raise InputError("hand_over takes a new, open nfabric state")
+        if not self.closed or (self._successor is not None and not self._successor.closed):
             raise InputError("this DDP model's nfabric state is still open: close() it before "
                              "attaching again")
-        last._successor = successor
+        self._successor = successor
 
     def close(self) -> None:
         """Stop the worker thread (idempotent). Call before destroying the process group.

@@ -420,7 +420,7 @@ def test_what_attach_cannot_serve_is_refused_in_one_line(tmp_path) -> None:
                   "sparse ones (sparse=True): build it with sparse=False to attach",
         "twice": "this DDP model already has a communication hook (another, or an nfabric "
                  "state still open): attach once per DDP model, before any other hook, or "
-                 "again once its nfabric state is closed",
+                 "attach again once its nfabric state is closed",
         "zero steps": "total steps must be a whole number >= 1, got 0",
         "fractional steps": "total steps must be a whole number >= 1, got 2.5",
         "no source": "attach takes a profile or bindings (a path, an OperatingProfile or "
@@ -480,22 +480,33 @@ def test_one_state_registered_on_two_models_is_refused_at_the_first_bucket() -> 
 
 
 def _again_worker(rank: int, world: int) -> list:
+    from nfabric_cli.errors import InputError
+
     model = make_model()
     ddp = DDP(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    states = []
+    states, refused = [], ""
     for run in range(3):  # three runs on one DDP wrapper, as the HF Trainer's train() calls
         state = attach(ddp, _bindings(model, "sign"), total_steps=2)
+        if run == 1:
+            try:  # while a state is open, no other takes its place
+                attach(ddp, _bindings(model, "sign"), total_steps=2)
+            except InputError as exc:
+                refused = str(exc)
         train_steps(ddp, opt, state, rank, 2 * run, 2 * run + 2)
         state.close()
         states.append(state)
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return [[s.step for s in states], [s.closed for s in states], weights]
+        if run == 0:
+            first = dict(states[0].bytes_per_route())
+    return [[s.step for s in states], [s.closed for s in states],
+            states[0].bytes_per_route() == first, sum(first.values()), refused]
 
 
 def test_a_closed_states_model_takes_attach_again() -> None:
     """DDP keeps its first hook for life: the closed state passes its buckets on to the one
-    attached after it, which counts its own steps and run."""
-    (steps0, closed0, w0), (steps1, closed1, w1) = run_ranks(_again_worker, 2)
-    assert steps0 == steps1 == [2, 2, 2] and closed0 == closed1 == [True, True, True]
-    assert torch.equal(w0, w1)  # the ranks agree: every run reduced
+    attached after it, which counts its own steps and bytes; the closed one reads as it was."""
+    for steps, closed, first_unchanged, first_bytes, refused in run_ranks(_again_worker, 2):
+        assert steps == [2, 2, 2] and closed == [True, True, True]
+        assert first_unchanged and first_bytes > 0  # later runs' bytes are not the first's
+        assert refused.startswith("this DDP model already has a communication hook (another, "
+                                  "or an nfabric state still open)")
