@@ -17,8 +17,9 @@ process). `save_state` (which every process calls) has each rank write its own s
 has each rank read its own (save and load pre-hooks: `register_for_checkpointing` would save the
 main process's object only, so every rank's residuals would have to be gathered onto it).
 Attach before `load_state` (its pre-hook reads the fabric's files; attached after it, the
-state starts afresh, with a warning where `accelerator.step` shows it). `accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once per
-optimizer step: `optimizer_steps` counts those, not batches.
+state starts afresh, with a warning where `accelerator.step` shows it).
+`accelerator.accumulate` skips DDP's sync on the other micro-batches, so the hook fires once
+per optimizer step: `optimizer_steps` counts those, not batches.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def create_state(
     try:
         bindings, steps, seed = _bind(ddp_model, source, total_steps, substrate, seed, monitor,
                                       gate, nonfinite, trace_dir, _rehook)
-    except InputError:
+    except Exception:  # (any failure: the other ranks must not wait for this one)
         check_ranks_agree(pg, None, device)  # the other ranks learn it, and raise
         raise
     check_ranks_agree(pg, attach_facts(bindings, steps,
@@ -211,8 +211,9 @@ def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | No
                 f"{bindings.fingerprint}, this model {model_fingerprint(module)}): compile the "
                 "profile against this model")
     else:
-        compile_ = compile_profile if isinstance(source, OperatingProfile) else load_bindings_or_profile
-        bindings = compile_(
+        bind = (compile_profile if isinstance(source, OperatingProfile)
+                else load_bindings_or_profile)
+        bindings = bind(
             source, module, world_size=world_size, total_steps=total_steps,
             bucket_cap_mb=_bucket_cap_mb(ddp_model), substrate=substrate,
             find_unused_parameters=bool(ddp_model.find_unused_parameters),

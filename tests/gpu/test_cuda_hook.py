@@ -2,8 +2,9 @@
 
 A thread's current CUDA stream is its own, so the hook's worker thread must issue its work on
 the stream DDP's thread is on (`routes/device.py`, `on_stream`): else, under
-``with torch.cuda.stream(s):``, it would read buckets before backward had written them. Skipped without a GPU, and nothing
-here counts as checked then (docs/capacity.md, "On a GPU")."""
+``with torch.cuda.stream(s):``, it would read buckets before backward had written them.
+Skipped without a GPU, and nothing here counts as checked then (docs/capacity.md, "On a
+GPU")."""
 
 from __future__ import annotations
 
