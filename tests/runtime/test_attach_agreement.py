@@ -4,6 +4,7 @@ abort), and a rank whose own attach fails takes the others down with it (not a h
 
 from __future__ import annotations
 
+import numpy
 import pytest
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,9 +57,10 @@ def test_a_rank_whose_attach_fails_takes_the_others_with_it() -> None:
         "total steps must be a whole number >= 1, got 0"]
 
 
-def test_a_seed_that_is_not_an_integer_is_refused() -> None:
+def test_a_seed_that_is_not_an_integer_is_refused_and_a_numpy_one_taken() -> None:
     assert run_ranks(_seed, 1, "a") == ["seed must be an integer, got 'a'"]
     assert run_ranks(_seed, 1, True) == ["seed must be an integer, got True"]
+    assert run_ranks(_seed, 1, numpy.int64(3)) == ["attached"]  # a numpy integer is one
 
 
 def _seed(rank: int, world: int, seed: object) -> str:
