@@ -2,8 +2,12 @@
 
     torchrun --nproc_per_node 2 examples/integrations/hf_trainer_train.py --out /tmp/hf --steps 6
     torchrun --nproc_per_node 2 examples/integrations/hf_trainer_train.py --out /tmp/hf --steps 10 --resume
+    torchrun --nproc_per_node 2 examples/integrations/hf_trainer_train.py --out /tmp/hf2 --twice
 
 Each rank writes OUT/rank<r>.json: optimizer steps, the fabric's step, bytes per route, events.
+`--twice` calls `trainer.train()` a second time on the same Trainer (a run of its own, on the
+DDP wrapper the Trainer kept; the report is the second run's, with the first run's state's
+step beside it).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--accumulate", type=int, default=2)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--twice", action="store_true")
     a = ap.parse_args()
     args = TrainingArguments(
         output_dir=str(a.out), use_cpu=True, max_steps=a.steps,
@@ -89,13 +94,17 @@ def main() -> None:
     digests = Digests(nfabric)
     trainer.add_callback(digests)
     trainer.train(resume_from_checkpoint=True if a.resume else None)
+    first = nfabric.fabric
+    if a.twice:
+        trainer.train()
     fabric, rank = nfabric.fabric, int(os.environ.get("RANK", 0))
     doc = {"rank": rank, "global_step": trainer.state.global_step, "fabric_step": fabric.step,
            "total_steps": fabric.total_steps, "bytes": fabric.bytes_per_route(),
            "events": fabric.events, "logged": [k for k in trainer.state.log_history[-2]
                                                if k.startswith("nfabric/")],
            "loaded": digests.loaded, "saved": digests.saved, "closed": fabric.closed,
-           "residuals": len(fabric.ef.state_dict()["residual"])}
+           "residuals": len(fabric.ef.state_dict()["residual"]),
+           "first_fabric_step": first.step, "new_state": fabric is not first}
     (a.out / f"rank{rank}.json").write_text(json.dumps(doc))
 
 

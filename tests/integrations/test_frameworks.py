@@ -112,6 +112,20 @@ def test_hf_trainer_callback_trains_checkpoints_and_resumes(tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+def test_a_second_hf_train_on_one_trainer_is_a_run_of_its_own(tmp_path: Path) -> None:
+    """The Trainer keeps its DDP wrapper, and DDP its first hook: the second train() attaches
+    a new state, which the first one's closed state hands its buckets to."""
+    out = tmp_path / "hf2"
+    run = run_example("hf_trainer_train.py", "--out", str(out), "--accumulate",
+                      str(ACCUMULATE), "--steps", str(STEPS), "--twice", torchrun=True)
+    check_clean(run)
+    for d in ranks_of(out):
+        assert d["new_state"] and d["first_fabric_step"] == STEPS
+        assert d["fabric_step"] == d["global_step"] == STEPS and d["closed"]
+        assert sum(d["bytes"].values()) > 0
+
+
+@pytest.mark.slow
 def test_accelerate_helper_trains_checkpoints_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "acc"
     out.mkdir()
