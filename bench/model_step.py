@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from nfabric_cli.benchmarks.runtime import step_time
+from nfabric_cli.benchmarks.runtime import MIN_STEPS, step_time
 from nfabric_cli.ranks.functions import run_function_ranks
 from nfabric_cli.runtime.probe import FP32, LOWBIT
 
@@ -165,8 +165,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.steps < 3 or min(args.rounds, args.width, args.layers) < 1:
-        parser.error("--steps must be >= 3 (two are warm-up), --rounds, --width, --layers >= 1")
+    if args.steps < MIN_STEPS or min(args.rounds, args.width, args.layers) < 1:
+        parser.error(f"--steps must be >= {MIN_STEPS} (two are warm-up), --rounds, --width, "
+                     "--layers >= 1")
     res = run(args.width, args.layers, args.steps, args.rounds)
     if args.json:
         print(json.dumps(res, indent=2))

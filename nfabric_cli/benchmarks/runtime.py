@@ -28,12 +28,17 @@ def _model() -> nn.Module:
     )
 
 
+#: A timed run's first steps, left out (allocation, DDP's bucket rebuild); a run needs one more.
+WARMUP = 2
+MIN_STEPS = WARMUP + 1
+
+
 def step_time(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps: int,
               state=None, loss: str = "ce") -> float:  # noqa: ANN001 - a FabricState or None
     """Median seconds of one training step (forward, `observe`, backward, SGD) over `steps`
     steps on `batch`, the first two left out (warm-up); `loss` is "ce" or "mse"."""
-    if steps < 3:
-        raise ValueError(f"steps must be >= 3 (two are warm-up), got {steps}")
+    if steps < MIN_STEPS:
+        raise ValueError(f"steps must be >= {MIN_STEPS} ({WARMUP} are warm-up), got {steps}")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     fn = nn.functional.cross_entropy if loss == "ce" else nn.functional.mse_loss
     x, y = batch
@@ -47,7 +52,7 @@ def step_time(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], steps:
         value.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
+    return statistics.median(times[WARMUP:])
 
 
 def _time_steps(ddp: DDP, steps: int, rank: int, state=None) -> float:  # noqa: ANN001

@@ -190,16 +190,24 @@ def compile_profile(
     return bindings
 
 
+def whole_number(value: Any) -> int | None:
+    """`value` as an int where it is one (an int, a numpy integer), else None (a float, a
+    string, a bool)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def check_total_steps(total_steps: Any) -> int | None:
     """`total_steps` as an int (None stays None); InputError unless a whole number >= 1 (a
     float, a string or 0 would place the phases somewhere nobody asked for)."""
     if total_steps is None:
         return None
-    try:
-        steps = operator.index(total_steps)  # ints, numpy ints; not floats, bools or strings
-    except TypeError:
-        steps = None
-    if steps is None or isinstance(total_steps, bool) or steps < 1:
+    steps = whole_number(total_steps)
+    if steps is None or steps < 1:
         raise InputError(f"total steps must be a whole number >= 1, got {total_steps!r}")
     return steps
 

@@ -26,11 +26,11 @@ from nfabric_cli.binding.compile import (
 )
 from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.operating import check_meta
 from nfabric_cli.profile.parquet import read_metadata, read_table, write_table
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.profile.schema import zeros_as_written
 from nfabric_cli.profile.store import read_profile, resolve_profile
-from nfabric_cli.profile.thresholds import HealthThresholds
 from nfabric_cli.routes.spec import RouteSpec
 
 BINDINGS_SCHEMA_VERSION = "1.1.0"  # 1.1: `zeros`, sign's vote for an exact zero
@@ -128,8 +128,8 @@ def read_bindings(path: str | os.PathLike[str]) -> Bindings:
             b.regions[r["phase"]] = r["region"]
         if not isinstance(meta["profile"], dict):
             raise TypeError(f"its profile metadata is {type(meta['profile']).__name__}")
-        try:  # the monitor's thresholds, refused here rather than first in the ranks
-            HealthThresholds.from_profile(meta["profile"])
+        try:  # as a profile's: its thresholds refused here, not first in the ranks
+            check_meta(meta["profile"])
         except InputError as exc:
             raise InputError(f"{path}: {exc}") from None
         return Bindings(

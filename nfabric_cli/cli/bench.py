@@ -66,10 +66,11 @@ def runtime_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """All-fp32 profile step time vs plain DDP step time (same model, same run)."""
-    if world_size < 1 or steps < 3:
-        raise InputError("--world-size must be >= 1 and --steps >= 3 (the first two steps "
-                         "of each arm's round are warm-up, left out)")
-    from nfabric_cli.benchmarks.runtime import bench_runtime
+    from nfabric_cli.benchmarks.runtime import MIN_STEPS, bench_runtime
+
+    if world_size < 1 or steps < MIN_STEPS:
+        raise InputError(f"--world-size must be >= 1 and --steps >= {MIN_STEPS} (the first two "
+                         "steps of each arm's round are warm-up, left out)")
 
     result = bench_runtime(world_size=world_size, steps=steps)
     if json_out:

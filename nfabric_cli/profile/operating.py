@@ -160,20 +160,26 @@ class OperatingProfile:
                 raise InputError(f"empty region selector in phase {row.phase!r}")
             row.spec()
         check_tiling(self.phases())
-        for key in ("target", "health", "provenance", "substrate", "proven"):
-            value = self.meta.get(key)
-            if value is not None and not isinstance(value, dict):
-                raise InputError(f"profile {key} must be a table of keys and values, got "
-                                 f"{type(value).__name__} {value!r:.60}")
-        # the monitor's thresholds, checked where the profile is read (show, compile, validate
-        # before any rank starts), not first in the ranks at attach
-        HealthThresholds.from_profile(self.meta)
-        target = self.meta.get("target")
-        if target is not None:
-            missing = [k for k in TARGET_KEYS if k not in target]
-            if missing:
-                raise InputError(f"profile target is missing {', '.join(missing)}")
-        ws = self.meta.get("world_size")
-        if ws is not None and (not isinstance(ws, int) or isinstance(ws, bool) or ws < 1):
-            raise InputError(f"profile world_size must be a positive integer, got {ws!r}")
+        check_meta(self.meta)
         return self
+
+
+def check_meta(meta: dict[str, Any]) -> None:
+    """Raise InputError on a profile's metadata of the wrong shape: a profile's, or the copy
+    a bindings file carries (`binding/store.py`). The monitor's thresholds too, checked where
+    the file is read (show, compile, validate before any rank starts), not first in the ranks
+    at attach."""
+    for key in ("target", "health", "provenance", "substrate", "proven"):
+        value = meta.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise InputError(f"profile {key} must be a table of keys and values, got "
+                             f"{type(value).__name__} {value!r:.60}")
+    HealthThresholds.from_profile(meta)
+    target = meta.get("target")
+    if target is not None:
+        missing = [k for k in TARGET_KEYS if k not in target]
+        if missing:
+            raise InputError(f"profile target is missing {', '.join(missing)}")
+    ws = meta.get("world_size")
+    if ws is not None and (not isinstance(ws, int) or isinstance(ws, bool) or ws < 1):
+        raise InputError(f"profile world_size must be a positive integer, got {ws!r}")

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from nfabric_cli.profile.provenance import calibrated
+
 
 @dataclass(frozen=True)
 class ProvenRange:
@@ -51,7 +53,7 @@ def proven_range(meta: dict[str, Any]) -> ProvenRange | None:
                            tuple(int(w) for w in worlds), True)
     prov = meta.get("provenance") or {}
     budget = prov.get("budget") or {}
-    if prov.get("source") != "calibrate" or prov.get("seed") is None or not budget.get("steps"):
+    if not calibrated(meta) or prov.get("seed") is None or not budget.get("steps"):
         return None
     world = meta.get("world_size")
     return ProvenRange((int(prov["seed"]),), (int(budget["steps"]),),

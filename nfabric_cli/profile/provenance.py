@@ -14,6 +14,12 @@ from typing import Any
 _PACKAGES = ("nfabric_cli", "torch", "optuna", "pyarrow")
 
 
+def calibrated(meta: dict[str, Any]) -> bool:
+    """Whether a profile's metadata says `nfabric calibrate` wrote it (provenance source)."""
+    provenance = meta.get("provenance")
+    return isinstance(provenance, dict) and provenance.get("source") == "calibrate"
+
+
 def package_versions() -> dict[str, str]:
     versions = {}
     for name in _PACKAGES:

@@ -15,6 +15,7 @@ import pyarrow as pa
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import ROW_FIELDS, OperatingProfile, ProfileRow
 from nfabric_cli.profile.parquet import read_metadata, read_table, write_table
+from nfabric_cli.profile.provenance import calibrated
 from nfabric_cli.profile.schema import (
     PROFILE_COLUMN_DEFAULTS,
     PROFILE_SCHEMA,
@@ -79,9 +80,7 @@ def is_calibrated(path: str | os.PathLike[str]) -> bool:
     """Whether `path` is a profile `nfabric calibrate` wrote (its provenance says so): hours
     of search and confirmation that a hand-written profile must not replace unasked."""
     kind, meta = read_metadata(path)
-    provenance = meta.get("provenance")
-    return (kind == "profile" and isinstance(provenance, dict)
-            and provenance.get("source") == "calibrate")
+    return kind == "profile" and calibrated(meta)
 
 
 def profile_version_of(path: str | os.PathLike[str]) -> tuple[str, int] | None:

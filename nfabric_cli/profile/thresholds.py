@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from nfabric_cli.errors import InputError
+from nfabric_cli.profile.provenance import calibrated
 
 _INT_FIELDS = ("window", "min_history", "cooldown", "healthy_to_readmit", "max_trips",
                "grad_blowup_trips", "grad_blowup_per_loss", "nonfinite_repeat",
@@ -149,7 +150,7 @@ class HealthThresholds:
         spec's few thresholds a calibration trains its trials with) is partial: a threshold it
         does not name takes its default."""
         d = dict(meta.get("health") or {})
-        if (meta.get("provenance") or {}).get("source") == "calibrate":
+        if calibrated(meta):
             d = {**{k: v for k, v in PREDATED.items() if k not in d}, **d}
         return cls.from_dict(d)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import operator
 import os
 import warnings
 import weakref
@@ -26,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from nfabric_cli.atomic import check_writable
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.buckets import makes_sparse
-from nfabric_cli.binding.compile import check_total_steps, compile_profile
+from nfabric_cli.binding.compile import check_total_steps, compile_profile, whole_number
 from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
 from nfabric_cli.binding.store import load_bindings_or_profile
 from nfabric_cli.errors import InputError
@@ -186,10 +185,7 @@ def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | No
                          "nfabric state still open): attach once per DDP model, before any "
                          "other hook, or attach again once its nfabric state is closed")
     total_steps = check_total_steps(total_steps)
-    try:  # an int or a numpy integer, not a bool or a float
-        whole = None if isinstance(seed, bool) else operator.index(seed)
-    except TypeError:
-        whole = None
+    whole = whole_number(seed)
     if whole is None:
         raise InputError(f"seed must be an integer, got {seed!r}")
     check_options(monitor, gate, nonfinite)  # (before any group or trace folder is made)

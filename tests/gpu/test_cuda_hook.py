@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.runtime.attach import attach
-from tests.runtime.models import batch, make_model
+from tests.runtime.models import make_model, train_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -35,7 +35,6 @@ def _train(stream: torch.cuda.Stream, steps: int = 6) -> tuple[list, list]:
     """Weights after `steps` on `stream` with the fabric (all `int8`: at one rank each route
     applies its codec, nothing sent; several buckets), and per bucket reduced the stream and
     the thread it was reduced on."""
-    import torch.nn.functional as F
 
     model = make_model().cuda()
     seen: list[tuple[torch.cuda.Stream, str]] = []
@@ -52,13 +51,7 @@ def _train(stream: torch.cuda.Stream, steps: int = 6) -> tuple[list, list]:
 
         state._reduce_bucket = watched
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        for step in range(steps):
-            x, y = (t.cuda() for t in batch(step, 0))
-            loss = F.cross_entropy(ddp(x), y)
-            state.observe(loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        train_steps(ddp, opt, state, 0, 0, steps, device="cuda")
         state.close()
     torch.cuda.synchronize()
     return [p.detach().cpu() for p in model.parameters()], seen

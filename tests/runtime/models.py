@@ -39,13 +39,14 @@ def batch(step: int, rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]
     return x, y
 
 
-def train_steps(ddp, opt, state, rank: int, start: int, stop: int) -> None:  # noqa: ANN001
-    """Steps `start` .. `stop - 1` of the tests' training loop on `batch(step, rank)`, the
-    loss observed by the fabric `state` (None: plain DDP)."""
+def train_steps(ddp, opt, state, rank: int, start: int, stop: int,  # noqa: ANN001
+                device: str | torch.device = "cpu") -> None:
+    """Steps `start` .. `stop - 1` of the tests' training loop on `batch(step, rank)` (moved
+    to `device`), the loss observed by the fabric `state` (None: plain DDP)."""
     import torch.nn.functional as F
 
     for step in range(start, stop):
-        x, y = batch(step, rank)
+        x, y = (t.to(device) for t in batch(step, rank))
         loss = F.cross_entropy(ddp(x), y)
         if state is not None:
             state.observe(loss)

@@ -14,7 +14,7 @@ from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.routes import make_route
 from nfabric_cli.runtime.attach import attach_with
 from tests.distutil import run_ranks
-from tests.runtime.models import batch, make_model
+from tests.runtime.models import batch, make_model, train_steps
 
 STEPS = 3
 
@@ -99,14 +99,7 @@ def _compiled_worker(rank: int, world: int) -> dict:
         net = torch.compile(model, backend="eager") if compiled else model
         ddp = DDP(net)  # dynamo's DDP optimizer wants DDP's default buckets
         state = attach(ddp, profile, total_steps=STEPS)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(STEPS):
-            x, y = batch(step, rank)
-            loss = F.cross_entropy(ddp(x), y)
-            state.observe(loss)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, STEPS)
         state.close()
         results.append({"names": sorted(state.bindings.params), "bytes": state.bytes_per_route(),
                         "params": [p.detach().clone() for p in model.parameters()],
