@@ -3,8 +3,6 @@ cached on disk, and rebuilt when the cache is unreadable."""
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,6 @@ import torch
 from nfabric_cli.errors import InputError
 from nfabric_cli.workloads import glyphs_data as g
 from nfabric_cli.workloads.registry import get_workload
-
 
 
 @pytest.fixture()
