@@ -1,4 +1,6 @@
-"""Overhead of the fabric hook: an all-fp32 profile vs plain DDP, interleaved in one run.
+"""Overhead of the fabric hook: an all-fp32 profile vs plain DDP, interleaved in one run, and
+the health monitor's fallback path (a `sign` profile with every scope held on fp32: what a run
+pays for each step the monitor holds) beside them.
 
 Every arm trains the same MLP on the same batches over gloo on loopback; rounds interleave
 the arms so drift in machine load hits them alike, every other round in reverse order and an
@@ -74,19 +76,34 @@ def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list,
     fabric = DDP(fabric_model)
     bindings = compile_profile(static_profile(fabric_model, "fp32"), fabric_model, world_size=world)
     state = attach(fabric, bindings, total_steps=steps * rounds)
-    arms = [(plain, None, []), (hooked, None, []), (fabric, state, [])]
+    held_model = _model()
+    held = DDP(held_model)
+    held_state = attach(held, compile_profile(static_profile(held_model, "sign"), held_model,
+                                              world_size=world), total_steps=steps * rounds)
+    _hold_everything(held_state)
+    arms = [(plain, None, []), (hooked, None, []), (fabric, state, []), (held, held_state, [])]
     for r in range(rounds):
         # every other round in reverse, so that no arm always runs first or right after another
         for model, st, times in (arms if r % 2 == 0 else arms[::-1]):
             times.append(_time_steps(model, steps, rank, st))
     state.close()
+    held_state.close()
     return tuple(times for _, _, times in arms)
+
+
+def _hold_everything(state) -> None:  # noqa: ANN001 - a FabricState
+    """Pin the whole model on fp32 for the phase, as the monitor does after `max_trips`: every
+    step then takes the monitor's fallback path (routes on fp32, statistics still agreed)."""
+    sd = state.monitor.state_dict()
+    sd["holds"]["all"]["status"] = "pinned"
+    state.monitor.load_state_dict(sd)
 
 
 def bench_runtime(world_size: int = 2, steps: int = 60, rounds: int = 6) -> dict:
     rounds += rounds % 2  # as many reversed rounds as forward ones
-    plain_t, hook_t, fabric_t = run_function_ranks(_worker, world_size, steps, rounds)[0]
-    plain, hook, fabric = (statistics.median(t) for t in (plain_t, hook_t, fabric_t))
+    times = run_function_ranks(_worker, world_size, steps, rounds)[0]
+    plain, hook, fabric, held = (statistics.median(t) for t in times)
     return {"world_size": world_size, "steps": steps, "rounds": rounds,
             "plain_step_s": plain, "allreduce_hook_step_s": hook, "fabric_step_s": fabric,
-            "ratio": fabric / plain, "allreduce_hook_ratio": hook / plain}
+            "held_step_s": held, "ratio": fabric / plain, "allreduce_hook_ratio": hook / plain,
+            "held_ratio": held / plain}

@@ -65,7 +65,8 @@ def runtime_cmd(
     ),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """All-fp32 profile step time vs plain DDP step time (same model, same run)."""
+    """All-fp32 profile step time vs plain DDP step time (same model, same run); beside them,
+    a sign profile whose every scope the monitor holds on fp32 (its fallback path)."""
     from nfabric_cli.benchmarks.runtime import MIN_STEPS, bench_runtime
 
     if world_size < 1 or steps < MIN_STEPS:
@@ -80,7 +81,7 @@ def runtime_cmd(
         f"plain DDP {result['plain_step_s'] * 1e3:.2f} ms/step, all-fp32 fabric "
         f"{result['fabric_step_s'] * 1e3:.2f} ms/step: ratio {result['ratio']:.3f} "
         f"(goal <= 1.05); PyTorch's allreduce_hook {result['allreduce_hook_ratio']:.3f}; "
-        f"{world_size} ranks, {steps} steps, median of {result['rounds']} interleaved rounds"
+        f"a sign profile held on fp32 by the monitor {result['held_ratio']:.3f}; {world_size} ranks, {steps} steps, median of {result['rounds']} interleaved rounds"
     )
 
 

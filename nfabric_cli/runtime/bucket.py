@@ -11,8 +11,10 @@ so bucket k encodes while bucket k-1's results are on the wire, and decodes whil
 k+1's codes are. The stages of all jobs run in this fixed order on every rank, so every rank
 issues the same collectives in the same order (gloo and NCCL match collectives by order).
 The step's last bucket starts once the one before it has landed, and carries the step's statistics
-(`runtime/agree.py`) at the end of its all-gather; a last bucket without one (all fp32) is
-followed by their own all-reduce. Then the last bucket finishes and the statistics are read.
+(`runtime/agree.py`) at the end of its all-gather; a last bucket without one (all fp32) sends
+them in an all-reduce of their own. Then the last bucket finishes and the statistics are read.
+All-fp32 buckets that come before the step's first low-bit one are issued on DDP's thread as
+they arrive (`FabricState.submit`), and land with the last bucket.
 
 Within a bucket (`start`): all sharded low-bit reduces share one exchange
 (`routes/exchange.py`: at most one all-to-all and one all-gather); float groups (fp32,

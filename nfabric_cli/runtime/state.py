@@ -1,7 +1,8 @@
 """`FabricState`: everything the hook needs across buckets and steps.
 
 Per bucket (on the state's worker thread, the step's last one on the calling thread once the
-worker is done: `_reduce_last`): inject faults (tests), measure per-scope gradient norms,
+worker is done, and all-fp32 buckets that come before any low-bit one on the calling thread
+too: `_on_calling_thread`): inject faults (tests), measure per-scope gradient norms,
 pick each parameter's effective route (profile route unless the health monitor forces fp32
 for its region or the capacity gate refuses the bucket), reduce the bucket
 (`runtime/bucket.py`: encoding it while the previous bucket's results are on the wire),
@@ -36,7 +37,7 @@ from nfabric_cli.routes import FP32, Comm, ErrorFeedback, make_route
 from nfabric_cli.routes.device import current_stream, on_stream, to_device
 from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
-from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels
+from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels, whole_bucket
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime.agree import StatsRound
 from nfabric_cli.runtime.bucket import BucketJob
@@ -182,6 +183,7 @@ class FabricState:
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
+        self._issued: list[BucketJob] = []  # all-fp32 buckets issued on DDP's thread (`submit`)
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
@@ -365,26 +367,35 @@ class FabricState:
         fut = _future(buffer)
         args = (buffer, names, [p.numel() for p in params], is_last, fut)
         if is_last:
-            self._reduce_last(args)
+            self._on_calling_thread(args)
+            return fut
+        if self._queued is None and self.trace is None and not self._routing(names, args[2]).priced:
+            # Every parameter on fp32 (the profile's, or the monitor holding the scopes) and
+            # no bucket of the step on the worker yet: its all-reduce is issued now, on DDP's
+            # thread, as plain DDP issues it. Handed to the worker it went out 2-3.5 ms later
+            # (the thread's wake-up behind backward), and the fallback step cost 1.2-1.4x
+            # plain DDP's. Decided on routes alone, so every rank issues in the same order.
+            self._on_calling_thread(args, inline=True)
             return fut
         stream = current_stream(buffer)  # DDP's thread's: the worker issues on it (`on_stream`)
         self._queued = self._pool.submit(on_stream, stream, self._reduce_bucket, *args)
         self._queued.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
 
-    def _reduce_last(self, args: tuple) -> None:
+    def _on_calling_thread(self, args: tuple, inline: bool = False) -> None:
         """The step's last bucket, reduced on the calling thread once the worker has done the
         step's earlier ones. Backward has nothing left to overlap with it, and the worker
         would only cost two thread hand-offs (waking it, then waking DDP's thread when the
         futures complete): with a single bucket, as vision's, that was all the hook's
-        threading did. Collective order is unchanged: the worker is idle by then."""
-        queued, self._queued = self._queued, None
+        threading did. Collective order is unchanged: the worker is idle by then. `inline`:
+        an earlier all-fp32 bucket, issued before any went to the worker (`submit`)."""
+        queued, self._queued = (None, None) if inline else (self._queued, None)
         failed = queued.exception() if queued is not None else None  # waits for it
         if failed is not None:  # (its done-callback may not have run yet: idempotent)
             self._fail_pending(failed, args[-1])
             return
         try:
-            self._reduce_bucket(*args)
+            self._reduce_bucket(*args, inline)
         except BaseException as exc:  # handed to DDP's futures, as the worker's are
             self._fail_pending(exc, args[-1])
             if not isinstance(exc, Exception):  # Ctrl-C on DDP's thread: still stop the run
@@ -514,11 +525,13 @@ class FabricState:
         return self.controller.effective(name)
 
     def _reduce_bucket(
-        self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool, fut: torch.futures.Future
+        self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool,
+        fut: torch.futures.Future, inline: bool = False
     ) -> None:
         """One bucket (on the worker thread, or the last on DDP's): its statistics and
         routes, then its reduction, pipelined with the previous bucket's
-        (`runtime/bucket.py`)."""
+        (`runtime/bucket.py`). `inline`: an all-fp32 bucket issued on DDP's thread
+        (`submit`), landed with the step's last bucket."""
         step, phase = self.step, self.phase.name
         offsets = [0]
         for n in numels[:-1]:
@@ -537,17 +550,29 @@ class FabricState:
             # Priced per reduce the job issues, as compile-profile and calibration price it.
             if not self.gate.verdict(key, routing.priced).admit:
                 groups = routing.refused
-        if is_last and self._inflight is not None:  # landed first: its time is in the statistics
+        if is_last and self._inflight is not None and self._inflight.lowbit:
+            # landed first: its time is in the statistics
             self._land(self._inflight)
             self._inflight = None
         stats, timed = self._stats_round() if is_last else (None, [])
+        if stats is not None and self.trace is None and whole_bucket([g.spec for g in groups]):
+            # Nothing will carry the statistics and nothing left adds to them: their round
+            # goes out ahead of the bucket's all-reduce, so it lands while that one is on the
+            # wire instead of queueing behind it.
+            stats.issue()
+            self.meter.add(step, phase, "control", self.comm.take())
         job = BucketJob(self, buffer, names, slices, offsets, groups, step, phase,
                         index=len(self._pending), rider=stats)
         self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
         job.start()
+        if inline:  # (`submit`) lands with the step's last bucket
+            self._issued.append(job)
+            return
         previous, self._inflight = self._inflight, job
-        if previous is not None:
-            self._land(previous)
+        issued, self._issued = (self._issued, []) if is_last else ([], self._issued)
+        for landing in [*issued, previous]:
+            if landing is not None:
+                self._land(landing)
         job.middle()
         if stats is not None:
             self._inflight = None
@@ -684,7 +709,7 @@ class FabricState:
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's
         statistics so that a run that catches the error starts its next step clean."""
-        pending, self._pending, self._inflight = self._pending, [], None
+        pending, self._pending, self._inflight, self._issued = self._pending, [], None, []
         self._clear_step_stats()
         self._bucket_times = []
         for f in [p for p, _, _ in pending] + [fut]:

@@ -99,7 +99,8 @@ def _mixed_worker(rank: int, world: int, cap_mb: float = 25) -> dict:
         return fut
 
     def on_thread(*args):  # noqa: ANN002, ANN202 - which thread reduces each bucket
-        threads.append(threading.current_thread().name)
+        # (thread, whether every parameter of the bucket is on fp32: the head's)
+        threads.append((threading.current_thread().name, all(n.startswith("head.") for n in args[1])))
         return reduce_bucket(*args)
 
     state.submit, state._reduce_bucket = recording, on_thread
@@ -190,11 +191,17 @@ def test_pipelined_buckets_reduce_exactly(two_ranks: list[dict]) -> None:
     out = [r["mixed-pipelined"] for r in two_ranks]
     assert out[0]["buckets"] >= 3
     _check_mixed(out)
-    for r in out:  # earlier buckets on the worker, the last on DDP's thread, its result ready
+    for r in out:
+        # the leading all-fp32 buckets (the head's, reduced first) issued on DDP's thread as
+        # plain DDP issues them, the others on the worker, the last on DDP's thread, its
+        # result ready
         n = r["buckets"]
         assert r["done"] == [False] * (n - 1) + [True]
-        assert [t.startswith("nfabric") for t in r["threads"]] == [True] * (n - 1) + [False]
-        assert r["threads"][-1] == "MainThread"
+        lead = next(i for i, (_, fp32) in enumerate(r["threads"]) if not fp32)
+        assert lead >= 1
+        names = [t for t, _ in r["threads"]]
+        assert names == ["MainThread"] * lead + [names[lead]] * (n - 1 - lead) + ["MainThread"]
+        assert names[lead].startswith("nfabric")
     three = run_ranks(_mixed_worker, 3, 0.0005)  # sharded exchanges (all-to-all, all-gather)
     assert three[0]["buckets"] >= 3
     for name in [n for n in three[0]["local"] if n.startswith("head.")]:
