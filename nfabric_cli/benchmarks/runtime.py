@@ -63,7 +63,7 @@ def _time_steps(ddp: DDP, steps: int, rank: int, state=None) -> float:  # noqa: 
     return step_time(ddp, batch, steps, state)
 
 
-def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list, list]:
+def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list, list, list]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from nfabric_cli import attach

@@ -17,9 +17,9 @@ order), so the step pays no round of its own: on vision at W = 2 a separate smal
 cost about 1.5 ms of a 13-16 ms step even when issued alongside that all-gather (measured
 with it skipped, arms interleaved). Where the last bucket has no exchange (every parameter on
 fp32, a gate-refused bucket, a traced run) the round is its own all-reduce: issued ahead of
-the bucket's all-reduce where that is the whole bucket's (nothing left to add to it, and the
-small round then does not queue behind the bucket on the link), else after the bucket's middle
-stage. Either way two things wait for the result instead: the agreement of
+the bucket's all-reduce where that is the whole bucket's and the run is not traced (nothing
+left to add to it, and the small round then does not queue behind the bucket on the link),
+else after the bucket's middle stage. Either way two things wait for the result instead: the agreement of
 pieces combined whole on every rank (complete on each rank already, added to it) and the
 last bucket's reduce time (it rides in the next step's round).
 

@@ -13,8 +13,9 @@ issues the same collectives in the same order (gloo and NCCL match collectives b
 The step's last bucket starts once the one before it has landed, and carries the step's statistics
 (`runtime/agree.py`) at the end of its all-gather; a last bucket without one (all fp32) sends
 them in an all-reduce of their own. Then the last bucket finishes and the statistics are read.
-All-fp32 buckets that come before the step's first low-bit one are issued on DDP's thread as
-they arrive (`FabricState.submit`), and land with the last bucket.
+In a step with nothing on a low-bit route (the monitor holding the whole model) every bucket
+is started on DDP's thread as it arrives (`FabricState.submit`: no middle stage, no worker)
+and all land with the last bucket.
 
 Within a bucket (`start`): all sharded low-bit reduces share one exchange
 (`routes/exchange.py`: at most one all-to-all and one all-gather); float groups (fp32,

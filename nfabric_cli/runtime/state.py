@@ -1,9 +1,9 @@
 """`FabricState`: everything the hook needs across buckets and steps.
 
 Per bucket (on the state's worker thread, the step's last one on the calling thread once the
-worker is done, and all-fp32 buckets that come before any low-bit one on the calling thread
-too: `_on_calling_thread`): inject faults (tests), measure per-scope gradient norms,
-pick each parameter's effective route (profile route unless the health monitor forces fp32
+worker is done; every bucket of a step with nothing on a low-bit route, as when the monitor
+holds the whole model, on the calling thread too: `_on_calling_thread`): inject faults
+(tests), measure per-scope gradient norms, pick each parameter's effective route (profile route unless the health monitor forces fp32
 for its region or the capacity gate refuses the bucket), reduce the bucket
 (`runtime/bucket.py`: encoding it while the previous bucket's results are on the wire),
 meter the bytes, take the reduced update's norms. Per step (after the
@@ -107,7 +107,8 @@ class FabricState:
     and `ddp.register_comm_hook(state, fabric_hook)`.
 
     Thread safety: `observe` may be called from any thread; the reduction runs on the state's
-    own worker thread (the step's last bucket on DDP's thread, after the worker's);
+    own worker thread (the step's last bucket on DDP's thread, after the worker's; every
+    bucket of a step with nothing on a low-bit route, the monitor holding it all, on DDP's);
     `state_dict` / `load_state_dict` / `close` / `hand_over` belong between steps."""
 
     def __init__(
@@ -183,7 +184,9 @@ class FabricState:
         self._lock = threading.Lock()
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
-        self._issued: list[BucketJob] = []  # all-fp32 buckets issued on DDP's thread (`submit`)
+        self._issued: list[BucketJob] = []  # buckets issued on DDP's thread (`submit`)
+        self._held_step = False  # nothing of this step on a low-bit route (`_lowbit_now`)
+        self._lowbit_steps: dict[tuple, bool] = {}  # per (phase, held scopes)
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
@@ -359,6 +362,7 @@ class FabricState:
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()
+            self._held_step = not self._lowbit_now()
         # a plain phase (every parameter on fp32: the controller's rule, which the simulator
         # drives too) or a gated-off step takes plain DDP's direct path
         if self._plain_direct() or self._direct_step:
@@ -369,12 +373,14 @@ class FabricState:
         if is_last:
             self._on_calling_thread(args)
             return fut
-        if self._queued is None and self.trace is None and not self._routing(names, args[2]).priced:
-            # Every parameter on fp32 (the profile's, or the monitor holding the scopes) and
-            # no bucket of the step on the worker yet: its all-reduce is issued now, on DDP's
-            # thread, as plain DDP issues it. Handed to the worker it went out 2-3.5 ms later
-            # (the thread's wake-up behind backward), and the fallback step cost 1.2-1.4x
-            # plain DDP's. Decided on routes alone, so every rank issues in the same order.
+        if self._held_step and self.trace is None:
+            # Nothing of the step on a low-bit route (the monitor holds every scope that has
+            # one): each bucket's all-reduce is issued now, on DDP's thread, as plain DDP
+            # issues it, and all land with the last bucket. Handed to the worker a bucket
+            # went out 2-3.5 ms later (the thread's wake-up behind backward). Decided per
+            # step on agreed holds, so every rank issues in the same order; a step with a
+            # low-bit bucket keeps the worker, so no low-bit reduce's timed stages (which the
+            # gate judges) wait behind buckets still on the wire.
             self._on_calling_thread(args, inline=True)
             return fut
         stream = current_stream(buffer)  # DDP's thread's: the worker issues on it (`on_stream`)
@@ -388,7 +394,7 @@ class FabricState:
         would only cost two thread hand-offs (waking it, then waking DDP's thread when the
         futures complete): with a single bucket, as vision's, that was all the hook's
         threading did. Collective order is unchanged: the worker is idle by then. `inline`:
-        an earlier all-fp32 bucket, issued before any went to the worker (`submit`)."""
+        an earlier bucket of a step with nothing low-bit (`submit`): the worker has none."""
         queued, self._queued = (None, None) if inline else (self._queued, None)
         failed = queued.exception() if queued is not None else None  # waits for it
         if failed is not None:  # (its done-callback may not have run yet: idempotent)
@@ -524,14 +530,26 @@ class FabricState:
     def _effective(self, name: str) -> RouteSpec:
         return self.controller.effective(name)
 
+    def _lowbit_now(self) -> bool:
+        """Whether any parameter is on a low-bit route this step (the phase's routes, less
+        the scopes the monitor holds), remembered per (phase, held scopes)."""
+        key = (self.phase.name, self.controller.forced())
+        found = self._lowbit_steps.get(key)
+        if found is None:
+            if len(self._lowbit_steps) >= 256:  # hold patterns: a few
+                self._lowbit_steps.clear()
+            found = self._lowbit_steps[key] = any(
+                self._effective(n).lowbit for n in self.bindings.params)
+        return found
+
     def _reduce_bucket(
         self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool,
         fut: torch.futures.Future, inline: bool = False
     ) -> None:
         """One bucket (on the worker thread, or the last on DDP's): its statistics and
         routes, then its reduction, pipelined with the previous bucket's
-        (`runtime/bucket.py`). `inline`: an all-fp32 bucket issued on DDP's thread
-        (`submit`), landed with the step's last bucket."""
+        (`runtime/bucket.py`). `inline`: a bucket of a step with nothing low-bit, issued on
+        DDP's thread (`submit`) and landed with the step's last bucket."""
         step, phase = self.step, self.phase.name
         offsets = [0]
         for n in numels[:-1]:
@@ -550,8 +568,7 @@ class FabricState:
             # Priced per reduce the job issues, as compile-profile and calibration price it.
             if not self.gate.verdict(key, routing.priced).admit:
                 groups = routing.refused
-        if is_last and self._inflight is not None and self._inflight.lowbit:
-            # landed first: its time is in the statistics
+        if is_last and self._inflight is not None:  # landed first: its time is in the statistics
             self._land(self._inflight)
             self._inflight = None
         stats, timed = self._stats_round() if is_last else (None, [])
@@ -569,10 +586,12 @@ class FabricState:
             self._issued.append(job)
             return
         previous, self._inflight = self._inflight, job
-        issued, self._issued = (self._issued, []) if is_last else ([], self._issued)
-        for landing in [*issued, previous]:
-            if landing is not None:
-                self._land(landing)
+        if previous is not None:
+            self._land(previous)
+        if is_last:  # the buckets issued on DDP's thread (`submit`), in the order they went out
+            issued, self._issued = self._issued, []
+            for earlier in issued:
+                self._land(earlier)
         job.middle()
         if stats is not None:
             self._inflight = None

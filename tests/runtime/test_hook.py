@@ -63,6 +63,7 @@ def _scenarios(rank: int, world: int) -> dict:
     return {
         "mixed": _mixed_worker(rank, world),
         "mixed-pipelined": _mixed_worker(rank, world, cap_mb=0.0005),
+        "held": _mixed_worker(rank, world, cap_mb=0.0005, held=True),
         "nan": _nan_worker(rank, world),
         "spike": _spike_worker(rank, world),
         "unused": _unused_worker(rank, world),
@@ -77,16 +78,21 @@ def two_ranks() -> list[dict]:
     return run_ranks(_scenarios, 2)
 
 
-def _mixed_worker(rank: int, world: int, cap_mb: float = 25) -> dict:
+def _mixed_worker(rank: int, world: int, cap_mb: float = 25, held: bool = False) -> dict:
     """One step's reduced gradients on a mixed profile, and every rank's local gradients.
     cap_mb 25: one bucket holding every parameter; tiny: a bucket per parameter or two, so
-    buckets pipeline (several exchanges in flight), measured after DDP's bucket rebuild."""
+    buckets pipeline (several exchanges in flight), measured after DDP's bucket rebuild.
+    `held`: the monitor holds the whole model on fp32 (pinned) for the measured step."""
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=cap_mb)
     rules = [("head.*", "fp32"), ("body.0.*", "int8")]
     state = attach(ddp, _bindings(model, "sign", rules, world_size=world), total_steps=3)
     if cap_mb < 1:  # a first step, so DDP rebuilds its buckets before the one measured
         F.cross_entropy(ddp(batch(1, rank)[0]), batch(1, rank)[1]).backward()
+    if held:  # every step from here takes the monitor's fallback path
+        sd = state.monitor.state_dict()
+        sd["holds"]["all"]["status"] = "pinned"
+        state.monitor.load_state_dict(sd)
     x, y = batch(0, rank)
     loss = F.cross_entropy(ddp.module(x), y)  # local grads without DDP, for the reference
     local = torch.autograd.grad(loss, list(model.parameters()))
@@ -99,8 +105,7 @@ def _mixed_worker(rank: int, world: int, cap_mb: float = 25) -> dict:
         return fut
 
     def on_thread(*args):  # noqa: ANN002, ANN202 - which thread reduces each bucket
-        # (thread, whether every parameter of the bucket is on fp32: the head's)
-        threads.append((threading.current_thread().name, all(n.startswith("head.") for n in args[1])))
+        threads.append(threading.current_thread().name)
         return reduce_bucket(*args)
 
     state.submit, state._reduce_bucket = recording, on_thread
@@ -186,22 +191,32 @@ def test_mixed_bucket_keeps_each_parameters_semantics(two_ranks: list[dict]) -> 
     assert out[0]["fraction"] < 0.5
 
 
+def test_a_step_the_monitor_holds_whole_goes_out_on_ddps_thread_exactly(two_ranks) -> None:
+    # Nothing of the step low-bit: every bucket's all-reduce issued on DDP's thread as it
+    # arrives, as plain DDP issues it, all landing with the last; the exact fp32 mean.
+    out = [r["held"] for r in two_ranks]
+    for name, parts in out[0]["local"].items():
+        expected = make_route(RouteSpec("fp32")).simulate(
+            [p.reshape(-1) for p in parts]).view_as(parts[0])
+        for rank in range(len(out)):
+            assert torch.equal(out[rank]["got"][name], expected), (name, rank)
+    for r in out:
+        n = r["buckets"]
+        assert n >= 3
+        assert r["threads"] == ["MainThread"] * n
+        assert r["done"] == [False] * (n - 1) + [True]
+
+
 def test_pipelined_buckets_reduce_exactly(two_ranks: list[dict]) -> None:
     # a bucket per parameter or two: each bucket's exchange overlaps the next one's
     out = [r["mixed-pipelined"] for r in two_ranks]
     assert out[0]["buckets"] >= 3
     _check_mixed(out)
-    for r in out:
-        # the leading all-fp32 buckets (the head's, reduced first) issued on DDP's thread as
-        # plain DDP issues them, the others on the worker, the last on DDP's thread, its
-        # result ready
+    for r in out:  # earlier buckets on the worker, the last on DDP's thread, its result ready
         n = r["buckets"]
         assert r["done"] == [False] * (n - 1) + [True]
-        lead = next(i for i, (_, fp32) in enumerate(r["threads"]) if not fp32)
-        assert lead >= 1
-        names = [t for t, _ in r["threads"]]
-        assert names == ["MainThread"] * lead + [names[lead]] * (n - 1 - lead) + ["MainThread"]
-        assert names[lead].startswith("nfabric")
+        assert [t.startswith("nfabric") for t in r["threads"]] == [True] * (n - 1) + [False]
+        assert r["threads"][-1] == "MainThread"
     three = run_ranks(_mixed_worker, 3, 0.0005)  # sharded exchanges (all-to-all, all-gather)
     assert three[0]["buckets"] >= 3
     for name in [n for n in three[0]["local"] if n.startswith("head.")]:
