@@ -13,7 +13,7 @@ import sys
 
 QUICK = [
     ("routes: codec GB/s vs a read pass of the same buffer", [sys.executable, "-m", "nfabric_cli", "bench", "routes"]),
-    ("runtime: all-fp32 profile step time / plain DDP (goal <= 1.05)", [sys.executable, "-m", "nfabric_cli", "bench", "runtime"]),
+    ("runtime: all-fp32 profile step time / plain DDP (goal <= 1.05); the monitor's fallback path beside it", [sys.executable, "-m", "nfabric_cli", "bench", "runtime"]),
     ("routes: one route's reduce / the fp32 all-reduce of 9.4M elements, W=2 (goal sign <= 0.35, int8 <= 0.6)", [sys.executable, "-m", "bench.reduce_path", "--world-sizes", "2"]),
     ("collectives: gloo's all-gathers vs the fabric's posted sends, 9.4M x 2 B gathered", [sys.executable, "-m", "bench.collectives", "--world-sizes", "2"]),
     ("calibration: simulated 4 workers vs real 4-rank DDP (goal <= 0.5x)", [sys.executable, "-m", "bench.calibrate_sim_vs_ddp"]),
