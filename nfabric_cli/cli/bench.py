@@ -81,7 +81,8 @@ def runtime_cmd(
         f"plain DDP {result['plain_step_s'] * 1e3:.2f} ms/step, all-fp32 fabric "
         f"{result['fabric_step_s'] * 1e3:.2f} ms/step: ratio {result['ratio']:.3f} "
         f"(goal <= 1.05); PyTorch's allreduce_hook {result['allreduce_hook_ratio']:.3f}; "
-        f"a sign profile held on fp32 by the monitor {result['held_ratio']:.3f}; {world_size} ranks, {steps} steps, median of {result['rounds']} interleaved rounds"
+        f"a sign profile held on fp32 by the monitor {result['held_ratio']:.3f}; "
+        f"{world_size} ranks, {steps} steps, median of {result['rounds']} interleaved rounds"
     )
 
 

@@ -19,9 +19,9 @@ with it skipped, arms interleaved). Where the last bucket has no exchange (every
 fp32, a gate-refused bucket, a traced run) the round is its own all-reduce: issued ahead of
 the bucket's all-reduce where that is the whole bucket's and the run is not traced (nothing
 left to add to it, and the small round then does not queue behind the bucket on the link),
-else after the bucket's middle stage. Either way two things wait for the result instead: the agreement of
-pieces combined whole on every rank (complete on each rank already, added to it) and the
-last bucket's reduce time (it rides in the next step's round).
+else after the bucket's middle stage. Either way two things wait for the result instead: the
+agreement of pieces combined whole on every rank (complete on each rank already, added to
+it) and the last bucket's reduce time (it rides in the next step's round).
 
 Sums are taken in a fixed order (bucket order, then parameter order within a bucket), in
 float64, so a scope's squared norm is the same number a sequential Python sum gives.

@@ -1,11 +1,13 @@
 """Glyph images for the `glyphs` workload: 128 letter classes rendered from bundled fonts.
 
 Offline, from the TrueType files matplotlib ships (`mpl-data/fonts/ttf`), never the system's,
-whose set differs from one host to the next. The rendering is the same wherever the fonts are;
-the augmented arrays are deterministic on one machine but their last bits follow the CPU's
-torch kernels (`affine_grid`'s matmul and `randn` differ between AVX2 and AVX-512 dispatch),
-so the data fingerprint a profile records can differ between machines. 16 of them cover Latin, Greek and Cyrillic: DejaVu Sans, Sans Mono, Serif
-and STIX General, each regular, bold, italic/oblique and bold italic/oblique.
+whose set differs from one host to the next. 16 of them cover Latin, Greek and Cyrillic:
+DejaVu Sans, Sans Mono, Serif and STIX General, each regular, bold, italic/oblique and bold
+italic/oblique. The rendering is the same wherever the fonts are; the augmented arrays are
+deterministic on one machine, but their last bits follow its torch kernels (`affine_grid`'s
+matmul and `randn` give other bits under another kernel dispatch, and an AVX-512 machine built
+other arrays than the AVX2 machines before it), so the data fingerprint a profile records can
+differ between machines.
 
 Classes (`CLASSES`): Latin capitals and the lowercase letters whose shape differs from their
 capital's (c, o, s, u, v, w, x, z and l are left out: a scaled lowercase o *is* an O), the

@@ -40,8 +40,8 @@ def test_version_1_images_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """The extra test copies come last, from their own generator: the training images and
     the first 1,024 test images are version 1's, so its figures can be re-scored. Checked
     against version 1's build (no extra copies) on this machine: the bits themselves follow
-    the CPU's torch kernels (affine_grid's matmul and randn differ between AVX2 and AVX-512
-    dispatch), so a digest pinned on one machine failed on another."""
+    the machine's torch kernels (affine_grid's matmul and randn give other bits under another
+    kernel dispatch), so a digest pinned on an AVX2 machine failed on an AVX-512 one."""
     fonts = {name: g.font_dir() / name for name in g.FONTS}
     now = g._build(fonts)
     monkeypatch.setattr(g, "EXTRA_TEST_COPIES", 0)
