@@ -87,3 +87,15 @@ def outside_proven(meta: dict[str, Any], *, seeds: list[int] | None = None,
         return []
     return [f"the profile was proven on {rng.describe()}; outside that range here: "
             f"{', '.join(out)} (a result there is not covered by calibration)"]
+
+
+def other_data(meta: dict[str, Any], fingerprint: str | None) -> list[str]:
+    """One sentence when the profile was calibrated on other data than `fingerprint` (the
+    workload's here: another `--data-dir`, or data built with other bits, as the glyph images
+    on another CPU); [] when they agree or either is unknown."""
+    provenance = meta.get("provenance")
+    recorded = provenance.get("data_fingerprint") if isinstance(provenance, dict) else None
+    if not recorded or not fingerprint or recorded == fingerprint:
+        return []
+    return [f"the profile was calibrated on other data (fingerprint {recorded[:12]}, here "
+            f"{fingerprint[:12]}): a result here is not the one calibration measured"]

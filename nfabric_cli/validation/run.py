@@ -48,13 +48,16 @@ class RunPlan:
     workload: str
     higher_is_better: bool
     profile_meta: dict[str, Any] = field(default_factory=dict)
+    data_fingerprint: str | None = None  # the workload's data here
 
     def outside_proven(self, seeds: list[int]) -> list[str]:
-        """Where these seeds, the run's length or world size leave the profile's proven range."""
-        from nfabric_cli.profile.proven import outside_proven
+        """Where these seeds, the run's length or world size leave the profile's proven range,
+        and whether the data here is other than the data it was calibrated on."""
+        from nfabric_cli.profile.proven import other_data, outside_proven
 
         return outside_proven(self.profile_meta, seeds=seeds, steps=self.cfg.steps,
-                              world_size=self.cfg.world_size)
+                              world_size=self.cfg.world_size) + other_data(
+            self.profile_meta, self.data_fingerprint)
 
 
 @dataclass
@@ -131,7 +134,7 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     check_writable(cfg.report_dir, "--report", folder=True)
     if cfg.record_trace is not None:
         check_writable(cfg.record_trace, "--record-trace", folder=True)
-    return RunPlan(cfg, workload.name, higher, dict(bindings.meta))
+    return RunPlan(cfg, workload.name, higher, dict(bindings.meta), workload.data_fingerprint())
 
 
 def run_validation(

@@ -35,3 +35,4 @@ def test_a_diverged_fp32_reference_is_refused_in_one_line() -> None:
         with pytest.raises(InputError, match=r"the fp32 reference \(seed 1, 600 steps\) ended "
                                              r"with metric .*diverges on plain fp32 DDP"):
             require_finite_reference(bad, "(seed 1, 600 steps)")
+
