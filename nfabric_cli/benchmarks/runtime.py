@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list,
     held = DDP(held_model)
     held_state = attach(held, compile_profile(static_profile(held_model, "sign"), held_model,
                                               world_size=world), total_steps=steps * rounds)
-    _hold_everything(held_state)
+    hold_everything(held_state)
     arms = [(plain, None, []), (hooked, None, []), (fabric, state, []), (held, held_state, [])]
     for r in range(rounds):
         # every other round in reverse, so that no arm always runs first or right after another
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int, steps: int, rounds: int) -> tuple[list, list,
     return tuple(times for _, _, times in arms)
 
 
-def _hold_everything(state) -> None:  # noqa: ANN001 - a FabricState
+def hold_everything(state) -> None:  # noqa: ANN001 - a FabricState
     """Pin the whole model on fp32 for the phase, as the monitor does after `max_trips`: every
     step then takes the monitor's fallback path (routes on fp32, statistics still agreed)."""
     sd = state.monitor.state_dict()

@@ -110,6 +110,11 @@ class StepController:
         self.plain_phases = frozenset(
             p.name for p in bindings.phases
             if all(b.routes[p.name].name == "fp32" for b in bindings.params.values()))
+        # per phase, the regions it routes low-bit: a step where the monitor holds them all
+        # sends nothing low-bit (`all_held`)
+        self._lowbit_regions = {
+            p.name: frozenset(b.regions[p.name] for b in bindings.params.values()
+                              if b.routes[p.name].lowbit) for p in bindings.phases}
         self.monitor = HealthMonitor(self.scopes, thresholds)
         self.guard = UpdateGuard(self.scopes, thresholds.window, thresholds.min_history,
                                  thresholds.update_cap, thresholds.blowup_cap)
@@ -149,6 +154,11 @@ class StepController:
         if not self.acting:
             return frozenset()
         return frozenset(s for s in self.scopes if self.monitor.forced_fp32(s))
+
+    def all_held(self) -> bool:
+        """Whether nothing is on a low-bit route now: the monitor holds every region the
+        phase routes low-bit (or the phase routes none)."""
+        return self._lowbit_regions[self.phase.name] <= self.forced()
 
     def region(self, name: str) -> str:
         return self.bindings.params[name].regions[self.phase.name]

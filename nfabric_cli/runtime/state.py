@@ -3,9 +3,10 @@
 Per bucket (on the state's worker thread, the step's last one on the calling thread once the
 worker is done; every bucket of a step with nothing on a low-bit route, as when the monitor
 holds the whole model, on the calling thread too: `_on_calling_thread`): inject faults
-(tests), measure per-scope gradient norms, pick each parameter's effective route (profile route unless the health monitor forces fp32
-for its region or the capacity gate refuses the bucket), reduce the bucket
-(`runtime/bucket.py`: encoding it while the previous bucket's results are on the wire),
+(tests), measure per-scope gradient norms, pick each parameter's effective route (profile
+route unless the health monitor forces fp32 for its region or the capacity gate refuses the
+bucket), reduce the bucket (`runtime/bucket.py`: encoding it while the previous bucket's
+results are on the wire),
 meter the bytes, take the reduced update's norms. Per step (after the
 last bucket): the health statistics agreed (riding on the last bucket's all-gather,
 `runtime/agree.py`), the step controller's decision
@@ -185,8 +186,7 @@ class FabricState:
         self._saved_at: int | None = None  # the step of the last state_dict(): a resumable stop
         self._inflight: BucketJob | None = None  # the bucket whose all-gather is on the wire
         self._issued: list[BucketJob] = []  # buckets issued on DDP's thread (`submit`)
-        self._held_step = False  # nothing of this step on a low-bit route (`_lowbit_now`)
-        self._lowbit_steps: dict[tuple, bool] = {}  # per (phase, held scopes)
+        self._held_step = False  # nothing of this step low-bit (`controller.all_held`)
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
@@ -362,7 +362,7 @@ class FabricState:
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()
-            self._held_step = not self._lowbit_now()
+            self._held_step = self.controller.all_held()
         # a plain phase (every parameter on fp32: the controller's rule, which the simulator
         # drives too) or a gated-off step takes plain DDP's direct path
         if self._plain_direct() or self._direct_step:
@@ -529,18 +529,6 @@ class FabricState:
     # -- per bucket (worker thread; the last on DDP's) -----------------------------------------
     def _effective(self, name: str) -> RouteSpec:
         return self.controller.effective(name)
-
-    def _lowbit_now(self) -> bool:
-        """Whether any parameter is on a low-bit route this step (the phase's routes, less
-        the scopes the monitor holds), remembered per (phase, held scopes)."""
-        key = (self.phase.name, self.controller.forced())
-        found = self._lowbit_steps.get(key)
-        if found is None:
-            if len(self._lowbit_steps) >= 256:  # hold patterns: a few
-                self._lowbit_steps.clear()
-            found = self._lowbit_steps[key] = any(
-                self._effective(n).lowbit for n in self.bindings.params)
-        return found
 
     def _reduce_bucket(
         self, buffer: torch.Tensor, names: list[str], numels: list[int], is_last: bool,

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli import attach
+from nfabric_cli.benchmarks.runtime import hold_everything
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.routes import RouteSpec, make_route
 from nfabric_cli.runtime.attach import attach_with
@@ -90,9 +91,7 @@ def _mixed_worker(rank: int, world: int, cap_mb: float = 25, held: bool = False)
     if cap_mb < 1:  # a first step, so DDP rebuilds its buckets before the one measured
         F.cross_entropy(ddp(batch(1, rank)[0]), batch(1, rank)[1]).backward()
     if held:  # every step from here takes the monitor's fallback path
-        sd = state.monitor.state_dict()
-        sd["holds"]["all"]["status"] = "pinned"
-        state.monitor.load_state_dict(sd)
+        hold_everything(state)
     x, y = batch(0, rank)
     loss = F.cross_entropy(ddp.module(x), y)  # local grads without DDP, for the reference
     local = torch.autograd.grad(loss, list(model.parameters()))
