@@ -15,7 +15,8 @@ writes checkpoints:
   file from one rank (the Lightning adapter): only the writer holds W ranks' residuals;
 - to every rank (the default): an all-gather, so any rank may write it, at the price of
   every rank holding W ranks' residuals (in host memory: residuals are saved as CPU copies).
-The gathers are collectives: call them on every rank, between steps.
+The gathers are collectives: call them on every rank, between steps (a rank that has waited
+`WAIT_NOTICE_S` for the others in one says so, and waits on).
 A state from other bindings (another model or profile), another world size or a newer
 version is refused with one line; a resumed run may be longer or shorter (extending training),
 with a warning when that moves the phase boundaries.
@@ -23,8 +24,12 @@ with a warning when that moves the phase boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import threading
+import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -71,13 +76,14 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True,
     ranks = {state.rank: mine}
     if all_ranks and state.world_size > 1:
         gathered: list[Any] | None = [None] * state.world_size
-        if dst is None:
-            dist.all_gather_object(gathered, (state.rank, mine), group=state.comm.group)
-        else:
-            gathered = gathered if state.rank == dst else None
-            # `dst` as a global rank: gather_object's `group_dst` is torch >= 2.6 only
-            dist.gather_object((state.rank, mine), gathered, group=state.comm.group,
-                               dst=state.comm.global_rank(dst))
+        with _waiting_notice(state.rank, "all_ranks=True" if dst is None else f"dst={dst}"):
+            if dst is None:
+                dist.all_gather_object(gathered, (state.rank, mine), group=state.comm.group)
+            else:
+                gathered = gathered if state.rank == dst else None
+                # `dst` as a global rank: gather_object's `group_dst` is torch >= 2.6 only
+                dist.gather_object((state.rank, mine), gathered, group=state.comm.group,
+                                   dst=state.comm.global_rank(dst))
         if gathered is not None:
             ranks = dict(gathered)
     return {
@@ -92,6 +98,35 @@ def fabric_state_dict(state: FabricState, all_ranks: bool = True,
         "pending_times": [[list(names), phase] for (names, phase), _ in state._bucket_times],
         "ranks": ranks,
     }
+
+
+#: Seconds a gathering `state_dict` waits for the other ranks before it says why it may be
+#: waiting (it goes on waiting: a rank that is only slow, evaluating or writing, is not an error).
+WAIT_NOTICE_S = 60.0
+
+
+@contextlib.contextmanager
+def _waiting_notice(rank: int, how: str) -> Iterator[None]:
+    """Warn once if the gather inside has not finished after `WAIT_NOTICE_S` seconds.
+
+    The gather is a collective: `if rank == 0: torch.save(state.state_dict(), ...)` waits for
+    ranks that never call it, until the process group's timeout (gloo's: 30 minutes), with
+    nothing said. The notice names the likely cause and the two calls that avoid it."""
+    def notice() -> None:
+        warnings.warn(
+            f"nfabric: rank {rank} has waited {WAIT_NOTICE_S:g} s in state_dict({how}) for the "
+            "other ranks: it gathers every rank's part, so every rank must call it (between "
+            "steps). Called on one rank only it waits until the process group times out: call "
+            "state_dict(dst=0) on every rank and save on rank 0, or save "
+            "state_dict(all_ranks=False) on each rank", stacklevel=1)
+
+    timer = threading.Timer(WAIT_NOTICE_S, notice)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _rank_part(ef: ErrorFeedback, meter: TrafficMeter, events: list[dict[str, Any]],

@@ -317,3 +317,46 @@ def test_each_attached_model_has_its_own_rank_file(tmp_path: Path) -> None:
         assert steps == "steps 3 5 (saved [3, 5])"
         assert damaged.startswith(f"nfabric: {tmp_path}/nfabric_state_{rank}.pt is not a "
                                   "readable fabric state (") and "\n" not in damaged
+
+
+def _late_rank(rank: int, world: int, late: float) -> list:
+    """Rank 1 reaches each gathering state_dict `late` seconds after rank 0 (a slow rank, or
+    one that never comes: the notice is what rank 0 sees either way), then both on time."""
+    import time
+
+    import torch.distributed as dist
+
+    from nfabric_cli.runtime import checkpoint
+
+    checkpoint.WAIT_NOTICE_S = late / 4
+    ddp, state, opt = _setup(rank)
+    _steps(ddp, state, opt, rank, 0, 6)
+    out = []
+    for how, lag in (({}, late), ({}, 0.0), ({"dst": 0}, late), ({"dst": 0}, 0.0),
+                     ({"all_ranks": False}, late)):
+        dist.barrier()
+        if rank == 1:
+            time.sleep(lag)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sd = state.state_dict(**how)
+        out.append((sorted(sd["ranks"]), [str(w.message) for w in caught]))
+    state.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_gathering_state_dict_that_waits_for_the_other_ranks_says_why() -> None:
+    """`if rank == 0: state.state_dict()` waits until the process group times out; after
+    `WAIT_NOTICE_S` the waiting rank says why and how to save instead, and goes on waiting
+    (a rank that is only late completes the gather). Ranks on time, and the per-rank form,
+    say nothing."""
+    first, second = run_ranks(_late_rank, 2, 2.0)
+    notice = ("nfabric: rank 0 has waited 0.5 s in state_dict({}) for the other ranks: it gathers "
+              "every rank's part, so every rank must call it (between steps). Called on one rank "
+              "only it waits until the process group times out: call state_dict(dst=0) on every "
+              "rank and save on rank 0, or save state_dict(all_ranks=False) on each rank")
+    assert first == [([0, 1], [notice.format("all_ranks=True")]), ([0, 1], []),
+                     ([0, 1], [notice.format("dst=0")]), ([0, 1], []), ([0], [])]
+    # rank 1 came late: nothing to wait for; with dst=0 it gets its own part back
+    assert second == [([0, 1], []), ([0, 1], []), ([1], []), ([1], []), ([1], [])]
