@@ -31,8 +31,8 @@ MODEL_RANK_FILE = "nfabric_model{index}_state_{rank}.pt"
 GATHERED_FILE = "nfabric_state.pt"
 
 
-def rank_file(rank: int, index: int = 0) -> str:
-    """The file of `rank`'s state of the run's `index`-th attached model."""
+def rank_file(rank: int | str, index: int = 0) -> str:
+    """The file of `rank`'s state of the run's `index`-th attached model (rank "*": a glob)."""
     return RANK_FILE.format(rank=rank) if index == 0 else MODEL_RANK_FILE.format(index=index,
                                                                                 rank=rank)
 
@@ -59,6 +59,10 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
     path = folder / rank_file(fabric.rank, index)
     if not path.is_file() and index == 0 and (folder / GATHERED_FILE).is_file():
         path = folder / GATHERED_FILE
+    mine = len(list(folder.glob(rank_file("*", index))))
+    if not path.is_file() and mine and mine != fabric.world_size:
+        # saved by more or fewer ranks: every file holds the shared part (`resume_state`)
+        path = folder / rank_file(0, index)
     if not path.is_file():
         saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
         why = (f"it holds {saved} rank files: saved by {saved} ranks, and this run has "
@@ -74,7 +78,15 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InputError(f"nfabric: {path} is not a readable fabric state ({first[:200]})") \
             from None
-    fabric.load_state_dict(saved)
+    resume_state(fabric, saved)
+
+
+def resume_state(fabric: FabricState, saved: Any) -> None:
+    """Load `saved` into `fabric`. One saved at another world size (a job resumed on more or
+    fewer ranks) goes on without its per-rank part, with a warning (`strict=False`,
+    `runtime/checkpoint.py`); at the same world size this rank's part must be there."""
+    other = isinstance(saved, dict) and saved.get("world_size") != fabric.world_size
+    fabric.load_state_dict(saved, strict=not other)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from nfabric_cli.integrations.common import (
     close_run,
     fabric_metrics,
     is_open,
+    resume_state,
 )
 from nfabric_cli.runtime.state import FabricState
 
@@ -63,7 +64,7 @@ class FabricDDPStrategy(DDPStrategy):
                                            "Lightning",
                                            scaler=getattr(self.precision_plugin, "scaler", None))
         if self._resume is not None:
-            self.fabric.load_state_dict(self._resume)
+            resume_state(self.fabric, self._resume)
             self._resume = None
 
     def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -95,7 +96,7 @@ class FabricDDPStrategy(DDPStrategy):
             if mine is not None:
                 state["ranks"] = {self.global_rank: mine}
             if self._live():
-                self.fabric.load_state_dict(state)
+                resume_state(self.fabric, state)
             else:
                 self._resume = state
         return checkpoint

@@ -17,9 +17,13 @@ writes checkpoints:
   every rank holding W ranks' residuals (in host memory: residuals are saved as CPU copies).
 The gathers are collectives: call them on every rank, between steps (a rank that has waited
 `WAIT_NOTICE_S` for the others in one says so, and waits on).
-A state from other bindings (another model or profile), another world size or a newer
-version is refused with one line; a resumed run may be longer or shorter (extending training),
-with a warning when that moves the phase boundaries.
+A state from other bindings (another model or profile) or a newer version is refused with one
+line; a resumed run may be longer or shorter (extending training), with a warning when that
+moves the phase boundaries. One saved at another world size is refused too, unless loaded with
+`strict=False` (a job resumed on more or fewer ranks; the framework adapters do so): the
+shared part goes on, and every rank starts without residuals (they were per rank) and
+without the saved run's byte counters, events and gate measurements (its buckets are priced
+again at this world size).
 """
 
 from __future__ import annotations
@@ -159,21 +163,33 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
         raise InputError(
             f"fabric state is from other bindings (key {sd['bindings']}, these {key}): another "
             "model or profile")
-    if sd["world_size"] != state.world_size:
-        raise InputError(f"fabric state was saved with {sd['world_size']} ranks, this run has "
-                         f"{state.world_size}: error-feedback residuals are per rank")
     notes: list[str] = []
+    resized = sd["world_size"] != state.world_size
+    if resized:
+        msg = (f"fabric state was saved with {sd['world_size']} ranks, this run has "
+               f"{state.world_size}: error-feedback residuals are per rank")
+        if strict:
+            raise InputError(msg + "; load_state_dict(state, strict=False) resumes the rest "
+                             "without them")
+        notes.append(msg + ", so every rank starts without them; the step, phase, health "
+                     "monitor and update guard go on, and the capacity gate prices this run's "
+                     "buckets again")
+        # what was measured or priced for the saved run's buckets, at its world size, goes;
+        # the gate keeps what it holds in this run
+        sd = {**sd, "gate": state.controller.gate.state_dict(), "priced": {},
+              "pending_times": []}
     if sd["total_steps"] != state.total_steps and len(state.bindings.phases) > 1:
         notes.append(f"the run was {sd['total_steps']} steps long and is now {state.total_steps}:"
                      " phase boundaries (fractions of total_steps) move with it")
-    mine = sd["ranks"].get(state.rank)
-    if mine is None:
+    mine = None if resized else sd["ranks"].get(state.rank)
+    if mine is None and not resized:
         saved = sorted(sd["ranks"])
         msg = (f"fabric state holds rank(s) {saved} only, not rank {state.rank}: save it with "
                "state_dict(all_ranks=True) (the default), or load each rank's own file")
         if strict:
             raise InputError(msg)
         notes.append(msg + "; this rank starts with no error-feedback residuals")
+    if mine is None:  # no residuals, counters, events or step times of its own
         mine = _rank_part(ErrorFeedback(), TrafficMeter(state.rank), [], [])
     # Everything is read into new objects, and the controller restored if it fails part way:
     # a malformed state leaves the run as it was.

@@ -360,3 +360,84 @@ def test_a_gathering_state_dict_that_waits_for_the_other_ranks_says_why() -> Non
                      ([0, 1], [notice.format("dst=0")]), ([0, 1], []), ([0], [])]
     # rank 1 came late: nothing to wait for; with dst=0 it gets its own part back
     assert second == [([0, 1], []), ([0, 1], []), ([1], []), ([1], []), ([1], [])]
+
+
+def _saved_at_two(rank: int, world: int, folder: str) -> dict:
+    from nfabric_cli.integrations.common import save_rank_state
+
+    ddp, state, opt = _setup(rank)
+    _steps(ddp, state, opt, rank, 0, TOTAL // 2)
+    gathered = state.state_dict()
+    if rank == 0:
+        torch.save(gathered, os.path.join(folder, "gathered.pt"))
+    save_rank_state(state, folder)
+    with warnings.catch_warnings(record=True):
+        state.close()
+    return {k: gathered[k] for k in ("step", "monitor", "guard", "skipped_steps")}
+
+
+def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
+    from nfabric_cli.integrations.common import load_rank_state
+
+    out: dict = {}
+    for how in ("strict", "gathered", "rank files"):
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        bindings = compile_profile(_profile(model), model, world_size=world, bucket_cap_mb=None)
+        state = attach(ddp, bindings, total_steps=TOTAL, seed=3)
+        saved = torch.load(os.path.join(folder, "gathered.pt"), weights_only=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                if how == "strict":
+                    state.load_state_dict(saved)
+                elif how == "gathered":
+                    state.load_state_dict(saved, strict=False)
+                else:  # as the HF Trainer and Accelerate adapters resume (rank 2 has no file)
+                    load_rank_state(state, folder, "X")
+            except InputError as exc:
+                out[how] = str(exc)
+                state.close()
+                continue
+        resumed, phase = state.state_dict(all_ranks=False), state.phase.name
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        _steps(ddp, state, opt, rank, TOTAL // 2, TOTAL // 2 + 4)  # trains on, in step
+        out[how] = {"warnings": [str(w.message) for w in caught], "phase": phase,
+                    "residuals_at_load": len(resumed["ranks"][rank]["ef"]["residual"]),
+                    "shared": {k: resumed[k] for k in ("step", "monitor", "guard",
+                                                       "skipped_steps")},
+                    "gate": resumed["gate"], "step_after": state.step,
+                    "params": [p.detach().clone() for p in ddp.parameters()]}
+        state.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_state_saved_at_another_world_size_resumes_without_its_residuals(
+        tmp_path: Path) -> None:
+    """A job resumed on more (or fewer) ranks: refused with one line under `strict`, resumed
+    with `strict=False` (the framework adapters' way): the step, phase, monitor and guard as
+    saved, no residuals (they were per rank), the gate's measurements this run's own. Rank 2
+    has no file of its own among two ranks' files: it takes rank 0's shared part."""
+    saved = run_ranks(_saved_at_two, 2, str(tmp_path))[0]
+    ranks = run_ranks(_resumed_at_three, 3, str(tmp_path))
+    note = ("nfabric: fabric state was saved with 2 ranks, this run has 3: error-feedback "
+            "residuals are per rank, so every rank starts without them; the step, phase, health "
+            "monitor and update guard go on, and the capacity gate prices this run's buckets "
+            "again")
+    for rank, out in enumerate(ranks):
+        assert out["strict"] == ("fabric state was saved with 2 ranks, this run has 3: "
+                                 "error-feedback residuals are per rank; load_state_dict(state, "
+                                 "strict=False) resumes the rest without them")
+        for how in ("gathered", "rank files"):
+            got = out[how]
+            assert got["warnings"] == [note], (rank, how)
+            assert got["shared"] == saved and got["phase"] == "main"
+            assert got["residuals_at_load"] == 0 and got["step_after"] == TOTAL // 2 + 4
+            assert got["gate"]["cache"] == [] and got["gate"]["revoked"] == []
+        for mine, first in zip(out["gathered"]["params"], ranks[0]["gathered"]["params"],
+                               strict=True):
+            assert torch.equal(mine, first)  # DDP kept the replicas equal: the ranks in step
+        # the same state either way (the two paths load the same shared part)
+        for a, b in zip(out["gathered"]["params"], out["rank files"]["params"], strict=True):
+            assert torch.equal(a, b)
