@@ -53,32 +53,67 @@ def save_rank_state(fabric: FabricState, folder: str | os.PathLike[str], index: 
 def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framework: str,
                     index: int = 0) -> None:
     """Restore this rank's state from `folder` (`save_rank_state`; or the one gathered file
-    an earlier nfabric wrote there). One line when the folder holds neither, or a file that
-    is not a saved state."""
-    folder = Path(folder)
+    an earlier nfabric wrote there); every rank calls it. One line when the folder holds
+    neither, or a file that is not a saved state. A folder saved by another number of ranks
+    resumes (`resume_state`): a rank without a file of its own takes the shared part from
+    another rank's. Then the ranks compare what they loaded (one small all-gather): a rank
+    that failed fails them all with its line, and ranks that loaded different steps (a folder
+    holding files of two runs) are refused, instead of training out of step."""
+    try:
+        saved = _read_rank_state(fabric, Path(folder), framework, index)
+        resume_state(fabric, saved)
+        outcome: tuple[str | None, int] = (None, fabric.step)
+    except InputError as exc:
+        outcome, failed = (str(exc), -1), exc
+    else:
+        failed = None
+    if fabric.world_size > 1:
+        every: list[Any] = [None] * fabric.world_size
+        dist.all_gather_object(every, outcome, group=fabric.comm.group)
+    else:
+        every = [outcome]
+    if failed is not None:
+        raise failed
+    errors = [(r, err) for r, (err, _) in enumerate(every) if err is not None]
+    if errors:
+        rank, err = errors[0]
+        raise InputError(f"nfabric: rank {rank} could not resume: {err.removeprefix('nfabric: ')}")
+    steps = sorted({step for _, step in every})
+    if len(steps) > 1:
+        at = ", ".join(f"rank {r} at {step}" for r, (_, step) in enumerate(every))
+        raise InputError(f"nfabric: {framework} resumed the ranks at different steps from "
+                         f"{folder} ({at}): it holds rank files of more than one run")
+
+
+def _read_rank_state(fabric: FabricState, folder: Path, framework: str, index: int) -> Any:
+    """The saved state this rank resumes from (`load_rank_state`)."""
     path = folder / rank_file(fabric.rank, index)
     if not path.is_file() and index == 0 and (folder / GATHERED_FILE).is_file():
         path = folder / GATHERED_FILE
-    mine = len(list(folder.glob(rank_file("*", index))))
-    if not path.is_file() and mine and mine != fabric.world_size:
-        # saved by more or fewer ranks: every file holds the shared part (`resume_state`)
-        path = folder / rank_file(0, index)
-    if not path.is_file():
-        saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
-        why = (f"it holds {saved} rank files: saved by {saved} ranks, and this run has "
-               f"{fabric.world_size}" if saved and saved != fabric.world_size else
-               f"the run's attached model {index + 1} has its own files: attach the models in "
-               "the order they were saved" if saved and index else
-               "saved without nfabric, or on another node: each rank reads its own file")
-        raise InputError(f"nfabric: {framework} resumes from {folder}, which holds no "
-                         f"{rank_file(fabric.rank, index)} for this rank ({why})")
+    if path.is_file():
+        return _torch_load(path)
+    # saved by another number of ranks? every rank's file holds the shared part; decided by
+    # the world size it records, not by how many files this node's folder holds
+    present = sorted(folder.glob(rank_file("*", index)))
+    if present:
+        other = _torch_load(present[0])
+        if isinstance(other, dict) and other.get("world_size") != fabric.world_size:
+            return other
+    saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
+    order = f"the run's attached model {index + 1} has its own files: attach the models in "
+    why = (order + "the order they were saved" if saved and index and not present else
+           "saved without nfabric, on another node, or cut short: each rank reads its own file")
+    raise InputError(f"nfabric: {framework} resumes from {folder}, which holds no "
+                     f"{rank_file(fabric.rank, index)} for this rank ({why})")
+
+
+def _torch_load(path: Path) -> Any:
     try:
-        saved = torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises several kinds for a damaged file
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InputError(f"nfabric: {path} is not a readable fabric state ({first[:200]})") \
             from None
-    resume_state(fabric, saved)
 
 
 def resume_state(fabric: FabricState, saved: Any) -> None:

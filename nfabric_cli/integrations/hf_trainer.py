@@ -14,7 +14,9 @@ The callback attaches at `on_train_begin`, when the Trainer has wrapped the mode
 skips DDP's sync on the other micro-batches, so the hook fires once per optimizer step). At
 every checkpoint (`on_save`, on every rank) each rank writes its own state as
 `checkpoint-N/nfabric_state_<rank>.pt`, beside the Trainer's own `rng_state_<rank>.pth` (in the
-trial's `run-<id>` folder under a hyperparameter search); a resumed run's ranks each load theirs.
+trial's `run-<id>` folder under a hyperparameter search); a resumed run's ranks each load theirs
+(on another number of ranks, a rank without one takes the shared part from another's:
+`common.load_rank_state`).
 `nfabric/*` values join every log line (and `state.log_history`); when `train()` returns (or
 raises), after every callback's `on_train_end`, the state closes and frees its error-feedback
 residuals (it still reads: bytes, events, routes).

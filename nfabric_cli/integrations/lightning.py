@@ -91,9 +91,12 @@ class FabricDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
-            # every rank read every rank's residuals: keep this rank's (the others go now)
+            # every rank read every rank's residuals: keep this rank's (the others go now;
+            # all of them where the run resumes on another number of ranks: `resume_state`)
             mine = state.get("ranks", {}).get(self.global_rank)
-            if mine is not None:
+            if state.get("world_size") != self.world_size:
+                state["ranks"] = {}
+            elif mine is not None:
                 state["ranks"] = {self.global_rank: mine}
             if self._live():
                 resume_state(self.fabric, state)

@@ -21,9 +21,9 @@ A state from other bindings (another model or profile) or a newer version is ref
 line; a resumed run may be longer or shorter (extending training), with a warning when that
 moves the phase boundaries. One saved at another world size is refused too, unless loaded with
 `strict=False` (a job resumed on more or fewer ranks; the framework adapters do so): the
-shared part goes on, and every rank starts without residuals (they were per rank) and
-without the saved run's byte counters, events and gate measurements (its buckets are priced
-again at this world size).
+shared part goes on (`_resized`), and every rank starts without residuals (they were per
+rank) and without the saved run's byte counters, events and gate measurements (its buckets
+are priced again at this world size).
 """
 
 from __future__ import annotations
@@ -114,14 +114,15 @@ def _waiting_notice(rank: int, how: str) -> Iterator[None]:
     """Warn once if the gather inside has not finished after `WAIT_NOTICE_S` seconds.
 
     The gather is a collective: `if rank == 0: torch.save(state.state_dict(), ...)` waits for
-    ranks that never call it, until the process group's timeout (gloo's: 30 minutes), with
-    nothing said. The notice names the likely cause and the two calls that avoid it."""
+    ranks that never call it, until the process group times out (gloo's: 30 minutes) or
+    fails on their next collectives, with nothing said. The notice names the likely cause and
+    the two calls that avoid it."""
     def notice() -> None:
         warnings.warn(
             f"nfabric: rank {rank} has waited {WAIT_NOTICE_S:g} s in state_dict({how}) for the "
             "other ranks: it gathers every rank's part, so every rank must call it (between "
-            "steps). Called on one rank only it waits until the process group times out: call "
-            "state_dict(dst=0) on every rank and save on rank 0, or save "
+            "steps). Called on one rank only it waits until the process group times out or "
+            "fails: call state_dict(dst=0) on every rank and save on rank 0, or save "
             "state_dict(all_ranks=False) on each rank", stacklevel=1)
 
     timer = threading.Timer(WAIT_NOTICE_S, notice)
@@ -131,6 +132,29 @@ def _waiting_notice(rank: int, how: str) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+        timer.join()  # a notice already under way ends before the call returns
+
+
+def _resized(sd: dict[str, Any], state: FabricState) -> dict[str, Any]:
+    """The shared part of a state saved at another world size, as this run can go on from it.
+
+    Kept: the step, skipped steps, the monitor's holds, trips, events and loss windows (a
+    loss is the mean over ranks). Rescaled: the monitor's gradient-norm windows and early
+    norms, by sqrt(W / W_saved): an agreed norm is sqrt(sum over ranks of each rank's squared
+    norm), which grows as sqrt(W) where the ranks' norms are alike. Dropped: what was measured
+    or priced for the saved run's buckets (the gate keeps what it holds in this run; no reduce
+    times pending) and the update guard's windows (norms of the ranks' mean gradient, whose
+    noise shrinks with more ranks: not a scale; they refill over `min_history` steps)."""
+    factor = (state.world_size / sd["world_size"]) ** 0.5
+    monitor = dict(sd["monitor"])
+    for key in ("norm_windows", "early_norms"):
+        if key in monitor:
+            monitor[key] = {s: [v * factor for v in values] for s, values in monitor[key].items()}
+    out = {**sd, "monitor": monitor, "gate": state.controller.gate.state_dict(), "priced": {},
+           "pending_times": []}
+    if "guard" in out:
+        out["guard"] = {"windows": {s: [] for s in out["guard"]["windows"]}}
+    return out
 
 
 def _rank_part(ef: ErrorFeedback, meter: TrafficMeter, events: list[dict[str, Any]],
@@ -142,8 +166,8 @@ def _rank_part(ef: ErrorFeedback, meter: TrafficMeter, events: list[dict[str, An
 
 def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = True) -> list[str]:
     """Restore `sd` into `state` (before the first step, or between steps). Returns notes for
-    the caller to warn with: moved phase boundaries, and (only with `strict=False`) this rank's
-    missing residuals."""
+    the caller to warn with: moved phase boundaries, and (only with `strict=False`) another
+    world size or this rank's missing residuals."""
     if not isinstance(sd, dict) or sd.get("kind") != KIND:
         raise InputError("not an nfabric fabric state (expected FabricState.state_dict())")
     version = sd.get("version", 0)
@@ -171,13 +195,10 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
         if strict:
             raise InputError(msg + "; load_state_dict(state, strict=False) resumes the rest "
                              "without them")
-        notes.append(msg + ", so every rank starts without them; the step, phase, health "
-                     "monitor and update guard go on, and the capacity gate prices this run's "
-                     "buckets again")
-        # what was measured or priced for the saved run's buckets, at its world size, goes;
-        # the gate keeps what it holds in this run
-        sd = {**sd, "gate": state.controller.gate.state_dict(), "priced": {},
-              "pending_times": []}
+        notes.append(msg + ", so every rank starts without them; the step, phase and health "
+                     "monitor go on, and the capacity gate and update guard measure this run's "
+                     "buckets and updates again")
+        sd = _resized(sd, state)
     if sd["total_steps"] != state.total_steps and len(state.bindings.phases) > 1:
         notes.append(f"the run was {sd['total_steps']} steps long and is now {state.total_steps}:"
                      " phase boundaries (fractions of total_steps) move with it")

@@ -303,8 +303,9 @@ class FabricState:
         return fabric_state_dict(self, all_ranks, dst)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Restore a `state_dict()` (after `attach`, before the resumed run's first step); the
-        resumed run is bit-identical to an uninterrupted one. Refuses, with one line, a state
+        """Restore a `state_dict()` (after `attach`, before the resumed run's first step); at
+        the same world size the resumed run is bit-identical to an uninterrupted one. Refuses,
+        with one line, a state
         from other bindings, and (strict) one from another world size or without this rank's
         part; `strict=False` resumes those without this rank's residuals, with a warning."""
         from nfabric_cli.runtime.checkpoint import load_fabric_state

@@ -202,8 +202,8 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
         assert writer == ("state_dict(dst=2): dst is a rank of the fabric's group, 0 to 1 | "
                           "state_dict(dst='0'): dst is a rank of the fabric's group, an integer")
         assert no_file == (f"nfabric: X resumes from {tmp_path}, which holds no "
-                           f"nfabric_state_{rank}.pt for this rank (saved without nfabric, or on "
-                           "another node: each rank reads its own file)")
+                           f"nfabric_state_{rank}.pt for this rank (saved without nfabric, on "
+                           "another node, or cut short: each rank reads its own file)")
         # a truncated or malformed state is refused in one line, and nothing of it is loaded
         no_step, no_ef, bad_monitor, bad_held, inf_step, bad_version, unchanged, contradiction = \
             malformed
@@ -328,12 +328,12 @@ def _late_rank(rank: int, world: int, late: float) -> list:
 
     from nfabric_cli.runtime import checkpoint
 
-    checkpoint.WAIT_NOTICE_S = late / 4
     ddp, state, opt = _setup(rank)
     _steps(ddp, state, opt, rank, 0, 6)
     out = []
     for how, lag in (({}, late), ({}, 0.0), ({"dst": 0}, late), ({"dst": 0}, 0.0),
                      ({"all_ranks": False}, late)):
+        checkpoint.WAIT_NOTICE_S = late / 4 if lag else 60.0  # on time: no notice, however loaded
         dist.barrier()
         if rank == 1:
             time.sleep(lag)
@@ -354,8 +354,9 @@ def test_a_gathering_state_dict_that_waits_for_the_other_ranks_says_why() -> Non
     first, second = run_ranks(_late_rank, 2, 2.0)
     notice = ("nfabric: rank 0 has waited 0.5 s in state_dict({}) for the other ranks: it gathers "
               "every rank's part, so every rank must call it (between steps). Called on one rank "
-              "only it waits until the process group times out: call state_dict(dst=0) on every "
-              "rank and save on rank 0, or save state_dict(all_ranks=False) on each rank")
+              "only it waits until the process group times out or fails: call "
+              "state_dict(dst=0) on every rank and save on rank 0, or save "
+              "state_dict(all_ranks=False) on each rank")
     assert first == [([0, 1], [notice.format("all_ranks=True")]), ([0, 1], []),
                      ([0, 1], [notice.format("dst=0")]), ([0, 1], []), ([0], [])]
     # rank 1 came late: nothing to wait for; with dst=0 it gets its own part back
@@ -373,14 +374,26 @@ def _saved_at_two(rank: int, world: int, folder: str) -> dict:
     save_rank_state(state, folder)
     with warnings.catch_warnings(record=True):
         state.close()
-    return {k: gathered[k] for k in ("step", "monitor", "guard", "skipped_steps")}
+    return {k: gathered[k] for k in SHARED}
+
+
+SHARED = ("step", "monitor", "guard", "skipped_steps", "priced", "pending_times")
 
 
 def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
+    import torch.distributed as dist
+
     from nfabric_cli.integrations.common import load_rank_state
 
+    mixed = os.path.join(folder, "mixed")
+    if rank == 0:  # rank 1's file from another run, at another step
+        os.mkdir(mixed)
+        for r, step in ((0, None), (1, TOTAL // 2 - 8)):
+            sd = torch.load(os.path.join(folder, f"nfabric_state_{r}.pt"), weights_only=True)
+            torch.save({**sd, "step": step or sd["step"]}, os.path.join(mixed, f"nfabric_state_{r}.pt"))
+    dist.barrier()
     out: dict = {}
-    for how in ("strict", "gathered", "rank files"):
+    for how in ("strict", "gathered", "rank files", "mixed"):
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.001)
         bindings = compile_profile(_profile(model), model, world_size=world, bucket_cap_mb=None)
@@ -394,7 +407,7 @@ def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
                 elif how == "gathered":
                     state.load_state_dict(saved, strict=False)
                 else:  # as the HF Trainer and Accelerate adapters resume (rank 2 has no file)
-                    load_rank_state(state, folder, "X")
+                    load_rank_state(state, mixed if how == "mixed" else folder, "X")
             except InputError as exc:
                 out[how] = str(exc)
                 state.close()
@@ -404,8 +417,7 @@ def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
         _steps(ddp, state, opt, rank, TOTAL // 2, TOTAL // 2 + 4)  # trains on, in step
         out[how] = {"warnings": [str(w.message) for w in caught], "phase": phase,
                     "residuals_at_load": len(resumed["ranks"][rank]["ef"]["residual"]),
-                    "shared": {k: resumed[k] for k in ("step", "monitor", "guard",
-                                                       "skipped_steps")},
+                    "shared": {k: resumed[k] for k in SHARED},
                     "gate": resumed["gate"], "step_after": state.step,
                     "params": [p.detach().clone() for p in ddp.parameters()]}
         state.close()
@@ -416,15 +428,24 @@ def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
 def test_a_state_saved_at_another_world_size_resumes_without_its_residuals(
         tmp_path: Path) -> None:
     """A job resumed on more (or fewer) ranks: refused with one line under `strict`, resumed
-    with `strict=False` (the framework adapters' way): the step, phase, monitor and guard as
-    saved, no residuals (they were per rank), the gate's measurements this run's own. Rank 2
-    has no file of its own among two ranks' files: it takes rank 0's shared part."""
+    with `strict=False` (the framework adapters' way): the step, phase and monitor as saved
+    (its gradient norms, sums over ranks, rescaled by sqrt(3/2)), no residuals (they were per
+    rank), the gate's and guard's measurements this run's own. Rank 2 has no file of its own
+    among two ranks' files: it takes the shared part from another's. A folder whose files come
+    from two runs is refused on every rank."""
     saved = run_ranks(_saved_at_two, 2, str(tmp_path))[0]
+    assert saved["priced"] and saved["pending_times"] and any(saved["guard"]["windows"].values())
     ranks = run_ranks(_resumed_at_three, 3, str(tmp_path))
     note = ("nfabric: fabric state was saved with 2 ranks, this run has 3: error-feedback "
-            "residuals are per rank, so every rank starts without them; the step, phase, health "
-            "monitor and update guard go on, and the capacity gate prices this run's buckets "
-            "again")
+            "residuals are per rank, so every rank starts without them; the step, phase and "
+            "health monitor go on, and the capacity gate and update guard measure this run's "
+            "buckets and updates again")
+    factor = 1.5 ** 0.5
+    monitor = {**saved["monitor"], **{key: {s: [v * factor for v in values]
+                                            for s, values in saved["monitor"][key].items()}
+                                      for key in ("norm_windows", "early_norms")}}
+    expected = {**saved, "monitor": monitor, "priced": {}, "pending_times": [],
+                "guard": {"windows": {s: [] for s in saved["guard"]["windows"]}}}
     for rank, out in enumerate(ranks):
         assert out["strict"] == ("fabric state was saved with 2 ranks, this run has 3: "
                                  "error-feedback residuals are per rank; load_state_dict(state, "
@@ -432,12 +453,14 @@ def test_a_state_saved_at_another_world_size_resumes_without_its_residuals(
         for how in ("gathered", "rank files"):
             got = out[how]
             assert got["warnings"] == [note], (rank, how)
-            assert got["shared"] == saved and got["phase"] == "main"
+            assert got["shared"] == expected and got["phase"] == "main"
             assert got["residuals_at_load"] == 0 and got["step_after"] == TOTAL // 2 + 4
-            assert got["gate"]["cache"] == [] and got["gate"]["revoked"] == []
         for mine, first in zip(out["gathered"]["params"], ranks[0]["gathered"]["params"],
                                strict=True):
             assert torch.equal(mine, first)  # DDP kept the replicas equal: the ranks in step
         # the same state either way (the two paths load the same shared part)
         for a, b in zip(out["gathered"]["params"], out["rank files"]["params"], strict=True):
             assert torch.equal(a, b)
+        assert out["mixed"] == (f"nfabric: X resumed the ranks at different steps from "
+                                f"{tmp_path}/mixed (rank 0 at 20, rank 1 at 12, rank 2 at 20): "
+                                "it holds rank files of more than one run")
