@@ -59,14 +59,14 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
     another rank's. Then the ranks compare what they loaded (one small all-gather): a rank
     that failed fails them all with its line, and ranks that loaded different steps (a folder
     holding files of two runs) are refused, instead of training out of step."""
+    failed: BaseException | None = None
     try:
         saved = _read_rank_state(fabric, Path(folder), framework, index)
         resume_state(fabric, saved)
         outcome: tuple[str | None, int] = (None, fabric.step)
-    except InputError as exc:
-        outcome, failed = (str(exc), -1), exc
-    else:
-        failed = None
+    except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised here
+        why = str(exc) if isinstance(exc, InputError) else f"{type(exc).__name__}: {exc}"
+        outcome, failed = (why, -1), exc
     if fabric.world_size > 1:
         every: list[Any] = [None] * fabric.world_size
         dist.all_gather_object(every, outcome, group=fabric.comm.group)
@@ -94,7 +94,7 @@ def _read_rank_state(fabric: FabricState, folder: Path, framework: str, index: i
         return _torch_load(path)
     # saved by another number of ranks? every rank's file holds the shared part; decided by
     # the world size it records, not by how many files this node's folder holds
-    present = sorted(folder.glob(rank_file("*", index)))
+    present = sorted(folder.glob(rank_file("*", index)))  # the same file on every run
     if present:
         other = _torch_load(present[0])
         if isinstance(other, dict) and other.get("world_size") != fabric.world_size:
@@ -102,7 +102,9 @@ def _read_rank_state(fabric: FabricState, folder: Path, framework: str, index: i
     saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
     order = f"the run's attached model {index + 1} has its own files: attach the models in "
     why = (order + "the order they were saved" if saved and index and not present else
-           "saved without nfabric, on another node, or cut short: each rank reads its own file")
+           f"it holds {len(present)} of this world size's files: saved on another node, or "
+           "cut short; each rank reads its own file" if present else
+           "saved without nfabric, or on another node: each rank reads its own file")
     raise InputError(f"nfabric: {framework} resumes from {folder}, which holds no "
                      f"{rank_file(fabric.rank, index)} for this rank ({why})")
 

@@ -21,9 +21,9 @@ A state from other bindings (another model or profile) or a newer version is ref
 line; a resumed run may be longer or shorter (extending training), with a warning when that
 moves the phase boundaries. One saved at another world size is refused too, unless loaded with
 `strict=False` (a job resumed on more or fewer ranks; the framework adapters do so): the
-shared part goes on (`_resized`), and every rank starts without residuals (they were per
-rank) and without the saved run's byte counters, events and gate measurements (its buckets
-are priced again at this world size).
+shared part goes on, its norms rescaled (`_resized`), and every rank starts without
+residuals (they were per rank) and without the saved run's byte counters, events and gate
+measurements (its buckets are priced again at this world size).
 """
 
 from __future__ import annotations
@@ -141,19 +141,26 @@ def _resized(sd: dict[str, Any], state: FabricState) -> dict[str, Any]:
     Kept: the step, skipped steps, the monitor's holds, trips, events and loss windows (a
     loss is the mean over ranks). Rescaled: the monitor's gradient-norm windows and early
     norms, by sqrt(W / W_saved): an agreed norm is sqrt(sum over ranks of each rank's squared
-    norm), which grows as sqrt(W) where the ranks' norms are alike. Dropped: what was measured
-    or priced for the saved run's buckets (the gate keeps what it holds in this run; no reduce
-    times pending) and the update guard's windows (norms of the ranks' mean gradient, whose
-    noise shrinks with more ranks: not a scale; they refill over `min_history` steps)."""
-    factor = (state.world_size / sd["world_size"]) ** 0.5
-    monitor = dict(sd["monitor"])
+    norm), which grows as sqrt(W) where the ranks' norms are alike; and the update guard's
+    windows by max(1, sqrt(W_saved / W)): they hold norms of the ranks' mean gradient, signal
+    plus noise that shrinks as 1/sqrt(W), so they move by a factor between 1 and
+    sqrt(W_saved / W), and the larger bound never caps a healthy update tighter than the saved
+    run did (emptied, a held scope, which adds nothing to its window, would go uncapped).
+    Dropped: what was measured or priced for the saved run's buckets (the gate keeps what it
+    holds in this run; no reduce times pending)."""
+    saved = sd["world_size"]
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
+        raise InputError(f"fabric state is malformed (world_size {saved!r}): nothing was loaded")
+    monitor, grow = dict(sd["monitor"]), (state.world_size / saved) ** 0.5
     for key in ("norm_windows", "early_norms"):
         if key in monitor:
-            monitor[key] = {s: [v * factor for v in values] for s, values in monitor[key].items()}
+            monitor[key] = {s: [v * grow for v in values] for s, values in monitor[key].items()}
     out = {**sd, "monitor": monitor, "gate": state.controller.gate.state_dict(), "priced": {},
            "pending_times": []}
     if "guard" in out:
-        out["guard"] = {"windows": {s: [] for s in out["guard"]["windows"]}}
+        loose = max(1.0, 1.0 / grow)
+        out["guard"] = {"windows": {s: [v * loose for v in values]
+                                    for s, values in out["guard"]["windows"].items()}}
     return out
 
 
@@ -195,10 +202,16 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
         if strict:
             raise InputError(msg + "; load_state_dict(state, strict=False) resumes the rest "
                              "without them")
-        notes.append(msg + ", so every rank starts without them; the step, phase and health "
-                     "monitor go on, and the capacity gate and update guard measure this run's "
-                     "buckets and updates again")
-        sd = _resized(sd, state)
+        notes.append(msg + ", so every rank starts without them; the step, phase, health "
+                     "monitor and update guard go on (their norms rescaled), and the capacity "
+                     "gate prices this run's buckets again")
+        try:
+            sd = _resized(sd, state)
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a malformed part: one line, nothing loaded
+            raise InputError(f"fabric state is malformed ({type(exc).__name__}: {exc}): "
+                             "nothing was loaded") from None
     if sd["total_steps"] != state.total_steps and len(state.bindings.phases) > 1:
         notes.append(f"the run was {sd['total_steps']} steps long and is now {state.total_steps}:"
                      " phase boundaries (fractions of total_steps) move with it")

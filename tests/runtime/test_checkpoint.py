@@ -202,8 +202,8 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
         assert writer == ("state_dict(dst=2): dst is a rank of the fabric's group, 0 to 1 | "
                           "state_dict(dst='0'): dst is a rank of the fabric's group, an integer")
         assert no_file == (f"nfabric: X resumes from {tmp_path}, which holds no "
-                           f"nfabric_state_{rank}.pt for this rank (saved without nfabric, on "
-                           "another node, or cut short: each rank reads its own file)")
+                           f"nfabric_state_{rank}.pt for this rank (saved without nfabric, or on "
+                           "another node: each rank reads its own file)")
         # a truncated or malformed state is refused in one line, and nothing of it is loaded
         no_step, no_ef, bad_monitor, bad_held, inf_step, bad_version, unchanged, contradiction = \
             malformed
@@ -333,7 +333,8 @@ def _late_rank(rank: int, world: int, late: float) -> list:
     out = []
     for how, lag in (({}, late), ({}, 0.0), ({"dst": 0}, late), ({"dst": 0}, 0.0),
                      ({"all_ranks": False}, late)):
-        checkpoint.WAIT_NOTICE_S = late / 4 if lag else 60.0  # on time: no notice, however loaded
+        # only rank 0 waits (for rank 1, late); on time, no notice however loaded the machine
+        checkpoint.WAIT_NOTICE_S = late / 4 if lag and rank == 0 else 60.0
         dist.barrier()
         if rank == 1:
             time.sleep(lag)
@@ -385,15 +386,19 @@ def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
 
     from nfabric_cli.integrations.common import load_rank_state
 
-    mixed = os.path.join(folder, "mixed")
-    if rank == 0:  # rank 1's file from another run, at another step
-        os.mkdir(mixed)
-        for r, step in ((0, None), (1, TOTAL // 2 - 8)):
-            sd = torch.load(os.path.join(folder, f"nfabric_state_{r}.pt"), weights_only=True)
-            torch.save({**sd, "step": step or sd["step"]}, os.path.join(mixed, f"nfabric_state_{r}.pt"))
+    mixed, corrupt = os.path.join(folder, "mixed"), os.path.join(folder, "corrupt")
+    if rank == 0:  # rank 1's file from another run, at another step; rank 2's file damaged
+        for where in (mixed, corrupt):
+            os.mkdir(where)
+            for r in (0, 1):
+                sd = torch.load(os.path.join(folder, f"nfabric_state_{r}.pt"), weights_only=True)
+                if where == mixed and r == 1:
+                    sd["step"] = TOTAL // 2 - 8
+                torch.save(sd, os.path.join(where, f"nfabric_state_{r}.pt"))
+        Path(corrupt, "nfabric_state_2.pt").write_bytes(b"not a checkpoint")
     dist.barrier()
     out: dict = {}
-    for how in ("strict", "gathered", "rank files", "mixed"):
+    for how in ("strict", "gathered", "rank files", "mixed", "corrupt"):
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.001)
         bindings = compile_profile(_profile(model), model, world_size=world, bucket_cap_mb=None)
@@ -407,7 +412,8 @@ def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
                 elif how == "gathered":
                     state.load_state_dict(saved, strict=False)
                 else:  # as the HF Trainer and Accelerate adapters resume (rank 2 has no file)
-                    load_rank_state(state, mixed if how == "mixed" else folder, "X")
+                    load_rank_state(state, os.path.join(folder, how.replace("rank files", "")),
+                                    "X")
             except InputError as exc:
                 out[how] = str(exc)
                 state.close()
@@ -435,17 +441,18 @@ def test_a_state_saved_at_another_world_size_resumes_without_its_residuals(
     from two runs is refused on every rank."""
     saved = run_ranks(_saved_at_two, 2, str(tmp_path))[0]
     assert saved["priced"] and saved["pending_times"] and any(saved["guard"]["windows"].values())
+    assert any(saved["monitor"]["norm_windows"].values())
     ranks = run_ranks(_resumed_at_three, 3, str(tmp_path))
     note = ("nfabric: fabric state was saved with 2 ranks, this run has 3: error-feedback "
-            "residuals are per rank, so every rank starts without them; the step, phase and "
-            "health monitor go on, and the capacity gate and update guard measure this run's "
-            "buckets and updates again")
+            "residuals are per rank, so every rank starts without them; the step, phase, health "
+            "monitor and update guard go on (their norms rescaled), and the capacity gate prices "
+            "this run's buckets again")
     factor = 1.5 ** 0.5
     monitor = {**saved["monitor"], **{key: {s: [v * factor for v in values]
                                             for s, values in saved["monitor"][key].items()}
                                       for key in ("norm_windows", "early_norms")}}
-    expected = {**saved, "monitor": monitor, "priced": {}, "pending_times": [],
-                "guard": {"windows": {s: [] for s in saved["guard"]["windows"]}}}
+    # the guard's windows (mean-gradient norms) at max(1, sqrt(2/3)) = 1: as saved
+    expected = {**saved, "monitor": monitor, "priced": {}, "pending_times": []}
     for rank, out in enumerate(ranks):
         assert out["strict"] == ("fabric state was saved with 2 ranks, this run has 3: "
                                  "error-feedback residuals are per rank; load_state_dict(state, "
@@ -464,3 +471,7 @@ def test_a_state_saved_at_another_world_size_resumes_without_its_residuals(
         assert out["mixed"] == (f"nfabric: X resumed the ranks at different steps from "
                                 f"{tmp_path}/mixed (rank 0 at 20, rank 1 at 12, rank 2 at 20): "
                                 "it holds rank files of more than one run")
+        # one rank's damaged file stops every rank (no rank trains on, none hangs)
+        damaged = f"{tmp_path}/corrupt/nfabric_state_2.pt is not a readable fabric state ("
+        assert out["corrupt"].startswith(f"nfabric: {damaged}" if rank == 2 else
+                                         f"nfabric: rank 2 could not resume: {damaged}")
