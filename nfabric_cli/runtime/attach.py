@@ -198,6 +198,7 @@ def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | No
         check_writable(trace_dir, "trace_dir", folder=True)
     module = ddp_model.module
     _check_dense(module)
+    _check_static_graph(ddp_model)
     world_size = dist.get_world_size(ddp_model.process_group)
     if isinstance(source, Bindings):
         bindings = source
@@ -247,6 +248,23 @@ def _check_dense(module: Any) -> None:
         raise InputError(
             f"nfabric reduces dense gradients only, and module {', '.join(sparse[:3])}{more} "
             "makes sparse ones (sparse=True): build it with sparse=False to attach")
+
+
+def _check_static_graph(ddp_model: DistributedDataParallel) -> None:
+    """`static_graph=True` reduces its first step's buckets at the end of backward
+    (`Reducer::delay_all_reduce`), each labelled with the same bucket index, so none is the
+    last: with one bucket per dtype on that step, a model of several dtypes never completes
+    its first step (measured: two ranks, a float32 and a bfloat16 layer, killed after 60 s;
+    one dtype trains, `tests/runtime/test_hook.py`)."""
+    if not getattr(ddp_model, "static_graph", False):
+        return
+    dtypes = {p.dtype for p in ddp_model.module.parameters() if p.requires_grad}
+    if len(dtypes) > 1:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise InputError(f"DDP(static_graph=True) on a model of several parameter dtypes "
+                         f"({names}) reduces its first step's buckets with none marked last, "
+                         "and nfabric would wait for it: build DDP without static_graph, or "
+                         "give the trainable parameters one dtype")
 
 
 def _check_coverage(bindings: Bindings, module: Any) -> None:

@@ -358,9 +358,7 @@ class FabricState:
         if self._pool is None:
             raise RuntimeError("nfabric state is closed")
         if id(params[0]) not in self._names:  # (its steps would be counted twice, or fail)
-            raise InputError("a DDP model's bucket holds parameters this fabric state was not "
-                             "made for: one state per DDP model (FabricState.create for each), "
-                             "attached after the last change to which parameters train")
+            raise self._foreign(params)
         if self._step_started is None:
             self._step_started = time.perf_counter()
             self._direct_step = self._gated_off()
@@ -369,7 +367,10 @@ class FabricState:
         # drives too) or a gated-off step takes plain DDP's direct path
         if self._plain_direct() or self._direct_step:
             return self._fp32_direct(buffer, is_last)
-        names = [self._names[id(p)] for p in params]
+        try:
+            names = [self._names[id(p)] for p in params]
+        except KeyError:
+            raise self._foreign(params) from None
         fut = _future(buffer)
         args = (buffer, names, [p.numel() for p in params], is_last, fut)
         if is_last:
@@ -389,6 +390,19 @@ class FabricState:
         self._queued = self._pool.submit(on_stream, stream, self._reduce_bucket, *args)
         self._queued.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
+
+    def _foreign(self, params: list[torch.Tensor]) -> InputError:
+        """The one line for a bucket holding parameters without a route here."""
+        if any(not p.requires_grad for p in params if id(p) not in self._names):
+            # DDP fixes its buckets when it is built: a parameter frozen after that stays in
+            # them (zeros, with find_unused_parameters), and attach binds trainable ones only
+            return InputError("a DDP model's bucket holds a parameter frozen (requires_grad="
+                              "False) after DDP was built: DDP keeps it in its buckets, and "
+                              "nfabric binds trainable parameters only; freeze before wrapping "
+                              "the model in DDP, then attach")
+        return InputError("a DDP model's bucket holds parameters this fabric state was not "
+                          "made for: one state per DDP model (FabricState.create for each), "
+                          "attached after the last change to which parameters train")
 
     def _on_calling_thread(self, args: tuple, inline: bool = False) -> None:
         """The step's last bucket, reduced on the calling thread once the worker has done the

@@ -405,7 +405,9 @@ def _refused_worker(rank: int, world: int, cases: list[str], where: str) -> list
                                        torch.nn.Linear(8, classes))
 
         model = net()
-        ddp = DDP(model)
+        if case == "static graph, two dtypes":
+            model[1].to(torch.bfloat16)
+        ddp = DDP(model, static_graph=case.startswith("static graph"))
         source, kw = _bindings(model, "sign"), {"total_steps": 2}
         if case in ("zero steps", "fractional steps"):
             kw["total_steps"] = 0 if case == "zero steps" else 2.5
@@ -421,6 +423,13 @@ def _refused_worker(rank: int, world: int, cases: list[str], where: str) -> list
             state = attach(ddp, source, **kw)
             if case == "twice":
                 attach(ddp, _bindings(model, "sign"), total_steps=2)
+            if case == "static graph, one dtype":  # its first step's one bucket is the last
+                for step in range(2):
+                    idx = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(step))
+                    F.cross_entropy(ddp(idx), idx % 2).backward()
+                said.append(f"trained {state.step} steps, {sorted(state.bytes_per_route())}")
+                state.close()
+                continue
             state.close()
             said.append("attached")
         except InputError as exc:
@@ -449,6 +458,11 @@ def test_what_attach_cannot_serve_is_refused_in_one_line(tmp_path) -> None:
         "substrate name": "substrate must be a Substrate or its dict, got 'fast'",
         "other model": "these bindings were compiled for another model (fingerprint ",
         "trace file": f"trace_dir {where}: is a file, not a folder",
+        # its first step's buckets all come with index 0, none last: it hung (killed at 60 s)
+        "static graph, two dtypes": "DDP(static_graph=True) on a model of several parameter "
+                                    "dtypes (bfloat16, float32) reduces its first step's "
+                                    "buckets with none marked last, and nfabric would wait",
+        "static graph, one dtype": "trained 2 steps, ['control', 'sign/sharded']",
     }
     for said in run_ranks(_refused_worker, 2, list(expected), str(where)):
         for case, line in zip(expected, said, strict=True):
@@ -498,6 +512,37 @@ def test_one_state_registered_on_two_models_is_refused_at_the_first_bucket() -> 
         "a DDP model's bucket holds parameters this fabric state was not made for: one state "
         "per DDP model (FabricState.create for each), attached after the last change to which "
         "parameters train"] * 2
+
+
+def _frozen_after_ddp_worker(rank: int, world: int) -> list[str]:
+    from nfabric_cli.errors import InputError
+
+    said = []
+    for part in ("head", "body"):  # the bucket's first parameter (head.bias), or a later one
+        model = make_model()
+        ddp = DDP(model, find_unused_parameters=True)
+        for p in getattr(model, part)[0].parameters() if part == "body" else model.head.parameters():
+            p.requires_grad_(False)  # after DDP was built: DDP keeps it in its bucket
+        state = attach(ddp, _bindings(model, "sign"), total_steps=2)
+        x, y = batch(0, rank)
+        try:
+            F.cross_entropy(ddp(x), y).backward()
+            said.append("reduced")
+        except InputError as exc:
+            said.append(str(exc))
+        state.close()
+    return said
+
+
+def test_a_parameter_frozen_after_ddp_was_built_is_refused_in_one_line() -> None:
+    """DDP fixes its buckets when built, so a layer frozen after it stays in them; attach binds
+    trainable parameters only. It failed in a KeyError of a parameter's id inside backward
+    (where the frozen one was not the bucket's first), or in the line for a state registered
+    on another model, which told the user to attach after the change they had just made."""
+    line = ("a DDP model's bucket holds a parameter frozen (requires_grad=False) after DDP was "
+            "built: DDP keeps it in its buckets, and nfabric binds trainable parameters only; "
+            "freeze before wrapping the model in DDP, then attach")
+    assert run_ranks(_frozen_after_ddp_worker, 2) == [[line, line]] * 2
 
 
 def _again_worker(rank: int, world: int) -> list:
