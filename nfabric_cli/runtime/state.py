@@ -305,9 +305,9 @@ class FabricState:
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Restore a `state_dict()` (after `attach`, before the resumed run's first step); at
         the same world size the resumed run is bit-identical to an uninterrupted one. Refuses,
-        with one line, a state
-        from other bindings, and (strict) one from another world size or without this rank's
-        part; `strict=False` resumes those without this rank's residuals, with a warning."""
+        with one line, a state from other bindings, and (strict) one from another world size
+        or without this rank's part; `strict=False` resumes those without this rank's
+        residuals, with a warning (`runtime/checkpoint.py`)."""
         from nfabric_cli.runtime.checkpoint import load_fabric_state
 
         for note in load_fabric_state(self, state_dict, strict):
