@@ -35,7 +35,7 @@ from nfabric_cli.runtime.agreement import attach_facts, check_ranks_agree
 from nfabric_cli.runtime.controller import check_options
 from nfabric_cli.runtime.hook import fabric_hook
 from nfabric_cli.runtime.inject import Injection
-from nfabric_cli.runtime.state import FabricState
+from nfabric_cli.runtime.state import FROZEN_AFTER_DDP, FabricState
 from nfabric_cli.runtime.trace import TraceRecorder
 from nfabric_cli.substrate.model import Substrate
 
@@ -199,6 +199,7 @@ def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | No
     module = ddp_model.module
     _check_dense(module)
     _check_static_graph(ddp_model)
+    _check_frozen_after_ddp(ddp_model)
     world_size = dist.get_world_size(ddp_model.process_group)
     if isinstance(source, Bindings):
         bindings = source
@@ -260,7 +261,9 @@ def _check_static_graph(ddp_model: DistributedDataParallel) -> None:
     if not getattr(ddp_model, "static_graph", False) or getattr(
             ddp_model, "_static_graph_delay_allreduce_enqueued", False):
         return
-    buckets = _first_buckets(ddp_model)
+    sizes = _bucket_sizes(ddp_model)
+    buckets = len(sizes) if sizes is not None else len(
+        {p.dtype for p in ddp_model.module.parameters() if p.requires_grad})
     if buckets > 1:
         raise InputError(f"DDP(static_graph=True) reduces its first step's {buckets} buckets "
                          "with none marked last, and nfabric would wait for it: build DDP "
@@ -268,17 +271,27 @@ def _check_static_graph(ddp_model: DistributedDataParallel) -> None:
                          "bucket_cap_mb_list)")
 
 
-def _first_buckets(ddp_model: DistributedDataParallel) -> int:
-    """How many buckets DDP holds now (before its first step: that step's), from its logging
-    data; where that is unavailable, the trainable parameters' dtypes (DDP's first buckets
-    under `static_graph`: one per dtype)."""
+def _bucket_sizes(ddp_model: DistributedDataParallel) -> list[int] | None:
+    """The bytes of each bucket DDP holds now (before its first step: that step's), from its
+    logging data (a private API: None where it is unavailable; under `static_graph` the first
+    step's buckets are then one per dtype)."""
     try:
         sizes = ddp_model._get_ddp_logging_data().get("bucket_sizes")
-        if sizes:
-            return len(str(sizes).split(","))
-    except Exception:  # noqa: BLE001, S110 - a private API: fall back below
-        pass
-    return len({p.dtype for p in ddp_model.module.parameters() if p.requires_grad})
+        return [int(x) for x in str(sizes).split(",")] if sizes else None
+    except Exception:  # noqa: BLE001 - a private API: the callers fall back
+        return None
+
+
+def _check_frozen_after_ddp(ddp_model: DistributedDataParallel) -> None:
+    """DDP fixes which parameters its buckets hold when it is built; one frozen after that
+    (`requires_grad_(False)`) stays in them, and nfabric, which binds trainable parameters
+    only, would meet it in a bucket (`FabricState._foreign`, the same line, for a freeze after
+    attach). Caught here when DDP's buckets hold more bytes than the trainable parameters."""
+    sizes = _bucket_sizes(ddp_model)
+    trainable = sum(p.numel() * p.element_size() for p in ddp_model.module.parameters()
+                    if p.requires_grad)
+    if sizes is not None and sum(sizes) > trainable:
+        raise InputError(FROZEN_AFTER_DDP)
 
 
 def _check_coverage(bindings: Bindings, module: Any) -> None:

@@ -53,6 +53,10 @@ from nfabric_cli.runtime.traffic import TrafficMeter
 
 #: consecutive zeroed steps after which a run is told about ``nonfinite="pass"`` (`_neutralise`)
 SCALER_HINT = 3
+#: The line for a parameter frozen after DDP was built (refused at attach, or in a bucket).
+FROZEN_AFTER_DDP = ("a DDP model's bucket holds a parameter frozen (requires_grad=False) after "
+                    "DDP was built: DDP keeps it in its buckets, and nfabric binds trainable "
+                    "parameters only; freeze before wrapping the model in DDP, then attach")
 
 
 def _agreement(step_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -396,10 +400,7 @@ class FabricState:
         if any(not p.requires_grad for p in params if id(p) not in self._names):
             # DDP fixes its buckets when it is built: a parameter frozen after that stays in
             # them (zeros, with find_unused_parameters), and attach binds trainable ones only
-            return InputError("a DDP model's bucket holds a parameter frozen (requires_grad="
-                              "False) after DDP was built: DDP keeps it in its buckets, and "
-                              "nfabric binds trainable parameters only; freeze before wrapping "
-                              "the model in DDP, then attach")
+            return InputError(FROZEN_AFTER_DDP)
         return InputError("a DDP model's bucket holds parameters this fabric state was not "
                           "made for: one state per DDP model (FabricState.create for each), "
                           "attached after the last change to which parameters train")

@@ -519,33 +519,51 @@ def test_one_state_registered_on_two_models_is_refused_at_the_first_bucket() -> 
 
 def _frozen_after_ddp_worker(rank: int, world: int) -> list[str]:
     from nfabric_cli.errors import InputError
+    from nfabric_cli.runtime import attach as attach_module
 
     said = []
-    for part in ("head", "body"):  # a later parameter of the bucket, or its first (body.0)
+    # frozen before attach: refused there; where DDP's logging data is not there to tell, at
+    # the first bucket (a later parameter of it, head, or its first, body.0); frozen after
+    # attach it keeps its route and reduces zeros, as in plain DDP
+    for part, when in (("head", "before"), ("head", "blind"), ("body", "blind"),
+                       ("head", "after")):
+        sizes = attach_module._bucket_sizes
+        if when == "blind":
+            attach_module._bucket_sizes = lambda ddp: None
         model = make_model()
         ddp = DDP(model, find_unused_parameters=True)
-        for p in getattr(model, part)[0].parameters() if part == "body" else model.head.parameters():
-            p.requires_grad_(False)  # after DDP was built: DDP keeps it in its bucket
-        state = attach(ddp, _bindings(model, "sign"), total_steps=2)
-        x, y = batch(0, rank)
+        frozen = list(model.body[0].parameters() if part == "body" else model.head.parameters())
+        state = None
         try:
+            if when == "after":
+                state = attach(ddp, _bindings(model, "sign"), total_steps=2)
+            for p in frozen:
+                p.requires_grad_(False)  # after DDP was built: DDP keeps it in its bucket
+            if state is None:
+                state = attach(ddp, _bindings(model, "sign"), total_steps=2)
+            x, y = batch(0, rank)
             F.cross_entropy(ddp(x), y).backward()
             said.append("reduced")
         except InputError as exc:
             said.append(str(exc))
-        state.close()
+        attach_module._bucket_sizes = sizes
+        if state is not None:
+            state.close()
     return said
 
 
 def test_a_parameter_frozen_after_ddp_was_built_is_refused_in_one_line() -> None:
     """DDP fixes its buckets when built, so a layer frozen after it stays in them; attach binds
-    trainable parameters only. It failed in a KeyError of a parameter's id inside backward
-    (where the frozen one was not the bucket's first), or in the line for a state registered
-    on another model, which told the user to attach after the change they had just made."""
-    line = ("a DDP model's bucket holds a parameter frozen (requires_grad=False) after DDP was "
-            "built: DDP keeps it in its buckets, and nfabric binds trainable parameters only; "
-            "freeze before wrapping the model in DDP, then attach")
-    assert run_ranks(_frozen_after_ddp_worker, 2) == [[line, line]] * 2
+    trainable parameters only. Frozen before attach it is refused there (DDP's buckets hold
+    more bytes than the trainable parameters), or at its first low-bit bucket. It
+    failed in a KeyError of a parameter's id inside backward (where the frozen one was not the
+    bucket's first), or in the line for a state registered on another model, which told the
+    user to attach after the change they had just made."""
+    from nfabric_cli.runtime.state import FROZEN_AFTER_DDP
+
+    assert FROZEN_AFTER_DDP.startswith("a DDP model's bucket holds a parameter frozen "
+                                       "(requires_grad=False) after DDP was built")
+    assert run_ranks(_frozen_after_ddp_worker, 2) == [[FROZEN_AFTER_DDP] * 3 + ["reduced"]] * 2
 
 
 def _again_worker(rank: int, world: int) -> list:
