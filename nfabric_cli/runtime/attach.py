@@ -286,12 +286,22 @@ def _check_frozen_after_ddp(ddp_model: DistributedDataParallel) -> None:
     """DDP fixes which parameters its buckets hold when it is built; one frozen after that
     (`requires_grad_(False)`) stays in them, and nfabric, which binds trainable parameters
     only, would meet it in a bucket (`FabricState._foreign`, the same line, for a freeze after
-    attach). Caught here when DDP's buckets hold more bytes than the trainable parameters."""
+    attach). Caught here when DDP's buckets hold more bytes than the trainable parameters it
+    does not ignore; fewer (one made trainable after DDP was built, which DDP never reduces,
+    as in plain DDP: its replicas drift apart) is warned about."""
     sizes = _bucket_sizes(ddp_model)
-    trainable = sum(p.numel() * p.element_size() for p in ddp_model.module.parameters()
-                    if p.requires_grad)
-    if sizes is not None and sum(sizes) > trainable:
+    if sizes is None:
+        return
+    ignored = getattr(ddp_model, "parameters_to_ignore", set())
+    trainable = sum(p.numel() * p.element_size() for n, p in ddp_model.module.named_parameters()
+                    if p.requires_grad and n not in ignored)
+    if sum(sizes) > trainable:
         raise InputError(FROZEN_AFTER_DDP)
+    if sum(sizes) < trainable:
+        warnings.warn("nfabric: the model has trainable parameters DDP's buckets do not hold "
+                      "(made trainable after DDP was built?): DDP never reduces them, so "
+                      "their replicas drift apart, as in plain DDP; set requires_grad before "
+                      "wrapping the model in DDP", stacklevel=3)
 
 
 def _check_coverage(bindings: Bindings, module: Any) -> None:

@@ -526,13 +526,24 @@ def _frozen_after_ddp_worker(rank: int, world: int) -> list[str]:
     # the first bucket (a later parameter of it, head, or its first, body.0); frozen after
     # attach it keeps its route and reduces zeros, as in plain DDP
     for part, when in (("head", "before"), ("head", "blind"), ("body", "blind"),
-                       ("head", "after")):
+                       ("head", "after"), ("body", "thawed")):
         sizes = attach_module._bucket_sizes
         if when == "blind":
             attach_module._bucket_sizes = lambda ddp: None
         model = make_model()
-        ddp = DDP(model, find_unused_parameters=True)
         frozen = list(model.body[0].parameters() if part == "body" else model.head.parameters())
+        if when == "thawed":  # trainable only after DDP was built: DDP never reduces it
+            for p in frozen:
+                p.requires_grad_(False)
+            ddp = DDP(model, find_unused_parameters=True)
+            for p in frozen:
+                p.requires_grad_(True)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                attach(ddp, _bindings(model, "sign"), total_steps=2).close()
+            said.append(" | ".join(str(w.message) for w in caught))
+            continue
+        ddp = DDP(model, find_unused_parameters=True)
         state = None
         try:
             if when == "after":
@@ -558,12 +569,17 @@ def test_a_parameter_frozen_after_ddp_was_built_is_refused_in_one_line() -> None
     more bytes than the trainable parameters), or at its first low-bit bucket. It
     failed in a KeyError of a parameter's id inside backward (where the frozen one was not the
     bucket's first), or in the line for a state registered on another model, which told the
-    user to attach after the change they had just made."""
+    user to attach after the change they had just made. One made trainable after DDP was built
+    (never reduced, in plain DDP too) is warned about at attach."""
     from nfabric_cli.runtime.state import FROZEN_AFTER_DDP
 
     assert FROZEN_AFTER_DDP.startswith("a DDP model's bucket holds a parameter frozen "
                                        "(requires_grad=False) after DDP was built")
-    assert run_ranks(_frozen_after_ddp_worker, 2) == [[FROZEN_AFTER_DDP] * 3 + ["reduced"]] * 2
+    thawed = ("nfabric: the model has trainable parameters DDP's buckets do not hold (made "
+              "trainable after DDP was built?): DDP never reduces them, so their replicas drift "
+              "apart, as in plain DDP; set requires_grad before wrapping the model in DDP")
+    assert run_ranks(_frozen_after_ddp_worker, 2) == [
+        [FROZEN_AFTER_DDP] * 3 + ["reduced", thawed]] * 2
 
 
 def _again_worker(rank: int, world: int) -> list:
