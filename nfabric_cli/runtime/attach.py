@@ -285,8 +285,9 @@ def _bucket_sizes(ddp_model: DistributedDataParallel) -> list[int] | None:
 def _check_frozen_after_ddp(ddp_model: DistributedDataParallel) -> None:
     """DDP fixes which parameters its buckets hold when it is built; one frozen after that
     (`requires_grad_(False)`) stays in them, and nfabric, which binds trainable parameters
-    only, would meet it in a bucket (`FabricState._foreign`, the same line, for a freeze after
-    attach). Caught here when DDP's buckets hold more bytes than the trainable parameters it
+    only, would meet it in a bucket (`FabricState._foreign` says the same line there where
+    DDP's logging data is missing). Caught here when DDP's buckets hold more bytes than the
+    trainable parameters it
     does not ignore; fewer (one made trainable after DDP was built, which DDP never reduces,
     as in plain DDP: its replicas drift apart) is warned about."""
     sizes = _bucket_sizes(ddp_model)
