@@ -78,8 +78,7 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
     if errors:
         rank, err = errors[0]
         raise InputError(f"nfabric: rank {rank} could not resume: {err.removeprefix('nfabric: ')}")
-    steps = sorted({step for _, step in every})
-    if len(steps) > 1:
+    if len({step for _, step in every}) > 1:
         at = ", ".join(f"rank {r} at {step}" for r, (_, step) in enumerate(every))
         raise InputError(f"nfabric: {framework} resumed the ranks at different steps from "
                          f"{folder} ({at}): it holds rank files of more than one run")
@@ -99,7 +98,7 @@ def _read_rank_state(fabric: FabricState, folder: Path, framework: str, index: i
         other = _torch_load(present[0])
         if isinstance(other, dict) and other.get("world_size") != fabric.world_size:
             return other
-    saved = len(list(folder.glob(RANK_FILE.format(rank="*"))))
+    saved = len(list(folder.glob(rank_file("*"))))
     order = f"the run's attached model {index + 1} has its own files: attach the models in "
     why = (order + "the order they were saved" if saved and index and not present else
            f"it holds {len(present)} of this world size's files: saved on another node, or "

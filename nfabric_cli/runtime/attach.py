@@ -198,8 +198,9 @@ def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | No
         check_writable(trace_dir, "trace_dir", folder=True)
     module = ddp_model.module
     _check_dense(module)
-    _check_static_graph(ddp_model)
-    _check_frozen_after_ddp(ddp_model)
+    sizes = _bucket_sizes(ddp_model)
+    _check_static_graph(ddp_model, sizes)
+    _check_frozen_after_ddp(ddp_model, sizes)
     world_size = dist.get_world_size(ddp_model.process_group)
     if isinstance(source, Bindings):
         bindings = source
@@ -251,7 +252,7 @@ def _check_dense(module: Any) -> None:
             "makes sparse ones (sparse=True): build it with sparse=False to attach")
 
 
-def _check_static_graph(ddp_model: DistributedDataParallel) -> None:
+def _check_static_graph(ddp_model: DistributedDataParallel, sizes: list[int] | None) -> None:
     """`static_graph=True` reduces its first step's buckets at the end of backward
     (`Reducer::delay_all_reduce`), each labelled with the same bucket index, so none is the
     last: with more than one bucket on that step (one per dtype, or `bucket_cap_mb_list`),
@@ -261,7 +262,6 @@ def _check_static_graph(ddp_model: DistributedDataParallel) -> None:
     if not getattr(ddp_model, "static_graph", False) or getattr(
             ddp_model, "_static_graph_delay_allreduce_enqueued", False):
         return
-    sizes = _bucket_sizes(ddp_model)
     buckets = len(sizes) if sizes is not None else len(
         {p.dtype for p in ddp_model.module.parameters() if p.requires_grad})
     if buckets > 1:
@@ -282,15 +282,15 @@ def _bucket_sizes(ddp_model: DistributedDataParallel) -> list[int] | None:
         return None
 
 
-def _check_frozen_after_ddp(ddp_model: DistributedDataParallel) -> None:
+def _check_frozen_after_ddp(ddp_model: DistributedDataParallel,
+                            sizes: list[int] | None) -> None:
     """DDP fixes which parameters its buckets hold when it is built; one frozen after that
     (`requires_grad_(False)`) stays in them, and nfabric, which binds trainable parameters
     only, would meet it in a bucket (`FabricState._foreign` says the same line there where
     DDP's logging data is missing). Caught here when DDP's buckets hold more bytes than the
     trainable parameters it
     does not ignore; fewer (one made trainable after DDP was built, which DDP never reduces,
-    as in plain DDP: its replicas drift apart) is warned about."""
-    sizes = _bucket_sizes(ddp_model)
+    as in plain DDP: its replicas drift apart) is warned about. `sizes`: `_bucket_sizes`."""
     if sizes is None:
         return
     ignored = getattr(ddp_model, "parameters_to_ignore", set())

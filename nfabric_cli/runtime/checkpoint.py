@@ -205,30 +205,25 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
         notes.append(msg + ", so every rank starts without them; the step, phase, health "
                      "monitor and update guard go on (their norms rescaled), and the capacity "
                      "gate prices this run's buckets again")
-        try:
-            sd = _resized(sd, state)
-        except InputError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a malformed part: one line, nothing loaded
-            raise InputError(f"fabric state is malformed ({type(exc).__name__}: {exc}): "
-                             "nothing was loaded") from None
     if sd["total_steps"] != state.total_steps and len(state.bindings.phases) > 1:
         notes.append(f"the run was {sd['total_steps']} steps long and is now {state.total_steps}:"
                      " phase boundaries (fractions of total_steps) move with it")
     mine = None if resized else sd["ranks"].get(state.rank)
-    if mine is None and not resized:
-        saved = sorted(sd["ranks"])
-        msg = (f"fabric state holds rank(s) {saved} only, not rank {state.rank}: save it with "
-               "state_dict(all_ranks=True) (the default), or load each rank's own file")
-        if strict:
-            raise InputError(msg)
-        notes.append(msg + "; this rank starts with no error-feedback residuals")
     if mine is None:  # no residuals, counters, events or step times of its own
+        if not resized:
+            saved = sorted(sd["ranks"])
+            msg = (f"fabric state holds rank(s) {saved} only, not rank {state.rank}: save it "
+                   "with state_dict(all_ranks=True) (the default), or load each rank's own file")
+            if strict:
+                raise InputError(msg)
+            notes.append(msg + "; this rank starts with no error-feedback residuals")
         mine = _rank_part(ErrorFeedback(), TrafficMeter(state.rank), [], [])
     # Everything is read into new objects, and the controller restored if it fails part way:
     # a malformed state leaves the run as it was.
     before, logged, started = state.controller.state_dict(), len(state.events), False
     try:
+        if resized:  # (a malformed part of it fails here, as any other: one line)
+            sd = _resized(sd, state)
         ef, meter = ErrorFeedback(), TrafficMeter(state.meter.rank)
         ef.load_state_dict(mine["ef"], state.device)
         meter.load_state_dict(mine["meter"])

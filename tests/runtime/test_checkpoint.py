@@ -37,10 +37,10 @@ def _profile(model) -> OperatingProfile:
     return OperatingProfile(rows, {"model_fingerprint": model_fingerprint(model)}).validate()
 
 
-def _setup(rank: int):
+def _setup(rank: int, world: int = 2):
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.001)
-    bindings = compile_profile(_profile(model), model, world_size=2, bucket_cap_mb=None)
+    bindings = compile_profile(_profile(model), model, world_size=world, bucket_cap_mb=None)
     state = attach(ddp, bindings, total_steps=TOTAL, seed=3)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     return ddp, state, opt
@@ -399,10 +399,7 @@ def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
     dist.barrier()
     out: dict = {}
     for how in ("strict", "gathered", "rank files", "mixed", "corrupt"):
-        model = make_model()
-        ddp = DDP(model, bucket_cap_mb=0.001)
-        bindings = compile_profile(_profile(model), model, world_size=world, bucket_cap_mb=None)
-        state = attach(ddp, bindings, total_steps=TOTAL, seed=3)
+        ddp, state, opt = _setup(rank, world)
         saved = torch.load(os.path.join(folder, "gathered.pt"), weights_only=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -419,12 +416,10 @@ def _resumed_at_three(rank: int, world: int, folder: str) -> dict:
                 state.close()
                 continue
         resumed, phase = state.state_dict(all_ranks=False), state.phase.name
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         _steps(ddp, state, opt, rank, TOTAL // 2, TOTAL // 2 + 4)  # trains on, in step
         out[how] = {"warnings": [str(w.message) for w in caught], "phase": phase,
                     "residuals_at_load": len(resumed["ranks"][rank]["ef"]["residual"]),
-                    "shared": {k: resumed[k] for k in SHARED},
-                    "gate": resumed["gate"], "step_after": state.step,
+                    "shared": {k: resumed[k] for k in SHARED}, "step_after": state.step,
                     "params": [p.detach().clone() for p in ddp.parameters()]}
         state.close()
     return out
