@@ -1,31 +1,44 @@
-"""`run_function_ranks`: ranks forked from a server that imported torch once still see the
-caller's environment and working directory as they are at the call, and return their results."""
+"""`run_function_ranks`: ranks forked from a server that imported torch and nfabric once still
+see the caller's environment and working directory as they are at the call (nfabric's settings
+included), and return their results."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from tests.distutil import run_ranks
 
+KERNELS = "nfabric_cli.routes.kernels"  # (imported in the ranks only: see `_where`)
+
 
 def _where(rank: int, world: int) -> dict:
+    preloaded = KERNELS in sys.modules  # this module does not import it: the fork server did
+    from nfabric_cli.routes import kernels
+
     t = torch.full((1,), float(rank + 1))
     torch.distributed.all_reduce(t)
     return {"env": os.environ.get("NFABRIC_TEST_MARK"), "cwd": os.getcwd(), "sum": t,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "kernels": kernels.status(), "preloaded": preloaded}
 
 
 def test_ranks_take_the_callers_environment_and_directory_at_each_call(
     tmp_path: Path, monkeypatch
 ) -> None:
     run_ranks(_where, 2)  # the fork server is up before the settings below change
+    from nfabric_cli.routes.kernels import DISABLE_ENV
+
     monkeypatch.setenv("NFABRIC_TEST_MARK", "second")
+    monkeypatch.setenv(DISABLE_ENV, "1")
     monkeypatch.chdir(tmp_path)
     results = run_ranks(_where, 2)
     assert [r["env"] for r in results] == ["second", "second"]
     assert [r["cwd"] for r in results] == [str(tmp_path)] * 2
     assert [float(r["sum"]) for r in results] == [3.0, 3.0]  # a real gloo all-reduce
     assert [r["threads"] for r in results] == [1, 1]
+    # imported in the fork server, the native kernels still follow the caller's setting
+    assert [(r["preloaded"], r["kernels"]) for r in results] == [
+        (True, f"torch fallback: {DISABLE_ENV}=1")] * 2
