@@ -1,0 +1,85 @@
+"""Gradient accumulation without `no_sync`: reductions that no optimizer step follows.
+
+A loop that accumulates gradients over micro-batches without ``ddp.no_sync()`` is legal in
+plain DDP (it reduces every micro-batch: slower, the same result), but DDP calls the hook, and
+the fabric counts a step, on every micro-batch: the phases run that many times too fast, the
+monitor judges partial gradients, and a low-bit route compresses the part of ``.grad`` already
+reduced once more. Nothing in the hook tells a micro-batch from a step; the optimizer does. A
+global optimizer step hook (``torch.optim``'s, held weakly) counts the steps of optimizers over
+the model's parameters, and at each reduction the witness notes whether one came since the
+last. Most of a window without one is accumulation; a `GradScaler` that skips its steps reads
+the same way for as long as it skips, which a healthy run does for a few steps at most.
+
+Optimizers outside ``torch.optim.Optimizer`` are not seen, and reductions before the first step
+of one over the model's parameters are not judged: a run that never steps one never is.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+#: reductions judged together, and how many of them without an optimizer step after them mean
+#: accumulation (2 micro-batches a step: 16 of 32)
+WINDOW = 32
+UNSTEPPED = 16
+
+
+class StepWitness:
+    """Whether the reductions of one fabric state are followed by optimizer steps."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self._ids = frozenset(id(p) for p in params)
+        # per optimizer, whether it steps any of the parameters (decided at its first step)
+        self._owns: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self.steps = 0  # optimizer steps over the parameters since attach
+        self._at_last: int | None = None  # `steps` at the last reduction
+        self._unstepped: deque[bool] = deque(maxlen=WINDOW)
+        self.judged = False  # said once
+        me = weakref.ref(self)  # the hook is global: it must not keep a closed state alive
+
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            witness = me()
+            if witness is not None:
+                witness._count(optimizer)
+
+        self._handle = register_optimizer_step_post_hook(hook)
+        weakref.finalize(self, self._handle.remove)  # a state never closed: gone with it
+
+    def _count(self, optimizer: Any) -> None:
+        owns = self._owns.get(optimizer)
+        if owns is None:
+            owns = any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"])
+            self._owns[optimizer] = owns
+        if owns:
+            self.steps += 1
+
+    def reduction(self) -> int | None:
+        """Note a reduction (a step's first bucket). Returns, once, how many of the last
+        `WINDOW` reductions no optimizer step followed, when that is `UNSTEPPED` or more."""
+        if self._at_last is not None and self.steps > 0:  # (judged from the first step on)
+            self._unstepped.append(self.steps == self._at_last)
+        self._at_last = self.steps
+        unstepped = sum(self._unstepped)
+        if self.judged or len(self._unstepped) < WINDOW or unstepped < UNSTEPPED:
+            return None
+        self.judged = True
+        return unstepped
+
+    def close(self) -> None:
+        """Stop counting (the state closed)."""
+        self._handle.remove()
+
+
+def accumulation_warning(unstepped: int) -> str:
+    """The line for `StepWitness.reduction`'s finding."""
+    return (f"nfabric: {unstepped} of the last {WINDOW} reductions had no optimizer step after "
+            "them: gradient accumulation without ddp.no_sync()? DDP then reduces every "
+            "micro-batch and nfabric counts each as a step (phases placed by total_steps run "
+            "that many times too fast; low-bit routes compress the part of .grad already "
+            "reduced again): run every micro-batch but the last under `with ddp.no_sync():`")

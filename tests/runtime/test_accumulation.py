@@ -1,0 +1,105 @@
+"""Gradient accumulation without `ddp.no_sync()`: every micro-batch is a reduction, and a
+fabric step; the run is told once, from the optimizer steps that do not follow them."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks
+
+from nfabric_cli.runtime.accumulation import UNSTEPPED, WINDOW, StepWitness
+from tests.distutil import run_ranks
+from tests.runtime.models import tiny_ddp
+
+
+def _reductions(witness: StepWitness, opt: torch.optim.Optimizer, per_step: int,
+                n: int) -> list[int]:
+    """`n` reductions, an optimizer step after every `per_step`-th: where the witness spoke."""
+    said = []
+    for i in range(n):
+        found = witness.reduction()
+        if found is not None:
+            said.append((i, found))
+        if (i + 1) % per_step == 0:
+            opt.step()
+    return said
+
+
+@pytest.mark.parametrize(("per_step", "said"), [
+    (1, []),  # one reduction per optimizer step: never
+    # the first full window judged from the first step on (after reduction 1, or 3), only then
+    (2, [(WINDOW + 1, UNSTEPPED)]),
+    (4, [(WINDOW + 3, WINDOW * 3 // 4)]),
+])
+def test_reductions_without_an_optimizer_step_between_them_are_found_once(per_step, said):
+    w = torch.nn.Parameter(torch.zeros(3))
+    witness = StepWitness([w])
+    opt = torch.optim.SGD([w], lr=0.1)
+    assert _reductions(witness, opt, per_step, 4 * WINDOW) == said
+    witness.close()
+
+
+def test_only_steps_of_the_models_own_optimizers_count_and_a_closed_witness_counts_none():
+    w, other = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    witness = StepWitness([w])
+    # another model's optimizer steps after every reduction: none of them is this model's,
+    # so nothing is judged (no step of its own seen yet)
+    assert _reductions(witness, torch.optim.SGD([other], lr=0.1), 1, 2 * WINDOW) == []
+    assert witness.steps == 0
+    opt = torch.optim.Adam([{"params": [other]}, {"params": [w]}])  # one group of several
+    opt.step()
+    assert witness.steps == 1
+    witness.close()
+    opt.step()
+    assert witness.steps == 1
+    gc.collect()
+    hooks = len(_global_optimizer_post_hooks)
+    StepWitness([w])  # dropped unclosed (a state that was never closed): its hook goes too
+    gc.collect()
+    assert len(_global_optimizer_post_hooks) == hooks
+
+
+STEPS = 18  # optimizer steps; two micro-batches each
+
+
+def _worker(rank: int, world: int, no_sync: bool) -> list[str]:
+    wl, _, ddp, state = tiny_ddp(world, STEPS)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            opt.zero_grad()
+            for micro in range(2):
+                batch = wl.train_batch(2 * step + micro, rank, world, 0)
+                if no_sync and micro == 0:
+                    with ddp.no_sync():
+                        wl.loss(ddp, batch).backward()
+                else:
+                    loss = wl.loss(ddp, batch)
+                    state.observe(loss)
+                    loss.backward()
+            opt.step()
+        fabric_step = state.step
+        state.close()
+    return [fabric_step] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_accumulation_without_no_sync_is_named_once_and_with_it_nothing(no_sync: bool) -> None:
+    (steps0, *said0), (steps1, *said1) = run_ranks(_worker, 2, no_sync)
+    assert not [s for s in said1 if "reductions had no" in s]  # rank 0 speaks for the run
+    if no_sync:  # one reduction, one fabric step, per optimizer step
+        assert steps0 == steps1 == STEPS and said0 == []
+        return
+    assert steps0 == steps1 == 2 * STEPS  # every micro-batch reduced, counted as a step
+    (found,) = [s for s in said0 if "reductions had no optimizer step" in s]
+    assert found.startswith(f"nfabric: {UNSTEPPED} of the last {WINDOW} reductions")
+    assert "under `with ddp.no_sync():`" in found
+    # past total_steps halfway through the run, the warning names the same cause
+    (past,) = [s for s in said0 if "is past total_steps" in s]
+    assert f"step {STEPS + 1} is past total_steps={STEPS}" in past and "ddp.no_sync()" in past
+    (closed,) = [s for s in said0 if "closed at step" in s]  # and so does close()
+    assert f"step {2 * STEPS} of total_steps={STEPS}" in closed and "ddp.no_sync()" in closed
