@@ -57,7 +57,8 @@ SCALER_HINT = 3
 #: The line for a parameter frozen after DDP was built (refused at attach, or in a bucket).
 FROZEN_AFTER_DDP = ("a DDP model's bucket holds a parameter frozen (requires_grad=False) after "
                     "DDP was built: DDP keeps it in its buckets, and nfabric binds trainable "
-                    "parameters only; freeze before wrapping the model in DDP, then attach")
+                    "parameters only; freeze before wrapping the model in DDP (mid-run: wrap "
+                    "it in a new DDP after freezing), then attach to that")
 
 
 def _agreement(step_stats: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -525,8 +525,9 @@ def _frozen_after_ddp_worker(rank: int, world: int) -> list[str]:
     # frozen before attach: refused there; where DDP's logging data is not there to tell, at
     # the first bucket (a later parameter of it, head, or its first, body.0); frozen after
     # attach it keeps its route and reduces zeros, as in plain DDP
+    # (the line's remedy: "rebuilt", frozen mid-run, then a new DDP and a new attach, trains)
     for part, when in (("head", "before"), ("head", "blind"), ("body", "blind"),
-                       ("head", "after"), ("body", "thawed")):
+                       ("head", "after"), ("body", "thawed"), ("head", "rebuilt")):
         sizes = attach_module._bucket_sizes
         if when == "blind":
             attach_module._bucket_sizes = lambda ddp: None
@@ -543,6 +544,14 @@ def _frozen_after_ddp_worker(rank: int, world: int) -> list[str]:
                 attach(ddp, _bindings(model, "sign"), total_steps=2).close()
             said.append(" | ".join(str(w.message) for w in caught))
             continue
+        if when == "rebuilt":
+            ddp = DDP(model)
+            state = attach(ddp, _bindings(model, "sign"), total_steps=2)
+            x, y = batch(0, rank)
+            F.cross_entropy(ddp(x), y).backward()
+            state.close()
+            for p in frozen:
+                p.requires_grad_(False)
         ddp = DDP(model, find_unused_parameters=True)
         state = None
         try:
@@ -579,7 +588,7 @@ def test_a_parameter_frozen_after_ddp_was_built_is_refused_in_one_line() -> None
               "trainable after DDP was built?): DDP never reduces them, so their replicas drift "
               "apart, as in plain DDP; set requires_grad before wrapping the model in DDP")
     assert run_ranks(_frozen_after_ddp_worker, 2) == [
-        [FROZEN_AFTER_DDP] * 3 + ["reduced", thawed]] * 2
+        [FROZEN_AFTER_DDP] * 3 + ["reduced", thawed, "reduced"]] * 2
 
 
 def _again_worker(rank: int, world: int) -> list:
