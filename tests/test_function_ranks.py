@@ -17,12 +17,15 @@ KERNELS = "nfabric_cli.routes.kernels"  # (imported in the ranks only: see `_whe
 
 def _where(rank: int, world: int) -> dict:
     preloaded = KERNELS in sys.modules  # this module does not import it: the fork server did
+    from threadpoolctl import threadpool_info
+
     from nfabric_cli.routes import kernels
 
     t = torch.full((1,), float(rank + 1))
     torch.distributed.all_reduce(t)
     return {"env": os.environ.get("NFABRIC_TEST_MARK"), "cwd": os.getcwd(), "sum": t,
-            "threads": torch.get_num_threads(), "kernels": kernels.status(), "preloaded": preloaded}
+            "threads": torch.get_num_threads(), "kernels": kernels.status(), "preloaded": preloaded,
+            "pools": sorted({p["num_threads"] for p in threadpool_info()})}
 
 
 def test_ranks_take_the_callers_environment_and_directory_at_each_call(
@@ -42,3 +45,20 @@ def test_ranks_take_the_callers_environment_and_directory_at_each_call(
     # imported in the fork server, the native kernels still follow the caller's setting
     assert [(r["preloaded"], r["kernels"]) for r in results] == [
         (True, f"torch fallback: {DISABLE_ENV}=1")] * 2
+
+
+def test_ranks_run_the_preloaded_thread_pools_on_one_thread() -> None:
+    """scipy's and scikit-learn's pools (BLAS, OpenMP) are loaded in the fork server, before a
+    rank sets one thread: held to one there, from a caller that set no thread count (this
+    suite sets OMP_NUM_THREADS=1, which the server would inherit: a fresh interpreter)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    code = ("from nfabric_cli.ranks.functions import run_function_ranks\n"
+            "from tests.test_function_ranks import _where\n"
+            "if __name__ == '__main__':\n"
+            "    print([r['pools'] for r in run_function_ranks(_where, 2)])\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[[1], [1]]"

@@ -9,7 +9,9 @@ Ranks start from a fork server that imported torch and nfabric once (where the p
 one, `PRELOAD`): a rank is up in well under a second instead of the ~2-4 s of CPU that
 importing them costs each spawned rank (the test suite starts ranks some hundred times).
 Each rank takes the caller's environment and working directory as they are at the call, as a
-spawned one would; only what torch read at import time is the fork server's.
+spawned one would; only what the preloaded modules read at import time is the fork server's
+(torch's settings; scipy's and scikit-learn's thread pools, held to one thread there as a rank
+runs: `preload.py`).
 """
 
 from __future__ import annotations
@@ -24,18 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-#: What the fork server imports once for every rank it forks: torch, and what a rank of the
-#: tests, benchmarks and `nfabric replay` imports after it (nfabric's hook, simulator and
-#: workloads, scikit-learn's digits). Without the last three a rank spent another ~1.7 s of
-#: CPU importing them, at every call (0.04 s preloaded). None of them reads a setting at import:
-#: nfabric's (`NFABRIC_*`) are read at call time, from the caller's environment set in each
-#: rank (`tests/test_function_ranks.py`). A module that fails to import is left to the rank.
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel",
-           "sklearn.datasets", "sklearn.model_selection",
-           "nfabric_cli.runtime.attach", "nfabric_cli.calibration.simulate",
-           "nfabric_cli.ranks.loop", "nfabric_cli.workloads.vision",
-           "nfabric_cli.workloads.transformer", "nfabric_cli.workloads.glyphs",
-           "nfabric_cli.workloads.lm"]
+#: What the fork server imports once for every rank it forks: torch, and what a rank imports
+#: after it (`preload.py`: each of those tried on its own, their thread pools held to one).
+PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "nfabric_cli.ranks.preload"]
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, tmp: str, args: tuple,

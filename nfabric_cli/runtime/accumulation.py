@@ -7,11 +7,17 @@ monitor judges partial gradients, and a low-bit route compresses the part of ``.
 reduced once more. Nothing in the hook tells a micro-batch from a step; the optimizer does. A
 global optimizer step hook (``torch.optim``'s, held weakly) counts the steps of optimizers over
 the model's parameters, and at each reduction the witness notes whether one came since the
-last. Most of a window without one is accumulation; a `GradScaler` that skips its steps reads
-the same way for as long as it skips, which a healthy run does for a few steps at most.
+last. Half a window or more without one, in `RUNS` or more separate runs, is several
+reductions per optimizer step: accumulation (two micro-batches a step: 16 runs of one), or
+several backward passes per step by design (SAM, a GAN's generator loss through a DDP
+discriminator), which the fabric counts as steps too. One long run is not: a rank that joined
+early under `Join` (uneven inputs) reduces zeros without stepping until the others are done.
+A `GradScaler` that skips steps reads the same way for as long as it skips, which a healthy
+run does for a few steps at most.
 
 Optimizers outside ``torch.optim.Optimizer`` are not seen, and reductions before the first step
-of one over the model's parameters are not judged: a run that never steps one never is.
+of one over the model's parameters are not judged: a run that never steps one never is; nor
+is accumulation over 16 or more micro-batches (under 4 runs in a window).
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-#: reductions judged together, and how many of them without an optimizer step after them mean
-#: accumulation (2 micro-batches a step: 16 of 32)
+#: reductions judged together; how many of them without an optimizer step after them, in how
+#: many separate runs, mean several per step (2 micro-batches a step: 16 of 32, in 16 runs)
 WINDOW = 32
 UNSTEPPED = 16
+RUNS = 4
 
 
 class StepWitness:
@@ -52,21 +59,32 @@ class StepWitness:
         weakref.finalize(self, self._handle.remove)  # a state never closed: gone with it
 
     def _count(self, optimizer: Any) -> None:
-        owns = self._owns.get(optimizer)
-        if owns is None:
-            owns = any(id(p) in self._ids for g in optimizer.param_groups for p in g["params"])
-            self._owns[optimizer] = owns
+        # the hook runs inside every optimizer's step() in the process: it must never raise
+        # there (an optimizer that cannot be a weak key, param_groups of another shape)
+        try:
+            owns = self._owns.get(optimizer)
+            if owns is None:
+                owns = any(id(p) in self._ids for g in optimizer.param_groups
+                           for p in g["params"])
+                self._owns[optimizer] = owns
+        except Exception:  # noqa: BLE001 - not seen: never judged on it
+            return
         if owns:
             self.steps += 1
 
     def reduction(self) -> int | None:
         """Note a reduction (a step's first bucket). Returns, once, how many of the last
-        `WINDOW` reductions no optimizer step followed, when that is `UNSTEPPED` or more."""
+        `WINDOW` reductions no optimizer step followed, when that is `UNSTEPPED` or more in
+        `RUNS` or more separate runs."""
         if self._at_last is not None and self.steps > 0:  # (judged from the first step on)
             self._unstepped.append(self.steps == self._at_last)
         self._at_last = self.steps
-        unstepped = sum(self._unstepped)
-        if self.judged or len(self._unstepped) < WINDOW or unstepped < UNSTEPPED:
+        if self.judged or len(self._unstepped) < WINDOW:
+            return None
+        marks = list(self._unstepped)
+        unstepped = sum(marks)
+        runs = sum(1 for i, m in enumerate(marks) if m and (i == 0 or not marks[i - 1]))
+        if unstepped < UNSTEPPED or runs < RUNS:
             return None
         self.judged = True
         return unstepped
@@ -79,7 +97,8 @@ class StepWitness:
 def accumulation_warning(unstepped: int) -> str:
     """The line for `StepWitness.reduction`'s finding."""
     return (f"nfabric: {unstepped} of the last {WINDOW} reductions had no optimizer step after "
-            "them: gradient accumulation without ddp.no_sync()? DDP then reduces every "
-            "micro-batch and nfabric counts each as a step (phases placed by total_steps run "
-            "that many times too fast; low-bit routes compress the part of .grad already "
-            "reduced again): run every micro-batch but the last under `with ddp.no_sync():`")
+            "them, and nfabric counts each reduction as a step (phases placed by total_steps "
+            "run that many times too fast): gradient accumulation without ddp.no_sync()? Then "
+            "low-bit routes also compress the part of .grad already reduced again: run every "
+            "micro-batch but the last under `with ddp.no_sync():`. Several backward passes per "
+            "step by design (SAM, a GAN): pass total_steps in reductions")

@@ -151,6 +151,7 @@ class FabricState:
         self._names = {id(tp.param): tp.name for tp in params}
         # whether optimizer steps follow the reductions (accumulation without no_sync)
         self._stepped = StepWitness(tp.param for tp in params)
+        self._unstepped: int | None = None
         self.device = params[0].param.device if params else torch.device("cpu")
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
                                          monitor=monitor, gate=gate, nonfinite=nonfinite)
@@ -372,9 +373,9 @@ class FabricState:
             raise self._foreign(params)
         if self._step_started is None:
             self._step_started = time.perf_counter()
-            unstepped = self._stepped.reduction()
-            if unstepped is not None and self.rank == 0:
-                warnings.warn(accumulation_warning(unstepped), stacklevel=2)
+            found = self._stepped.reduction()
+            if found is not None:  # said at the step's end, after its collectives (`_advance`)
+                self._unstepped = found
             self._direct_step = self._gated_off()
             self._held_step = self.controller.all_held()
         # a plain phase (every parameter on fp32: the controller's rule, which the simulator
@@ -725,6 +726,9 @@ class FabricState:
             self.step_times.append(time.perf_counter() - self._step_started)
             self._step_started = None
         self.controller.advance(step)
+        unstepped, self._unstepped = self._unstepped, None
+        if unstepped is not None and self.rank == 0:  # (after the step's collectives)
+            warnings.warn(accumulation_warning(unstepped), stacklevel=2)
         if self.steps_known and self.step == self.total_steps + 1:
             warnings.warn(
                 f"nfabric: step {self.step} is past total_steps={self.total_steps}: the last "
