@@ -6,12 +6,9 @@ race for), run one intra-op thread each, and return what `fn` returns (saved wit
 `torch.save`, so tensors come back as they were).
 
 Ranks start from a fork server that imported torch and nfabric once (where the platform has
-one, `PRELOAD`): a rank is up in well under a second instead of the ~2-4 s of CPU that
-importing them costs each spawned rank (the test suite starts ranks some hundred times).
+one, `PRELOAD`; why and what: `preload.py`): the test suite starts ranks some hundred times.
 Each rank takes the caller's environment and working directory as they are at the call, as a
-spawned one would; only what the preloaded modules read at import time is the fork server's
-(torch's settings; scipy's and scikit-learn's thread pools, held to one thread there as a rank
-runs: `preload.py`).
+spawned one would; only what the preloaded modules read at import time is the fork server's.
 """
 
 from __future__ import annotations
@@ -26,8 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-#: What the fork server imports once for every rank it forks: torch, and what a rank imports
-#: after it (`preload.py`: each of those tried on its own, their thread pools held to one).
+#: What the fork server imports once for every rank it forks (`preload.py`).
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "nfabric_cli.ranks.preload"]
 
 

@@ -1,8 +1,8 @@
 """What the fork server of `run_function_ranks` imports once for every rank it forks.
 
 A rank of the tests and benchmarks imports nfabric's hook, simulator and workloads and
-scikit-learn's digits after torch: ~1.7 s of CPU per rank at every call when each rank did it
-(0.04 s preloaded). Each import is tried on its own and any failure is left to the rank that
+scikit-learn's digits after torch: ~1.7-2.1 s of CPU per rank at every call when each rank did
+it (0.04 s preloaded; torch itself, preloaded before, costs ~2 s more). Each import is tried on its own and any failure is left to the rank that
 needs the module: the fork server stops at the first exception other than ImportError, and
 with it every call's ranks. None of these modules reads a setting at import (nfabric's
 `NFABRIC_*` are read at call time, from the caller's environment set in each rank:

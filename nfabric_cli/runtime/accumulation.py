@@ -12,12 +12,14 @@ reductions per optimizer step: accumulation (two micro-batches a step: 16 runs o
 several backward passes per step by design (SAM, a GAN's generator loss through a DDP
 discriminator), which the fabric counts as steps too. One long run is not: a rank that joined
 early under `Join` (uneven inputs) reduces zeros without stepping until the others are done.
-A `GradScaler` that skips steps reads the same way for as long as it skips, which a healthy
-run does for a few steps at most.
+A `GradScaler` that skips steps reads the same way while its skips fall in 4 or more runs
+of 16 in a window, which a healthy run's few skips at the start never do.
 
-Optimizers outside ``torch.optim.Optimizer`` are not seen, and reductions before the first step
-of one over the model's parameters are not judged: a run that never steps one never is; nor
-is accumulation over 16 or more micro-batches (under 4 runs in a window).
+Not seen: optimizers outside ``torch.optim.Optimizer``; reductions before the first step of one
+over the model's parameters (a run that never steps one is never judged); parameters an
+optimizer gained by ``add_param_group`` after its first step (ownership is decided then);
+accumulation over 15 or more micro-batches (3 runs or fewer in any window; over 11-14 it is
+found once a window holds 4).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class StepWitness:
         self.steps = 0  # optimizer steps over the parameters since attach
         self._at_last: int | None = None  # `steps` at the last reduction
         self._unstepped: deque[bool] = deque(maxlen=WINDOW)
-        self.judged = False  # said once
+        self._judged = False  # said once
         me = weakref.ref(self)  # the hook is global: it must not keep a closed state alive
 
         def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -55,8 +57,8 @@ class StepWitness:
             if witness is not None:
                 witness._count(optimizer)
 
-        self._handle = register_optimizer_step_post_hook(hook)
-        weakref.finalize(self, self._handle.remove)  # a state never closed: gone with it
+        # removed at `close`, or with the witness (a state never closed)
+        self._remove = weakref.finalize(self, register_optimizer_step_post_hook(hook).remove)
 
     def _count(self, optimizer: Any) -> None:
         # the hook runs inside every optimizer's step() in the process: it must never raise
@@ -79,19 +81,25 @@ class StepWitness:
         if self._at_last is not None and self.steps > 0:  # (judged from the first step on)
             self._unstepped.append(self.steps == self._at_last)
         self._at_last = self.steps
-        if self.judged or len(self._unstepped) < WINDOW:
+        if self._judged or len(self._unstepped) < WINDOW:
             return None
         marks = list(self._unstepped)
         unstepped = sum(marks)
         runs = sum(1 for i, m in enumerate(marks) if m and (i == 0 or not marks[i - 1]))
         if unstepped < UNSTEPPED or runs < RUNS:
             return None
-        self.judged = True
+        self._judged = True
         return unstepped
 
     def close(self) -> None:
         """Stop counting (the state closed)."""
-        self._handle.remove()
+        self._remove()
+
+
+#: what the total_steps warnings add (`FabricState`): the cause this module looks for
+NO_SYNC_HINT = ("with gradient accumulation, total_steps counts optimizer steps, not "
+                "micro-batches, and DDP reduces once per optimizer step only under "
+                "ddp.no_sync()")
 
 
 def accumulation_warning(unstepped: int) -> str:

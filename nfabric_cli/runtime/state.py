@@ -40,7 +40,7 @@ from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels, whole_bucket
 from nfabric_cli.routes.spec import RouteSpec
-from nfabric_cli.runtime.accumulation import StepWitness, accumulation_warning
+from nfabric_cli.runtime.accumulation import NO_SYNC_HINT, StepWitness, accumulation_warning
 from nfabric_cli.runtime.agree import StatsRound
 from nfabric_cli.runtime.bucket import BucketJob
 from nfabric_cli.runtime.controller import StepController
@@ -150,8 +150,8 @@ class FabricState:
         params = trainable_parameters(module)
         self._names = {id(tp.param): tp.name for tp in params}
         # whether optimizer steps follow the reductions (accumulation without no_sync)
-        self._stepped = StepWitness(tp.param for tp in params)
-        self._unstepped: int | None = None
+        self._step_witness = StepWitness(tp.param for tp in params)
+        self._accumulation_found: int | None = None
         self.device = params[0].param.device if params else torch.device("cpu")
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
                                          monitor=monitor, gate=gate, nonfinite=nonfinite)
@@ -347,7 +347,7 @@ class FabricState:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-            self._stepped.close()
+            self._step_witness.close()
             self.comm.release()  # the wire buffers (a bucket's size each): nothing is sent now
             if self.trace is not None:
                 self.trace.close()
@@ -356,9 +356,7 @@ class FabricState:
                 warnings.warn(
                     f"nfabric: the run closed at step {self.step} of total_steps="
                     f"{self.total_steps}: phases are placed by total_steps, so pass the number "
-                    "of optimizer steps the run really takes (with gradient accumulation: "
-                    "optimizer steps, not micro-batches, and DDP reduces once per optimizer "
-                    "step only under ddp.no_sync())", stacklevel=2)
+                    f"of optimizer steps the run really takes ({NO_SYNC_HINT})", stacklevel=2)
 
     # -- hook entry --------------------------------------------------------------------------
     def submit(
@@ -373,9 +371,9 @@ class FabricState:
             raise self._foreign(params)
         if self._step_started is None:
             self._step_started = time.perf_counter()
-            found = self._stepped.reduction()
+            found = self._step_witness.reduction()
             if found is not None:  # said at the step's end, after its collectives (`_advance`)
-                self._unstepped = found
+                self._accumulation_found = found
             self._direct_step = self._gated_off()
             self._held_step = self.controller.all_held()
         # a plain phase (every parameter on fp32: the controller's rule, which the simulator
@@ -726,15 +724,14 @@ class FabricState:
             self.step_times.append(time.perf_counter() - self._step_started)
             self._step_started = None
         self.controller.advance(step)
-        unstepped, self._unstepped = self._unstepped, None
-        if unstepped is not None and self.rank == 0:  # (after the step's collectives)
-            warnings.warn(accumulation_warning(unstepped), stacklevel=2)
+        found, self._accumulation_found = self._accumulation_found, None
+        if found is not None and self.rank == 0:  # (after the step's collectives)
+            warnings.warn(accumulation_warning(found), stacklevel=2)
         if self.steps_known and self.step == self.total_steps + 1:
             warnings.warn(
                 f"nfabric: step {self.step} is past total_steps={self.total_steps}: the last "
-                "phase goes on; pass the number of optimizer steps the run takes (with gradient "
-                "accumulation, DDP reduces once per optimizer step only under ddp.no_sync())",
-                stacklevel=2)
+                "phase goes on; pass the number of optimizer steps the run takes "
+                f"({NO_SYNC_HINT})", stacklevel=2)
 
     def _fail_step(self, job: Any, fut: torch.futures.Future) -> None:
         """Surface a worker exception in DDP's main thread instead of hanging the step."""

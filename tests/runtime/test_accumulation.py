@@ -37,12 +37,13 @@ def _every(k: int):  # noqa: ANN202
     (_every(2), [(WINDOW + 1, UNSTEPPED)]),
     (_every(4), [(WINDOW + 3, WINDOW * 3 // 4)]),
     (_every(8), [(WINDOW + 7, WINDOW * 7 // 8)]),
-    (_every(16), []),  # two runs a window: not told from a join (below)
+    (_every(14), [(57, 29)]),  # only once a window holds four runs (of up to 13)
+    (_every(15), []),  # three runs a window at most: not judged (the module's "Not seen")
     # a rank that joined early (Join, uneven inputs) reduces zeros without stepping: one long
     # run, then (the next epoch) one reduction a step again
     (lambda i: i < 12 or i >= 12 + 2 * WINDOW, []),
     (lambda i: i < 12 or i >= 12 + UNSTEPPED + 4, []),
-], ids=["1", "2", "4", "8", "16", "joined", "joined-then-on"])
+], ids=["1", "2", "4", "8", "14", "15", "joined", "joined-then-on"])
 def test_reductions_without_an_optimizer_step_between_them_are_found_once(stepped, said):
     w = torch.nn.Parameter(torch.zeros(3))
     witness = StepWitness([w])
@@ -86,7 +87,7 @@ def test_only_steps_of_the_models_own_optimizers_count_and_a_closed_witness_coun
     assert len(_global_optimizer_post_hooks) == hooks
 
 
-STEPS = 18  # optimizer steps; two micro-batches each
+STEPS = WINDOW // 2 + 2  # optimizer steps, two micro-batches each: a window judged and more
 
 
 def _worker(rank: int, world: int, no_sync: bool) -> list[str]:

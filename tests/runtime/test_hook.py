@@ -552,7 +552,8 @@ def _frozen_after_ddp_worker(rank: int, world: int) -> list[str]:
             state.close()
             for p in frozen:
                 p.requires_grad_(False)
-        ddp = DDP(model, find_unused_parameters=True)
+        # (the remedy is a plain DDP; the cases above keep the frozen one in its buckets)
+        ddp = DDP(model) if when == "rebuilt" else DDP(model, find_unused_parameters=True)
         state = None
         try:
             if when == "after":
