@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
-# test processes: two fill two cores (552 s alone, 408 s with two, 414 s with four, on 2 cores)
+# test processes: two fill two cores (2026-12-07: 509 s with two; three saturated them too)
 TEST_JOBS ?= 2
 
 .PHONY: demo test bench lint venv clean
