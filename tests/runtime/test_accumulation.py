@@ -129,3 +129,32 @@ def test_accumulation_without_no_sync_is_named_once_and_with_it_nothing(no_sync:
     assert f"step {STEPS + 1} is past total_steps={STEPS}" in past and "ddp.no_sync()" in past
     (closed,) = [s for s in said0 if "closed at step" in s]  # and so does close()
     assert f"step {2 * STEPS} of total_steps={STEPS}" in closed and "ddp.no_sync()" in closed
+
+
+JOINED_STEPS, EARLY = 60, 20  # rank 0 runs out of batches 20 steps before rank 1
+
+
+def _joined_worker(rank: int, world: int) -> list[str]:
+    from torch.distributed.algorithms.join import Join
+
+    wl, _, ddp, state = tiny_ddp(world, JOINED_STEPS)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Join([ddp]):
+            for step in range(JOINED_STEPS - EARLY * (1 - rank)):
+                opt.zero_grad()
+                loss = wl.loss(ddp, wl.train_batch(step, rank, world, 0))
+                state.observe(loss)
+                loss.backward()
+                opt.step()
+        said = [state.step] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
+        state.close()
+    return said
+
+
+def test_a_rank_that_joined_early_is_not_named() -> None:
+    """Under `Join` the rank that ran out reduces zeros, one reduction per step of the others,
+    with no optimizer step of its own: 20 of its last 32 reductions (the first version warned
+    there), in one run."""
+    assert run_ranks(_joined_worker, 2) == [[JOINED_STEPS]] * 2
