@@ -14,9 +14,8 @@ The default rule (`confirm.rule = "worst"`) is `validate --seeds`' rule, the wor
 candidate holds when every cell is within tolerance of that cell's reference; a candidate
 stops at its first failing cell (`confirm.failed_first` trains the cells earlier candidates
 failed on first). `rule = "bound"` asks more:
-the one-sided 95 % prediction bound for one more seed, from the candidate's cells (all of
-them, and each length and world size with enough cells: `cells_bound`), within tolerance
-(every cell is trained). Of the candidates that hold, the one with the least traffic
+the one-sided 95 % prediction bound for one more seed, from the candidate's cells, within
+tolerance (every cell is trained). Of the candidates that hold, the one with the least traffic
 over its cells wins (a profile whose monitor falls back on other seeds or world sizes sends
 those fp32 steps too): after a candidate holds, the next ones are confirmed only while their
 search traffic is below its mean over the cells. When none holds, repairs (`repair.py`) add
@@ -142,31 +141,11 @@ def cell_verdict(attrs: dict[str, Any], key: str, cell: tuple[int, ...], spec: C
             "within": within_tolerance(d, spec.tolerance)}
 
 
-#: cells a (length, world size) needs before its own prediction bound counts (`cells_bound`):
-#: fewer give t-quantiles no profile passes (t(0.95, 1) = 6.3, t(0.95, 3) = 2.4)
-MIN_GROUP = 5
-
-
-def cells_bound(cells: list[dict[str, Any]]) -> float | None:
-    """The one-sided 95 % prediction bound for one more seed's degradation: over all the cells,
-    and over the cells of each (length, world size) that has `MIN_GROUP` or more, the largest
-    (None with fewer than two cells). Pooled alone, a setting whose cells sit higher hides
-    behind the others': `lm.v11`'s 20 cells bound one more seed at +0.0478 against a tolerance
-    of 0.05, its ten four-rank cells alone at +0.054 (mean +0.023 against +0.011 at two ranks),
-    and an unseen seed at two ranks then gave +0.0535 (docs/validation.md, "Seeds 10-19")."""
-    groups: dict[tuple[int, int], list[float]] = {}
-    for c in cells:
-        groups.setdefault((c["steps"], c["world_size"]), []).append(c["degradation"])
-    bounds = [prediction_bound([c["degradation"] for c in cells])]
-    bounds += [prediction_bound(d) for d in groups.values() if len(d) >= MIN_GROUP]
-    return max((b for b in bounds if b is not None), default=None)
-
-
 def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSpec,
                       higher_is_better: bool, reference: dict[str, Any]) -> dict[str, Any]:
     """One candidate: its cells (the search's own first, then those of the grid stored in
     `attrs`), the worst and the mean degradation over them, the 95 % prediction bound for one
-    more seed (`bound95`: `cells_bound`), and its status, `holds`, `fails` or `pending`. Under the `worst`
+    more seed (`bound95`), and its status, `holds`, `fails` or `pending`. Under the `worst`
     rule a candidate fails at any cell outside tolerance (confirmation trains none of its
     cells after one); under `bound` it needs every cell, and holds when the bound is within
     tolerance. `cells` lists the stored ones in the grid's order."""
@@ -185,7 +164,7 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
     failed = worst_rule and not all(c["within"] for c in cells)
     status = "fails" if failed else "pending" if missing else "holds"
     degrs = [c["degradation"] for c in cells]
-    bound = cells_bound(cells)
+    bound = prediction_bound(degrs)
     if status == "holds" and not worst_rule and not within_tolerance(
             bound if bound is not None else max(degrs), spec.tolerance):
         status = "fails"

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from nfabric_cli.app import app
 from nfabric_cli.binding.compile import compile_profile
-from nfabric_cli.calibration import calibrate, choice
+from nfabric_cli.calibration import calibrate
 from nfabric_cli.calibration.choice import (
     candidates,
     cell_job,
@@ -321,35 +321,8 @@ def test_the_bound_rule_asks_for_margin_the_worst_rule_does_not() -> None:
     assert v[0]["bound95"] == pytest.approx(expected, rel=1e-5) and v[0]["bound95"] > 0.05
     assert [x["status"] for x in v] == ["fails", "holds"]
     assert robust_winner(study, bound, True, ref).user_attrs["key"] == "wide"
-    # the bound each verdict carries and judges by is `cells_bound`'s (per setting: below)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(choice, "cells_bound", lambda cells: 0.0 if len(cells) == 3 else 1.0)
-        assert [(x["bound95"], x["status"]) for x in verdicts(study, bound, True, ref)] == [
-            (0.0, "holds"), (0.0, "holds")]
     with pytest.raises(InputError, match="confirm.rule: one of worst, bound"):
         tiny_spec(confirm={"rule": "median"})
-
-
-def test_the_bound_counts_each_length_and_world_size_with_enough_cells() -> None:
-    """`lm.v11`'s proof, pooled, bounds one more seed inside its tolerance (0.05); its four-rank
-    cells, which sit higher, do not: the bound is theirs. An unseen seed then failed."""
-    from pathlib import Path
-
-    from nfabric_cli.calibration.choice import MIN_GROUP, cells_bound
-    from nfabric_cli.profile.target import prediction_bound
-
-    lm = Path(__file__).resolve().parents[2] / "profiles" / "lm" / "lm.v11.parquet"
-    cells = read_profile(lm).meta["proven"]["cells"]
-    assert len(cells) == 20 and {c["world_size"] for c in cells} == {2, 4}
-    pooled = prediction_bound([c["degradation"] for c in cells])
-    four = [c["degradation"] for c in cells if c["world_size"] == 4]
-    assert pooled == pytest.approx(0.04776, abs=1e-5)  # what the profile records (bound95)
-    assert cells_bound(cells) == prediction_bound(four) == pytest.approx(0.05413, abs=1e-5)
-    # a setting with fewer than MIN_GROUP cells counts in the pool only
-    few = [c for c in cells if c["world_size"] == 4][: MIN_GROUP - 1] + [
-        c for c in cells if c["world_size"] == 2][: MIN_GROUP - 1]
-    assert cells_bound(few) == prediction_bound([c["degradation"] for c in few])
-    assert cells_bound(cells[:1]) is None
 
 
 def test_a_study_resumed_by_other_code_names_the_results_it_did_not_train(
