@@ -148,9 +148,9 @@ def _joined_worker(rank: int, world: int) -> list[str]:
                 state.observe(loss)
                 loss.backward()
                 opt.step()
-        said = [state.step] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
+        steps = state.step
         state.close()
-    return said
+    return [steps] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
 
 
 def test_a_rank_that_joined_early_is_not_named() -> None:
