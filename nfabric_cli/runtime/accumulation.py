@@ -49,7 +49,6 @@ class StepWitness:
         self.steps = 0  # optimizer steps over the parameters since attach
         self._at_last: int | None = None  # `steps` at the last reduction
         self._unstepped: deque[bool] = deque(maxlen=WINDOW)
-        self._judged = False  # said once
         me = weakref.ref(self)  # the hook is global: it must not keep a closed state alive
 
         def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -57,7 +56,8 @@ class StepWitness:
             if witness is not None:
                 witness._count(optimizer)
 
-        # removed at `close`, or with the witness (a state never closed)
+        # removed at `close`, once judged (said once), or with the witness (a state never
+        # closed); alive while there is something to judge
         self._remove = weakref.finalize(self, register_optimizer_step_post_hook(hook).remove)
 
     def _count(self, optimizer: Any) -> None:
@@ -78,17 +78,19 @@ class StepWitness:
         """Note a reduction (a step's first bucket). Returns, once, how many of the last
         `WINDOW` reductions no optimizer step followed, when that is `UNSTEPPED` or more in
         `RUNS` or more separate runs."""
+        if not self._remove.alive:  # judged (or closed): nothing more to note
+            return None
         if self._at_last is not None and self.steps > 0:  # (judged from the first step on)
             self._unstepped.append(self.steps == self._at_last)
         self._at_last = self.steps
-        if self._judged or len(self._unstepped) < WINDOW:
+        if len(self._unstepped) < WINDOW:
             return None
         marks = list(self._unstepped)
         unstepped = sum(marks)
-        runs = sum(1 for i, m in enumerate(marks) if m and (i == 0 or not marks[i - 1]))
+        runs = sum(m and not before for before, m in zip([False, *marks[:-1]], marks, strict=True))
         if unstepped < UNSTEPPED or runs < RUNS:
             return None
-        self._judged = True
+        self._remove()  # said once: the global hook stops counting
         return unstepped
 
     def close(self) -> None:

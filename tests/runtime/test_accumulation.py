@@ -90,11 +90,21 @@ def test_only_steps_of_the_models_own_optimizers_count_and_a_closed_witness_coun
 STEPS = WINDOW // 2 + 2  # optimizer steps, two micro-batches each: a window judged and more
 
 
+def _said(state, train) -> list:  # noqa: ANN001
+    """`train()`, then close `state`: its fabric step, then every nfabric warning of both."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train()
+        steps = state.step
+        state.close()
+    return [steps] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
+
+
 def _worker(rank: int, world: int, no_sync: bool) -> list[str]:
     wl, _, ddp, state = tiny_ddp(world, STEPS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+
+    def train() -> None:
         for step in range(STEPS):
             opt.zero_grad()
             for micro in range(2):
@@ -107,9 +117,8 @@ def _worker(rank: int, world: int, no_sync: bool) -> list[str]:
                     state.observe(loss)
                     loss.backward()
             opt.step()
-        fabric_step = state.step
-        state.close()
-    return [fabric_step] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
+
+    return _said(state, train)
 
 
 @pytest.mark.parametrize("no_sync", [False, True])
@@ -139,8 +148,8 @@ def _joined_worker(rank: int, world: int) -> list[str]:
 
     wl, _, ddp, state = tiny_ddp(world, JOINED_STEPS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+
+    def train() -> None:
         with Join([ddp]):
             for step in range(JOINED_STEPS - EARLY * (1 - rank)):
                 opt.zero_grad()
@@ -148,9 +157,8 @@ def _joined_worker(rank: int, world: int) -> list[str]:
                 state.observe(loss)
                 loss.backward()
                 opt.step()
-        steps = state.step
-        state.close()
-    return [steps] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
+
+    return _said(state, train)
 
 
 def test_a_rank_that_joined_early_is_not_named() -> None:
