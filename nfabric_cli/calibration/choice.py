@@ -36,7 +36,12 @@ from optuna.trial import FrozenTrial, TrialState
 
 from nfabric_cli.calibration.space import Config, routing_key, suggest
 from nfabric_cli.calibration.spec import CalibrationSpec, Cell
-from nfabric_cli.profile.target import degradation, prediction_bound, within_tolerance
+from nfabric_cli.profile.target import (
+    degradation,
+    prediction_bound,
+    setting_bound,
+    within_tolerance,
+)
 
 #: the kind of a trial confirmation enqueued to repair a failing candidate (`repair.py`)
 REPAIR = "repair"
@@ -145,11 +150,13 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
                       higher_is_better: bool, reference: dict[str, Any]) -> dict[str, Any]:
     """One candidate: its cells (the search's own first, then those of the grid stored in
     `attrs`), the worst and the mean degradation over them, the 95 % prediction bound for one
-    more seed (`bound95`), and its status, `holds`, `fails` or `pending`. Under the `worst`
-    rule a candidate fails at any cell outside tolerance (confirmation trains none of its
-    cells after one); under `bound` it needs every cell, and holds when the bound is within
-    tolerance. `cells` lists the stored ones in the grid's order."""
-    worst_rule = spec.confirm_rule == "worst"
+    more seed over all its cells (`bound95`) and the largest per setting (`setting_bound95`),
+    and its status, `holds`, `fails` or `pending`. Under the `worst` and `setting` rules a
+    candidate fails at any cell outside tolerance (confirmation trains none of its cells after
+    one); under `bound` it needs every cell. Under `bound` and `setting` it holds when that
+    rule's bound is within tolerance as well. `cells` lists the stored ones in the grid's
+    order."""
+    rule = spec.confirm_rule
     own = {"seed": spec.seed, "steps": spec.steps, "world_size": spec.world_size,
            "metric": t.user_attrs["metric"],
            "reference": reference["metric"], "degradation": t.user_attrs["degradation"],
@@ -161,17 +168,19 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
             missing = True
         else:
             cells.append(v)
-    failed = worst_rule and not all(c["within"] for c in cells)
+    failed = spec.every_cell_within and not all(c["within"] for c in cells)
     status = "fails" if failed else "pending" if missing else "holds"
     degrs = [c["degradation"] for c in cells]
-    bound = prediction_bound(degrs)
-    if status == "holds" and not worst_rule and not within_tolerance(
-            bound if bound is not None else max(degrs), spec.tolerance):
+    bound, by_setting = prediction_bound(degrs), setting_bound(cells)
+    judged = {"worst": None, "bound": bound, "setting": by_setting}[rule]
+    if status == "holds" and rule != "worst" and not within_tolerance(
+            judged if judged is not None else max(degrs), spec.tolerance):
         status = "fails"
     traffic = [c["traffic_fraction"] for c in cells]
     out = {"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
            "status": status, "cells": cells, "worst_degradation": max(degrs),
            "mean_degradation": sum(degrs) / len(degrs), "bound95": bound,
+           "setting_bound95": by_setting,
            "traffic_mean": sum(traffic) / len(traffic)}
     if t.user_attrs.get("kind") == REPAIR:
         a = t.user_attrs

@@ -63,13 +63,14 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
             _shared(cal, cell_job(key, cell), config, cell, label)
             verdict = cell_verdict(study.user_attrs, key, cell, spec, higher)
             assert verdict is not None  # both jobs are stored now
-            if spec.confirm_rule == "worst" and not verdict["within"]:
+            if spec.every_cell_within and not verdict["within"]:
                 cal.sink.note(f"trial {trial.number} fails on {where}: degradation "
                               f"{verdict['degradation']:+.4f}")
                 break
         else:
             mine = candidate_verdict(trial, study.user_attrs, spec, higher, cal.reference)
-            bound = "n/a" if mine["bound95"] is None else f"{mine['bound95']:+.4f}"
+            key95 = "setting_bound95" if spec.confirm_rule == "setting" else "bound95"
+            bound = "n/a" if mine[key95] is None else f"{mine[key95]:+.4f}"
             if mine["status"] == "holds":
                 cal.sink.note(f"trial {trial.number} holds on every confirmation cell "
                               f"(worst {mine['worst_degradation']:+.4f}, bound {bound}; "
@@ -82,9 +83,10 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
 def failed_first(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool) -> list[Cell]:
     """The grid, the cells more candidates failed on first (stable): a candidate after them,
     a repair above all (`repair.py`), most likely fails where they did, and under the worst
-    rule it stops at its first failure. Under the bound rule every cell is trained anyway."""
+    and setting rules it stops at its first failure. Under the bound rule every cell is
+    trained anyway."""
     cells = spec.confirm_cells()
-    if spec.confirm_rule != "worst":
+    if not spec.every_cell_within:
         return cells
     attrs = study.user_attrs
     keys = [t.user_attrs["key"] for t in candidates(study, spec)]

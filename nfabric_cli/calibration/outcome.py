@@ -188,6 +188,15 @@ def _confirmation(run: StudyRun) -> dict[str, Any] | None:
             "cost": confirmation_cost(run.study.user_attrs)}
 
 
+#: `meta["proven"]["rule"]`, per confirmation rule (the search's cell alone: `worst`)
+RULE_TEXT = {
+    "worst": "every cell within tolerance of its own fp32 reference",
+    "bound": "the 95 % prediction bound for one more seed within tolerance",
+    "setting": "every cell within tolerance of its own fp32 reference, and the 95 % "
+               "prediction bound for one more seed in each setting (length, world size)",
+}
+
+
 def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | None
             ) -> dict[str, Any]:
     """Where the winner was shown within tolerance: every cell it ran on (the search's own,
@@ -204,10 +213,9 @@ def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | N
             "steps": sorted({c["steps"] for c in cells}),
             "world_size": spec.world_size,
             "world_sizes": sorted({c["world_size"] for c in cells}), "simulated": True,
-            "rule": ("the 95 % prediction bound for one more seed within tolerance"
-                     if spec.confirm_rule == "bound" and confirmation is not None
-                     else "every cell within tolerance of its own fp32 reference"),
+            "rule": RULE_TEXT[spec.confirm_rule if confirmation is not None else "worst"],
             "worst_degradation": mine["worst_degradation"], "bound95": mine["bound95"],
+            "setting_bound95": mine["setting_bound95"],
             "cells": cells}
 
 

@@ -81,7 +81,7 @@ NOT_IN_SEARCH_KEY: tuple[str, ...] = (
 )
 _CONFIRM_KEYS = {"seeds", "steps", "world_sizes", "candidates", "rule", "repairs"}
 MAX_REPAIRS = 8
-CONFIRM_RULES: tuple[str, ...] = ("worst", "bound")
+CONFIRM_RULES: tuple[str, ...] = ("worst", "bound", "setting")
 MAX_CONFIRM_CELLS = 64
 _PHASE_KEYS = {"boundaries"}
 _ROUTE_KEYS = {"tau", "error_feedback", "reducer", "rounding", "sign_mode"}
@@ -130,7 +130,9 @@ class CalibrationSpec:
     confirm_steps: tuple[int, ...] = ()
     confirm_world_sizes: tuple[int, ...] = ()
     confirm_candidates: int = 3
-    confirm_rule: str = "worst"  # "worst" cell, or the 95 % prediction "bound" for a new seed
+    # "worst" cell; the pooled 95 % prediction "bound" for a new seed; or "setting": every
+    # cell, and each setting's bound (`target.setting_bound`)
+    confirm_rule: str = "worst"
     # when no candidate holds: rounds of repairs (`repair.py`), each the cheapest failure with
     # one more region on fp32
     confirm_repairs: int = 1
@@ -145,6 +147,12 @@ class CalibrationSpec:
         not a list of candidates, and is proven on the search's own cell alone. Every part of
         calibration that confirms asks this, so the rule lives here once."""
         return [] if self.sampler == "nsga2" else self.grid_cells()
+
+    @property
+    def every_cell_within(self) -> bool:
+        """Whether the confirmation rule fails a candidate at its first cell outside tolerance
+        (`worst`, `setting`), so it need not train the rest."""
+        return self.confirm_rule != "bound"
 
     def confirm_ignored(self) -> bool:
         """Whether the spec sets a confirmation grid that this study will not train (nsga2)."""

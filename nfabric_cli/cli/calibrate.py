@@ -81,8 +81,10 @@ def calibrate_cmd(
                                             "they must also hold at, besides --world-size "
                                             "(2,8; 'none'; overrides the spec's confirm world_sizes)."),
     confirm_rule: str = typer.Option(None, "--confirm-rule", help="worst (every cell within "
-                                     "tolerance, validate's rule) or bound (the 95 % "
-                                     "prediction bound for one more seed within it)."),
+                                     "tolerance, validate's rule), bound (the 95 % "
+                                     "prediction bound for one more seed within it) or "
+                                     "setting (every cell, and that bound in each length and "
+                                     "world size: docs/calibration.md, 'Confirmation')."),
     confirm_repairs: int = typer.Option(None, "--confirm-repairs", help="When no candidate "
                                         "holds: rounds that retrain the cheapest that failed "
                                         "with one region on fp32 (default 1; 0: none, so the "
@@ -325,16 +327,20 @@ def _routes(best: dict[str, Any]) -> Table:
 
 def _confirmation(doc: dict[str, Any]) -> Table:
     cost = doc["cost"]
+    # the bound the rule judges by: per setting under `setting`, else over all the cells
+    key = "setting_bound95" if doc["rule"] == "setting" else "bound95"
     table = Table(title=f"confirmation ({doc['rule']} rule): {len(doc['cells']) + 1} cells, "
                         f"{cost['runs']} runs, {cost['train_steps']:,} steps, "
-                        f"{cost['wall_s'] / 60:.1f} min")
+                        f"{cost['wall_s'] / 60:.1f} min"
+                        + ("; bound95: the largest per length and world size"
+                           if key == "setting_bound95" else ""))
     home = doc["candidates"][0]["cells"][0].get("world_size") if doc["candidates"] else None
     last = "cells: seed/steps degradation (/wN: at N ranks)"
     for col in ("trial", "traffic", "status", "worst", "mean", "bound95", last):
         table.add_column(col, justify="left" if col == last else "right")
     for v in doc["candidates"]:
         cells = ", ".join(f"{_cell_label(c, home)} {c['degradation']:+.4f}" for c in v["cells"])
-        bound = "-" if v.get("bound95") is None else f"{v['bound95']:+.4f}"
+        bound = "-" if v.get(key) is None else f"{v[key]:+.4f}"
         trial = str(v["trial"])
         if "repair" in v:  # e.g. "8 (6, head fp32)"
             trial += f" ({v['repair']['of']}, {v['repair']['region']} fp32)"

@@ -37,6 +37,7 @@ from nfabric_cli.calibration.workers import budgeted
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.profile.proven import outside_proven, proven_range
+from nfabric_cli.profile.target import setting_bound
 from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, Notes, tiny_spec, tiny_spec_dict, toml_text
 
@@ -280,6 +281,9 @@ def test_calibrate_confirms_at_other_world_sizes_and_records_them(tmp_path) -> N
     assert simulate_run(wl, two, 2, 40, 1, (40,), processes=1).metric == held["cells"][1]["metric"]
     proven = profile.meta["proven"]
     assert proven["world_size"] == 2 and proven["world_sizes"] == [2, 3]
+    # two cells a world size: the bound per setting, recorded beside the pooled one
+    assert proven["setting_bound95"] == pytest.approx(setting_bound(held["cells"]))
+    assert proven["rule"] == "every cell within tolerance of its own fp32 reference"
     assert outside_proven(profile.meta, seeds=[0, 1], steps=40, world_size=3) == []
     [line] = outside_proven(profile.meta, seeds=[1], steps=40, world_size=4)
     assert "seeds 0, 1 at 40 steps, world sizes 2, 3; outside that range here: world size 4" in line
@@ -322,6 +326,39 @@ def test_the_bound_rule_asks_for_margin_the_worst_rule_does_not() -> None:
     assert [x["status"] for x in v] == ["fails", "holds"]
     assert robust_winner(study, bound, True, ref).user_attrs["key"] == "wide"
     with pytest.raises(InputError, match="confirm.rule: one of worst, bound"):
+        tiny_spec(confirm={"rule": "median"})
+
+
+def test_the_setting_rule_asks_each_length_for_the_margin_the_pooled_bound_averages_away(
+        ) -> None:
+    """Every cell within tolerance and the pooled bound too, but the 40-step cells sit
+    higher than the 20-step ones: their own bound is out (lm.v11's case, across world
+    sizes), so the `setting` rule takes the dearer candidate the other two rules pass over."""
+    ref = {"metric": 0.9}
+    at40, at20 = [0.03, 0.01, 0.04, 0.02], [0.01, -0.01, 0.02, 0.0]  # seeds 0-3
+    cells = {**{(seed, 40): 0.9 - d for seed, d in enumerate(at40) if seed},
+             **{(seed, 20): 0.9 - d for seed, d in enumerate(at20)}}
+    rows = {"edge": {"traffic": 0.05, "degr": at40[0], "cells": cells},
+            "tight": {"traffic": 0.2, "degr": 0.0,
+                      "cells": {cell: 0.9 for cell in cells}}}
+    specs = {rule: tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                             confirm={"seeds": [1, 2, 3], "steps": [20], "rule": rule})
+             for rule in ("worst", "bound", "setting")}
+    study = _study(specs["worst"], rows)
+    edge = verdicts(study, specs["setting"], True, ref)[0]
+    assert edge["worst_degradation"] == pytest.approx(0.04)
+    assert edge["bound95"] == pytest.approx(0.04722, abs=1e-5)
+    assert edge["setting_bound95"] == pytest.approx(0.05305, abs=1e-5)
+    assert setting_bound(edge["cells"]) == edge["setting_bound95"]
+    won = {rule: robust_winner(study, spec, True, ref).user_attrs["key"]
+           for rule, spec in specs.items()}
+    assert won == {"worst": "edge", "bound": "edge", "setting": "tight"}
+    # like the worst rule, it stops a candidate at its first cell outside tolerance
+    out = _study(specs["setting"], {"edge": {"traffic": 0.05, "degr": 0.0,
+                                             "cells": {(2, 20): 0.8}}})
+    assert verdicts(out, specs["setting"], True, ref)[0]["status"] == "fails"
+    assert failed_first(out, specs["setting"], True)[0] == (2, 20, None)
+    with pytest.raises(InputError, match="confirm.rule: one of worst, bound, setting"):
         tiny_spec(confirm={"rule": "median"})
 
 

@@ -309,12 +309,17 @@ def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
     assert set(doc["best"]) >= {"trial", "traffic_fraction", "metric", "metric_delta", "routes"}
 
 
-def test_cli_prints_the_confirmation_table_with_other_world_sizes(tmp_path: Path) -> None:
-    """The candidates' table names a cell at another world size (`/w3`) and the run exits 0."""
+@pytest.mark.parametrize("rule", ["worst", "setting"])
+def test_cli_prints_the_confirmation_table_with_other_world_sizes(
+        tmp_path: Path, rule: str) -> None:
+    """The candidates' table names a cell at another world size (`/w3`), which bound its
+    rule judges by, and the run exits 0."""
     res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o"),
-               "--confirm-world-sizes", "3", "--confirm-seeds", "none")
+               "--confirm-world-sizes", "3", "--confirm-seeds", "none", "--confirm-rule", rule)
     assert res.exit_code == 0, res.output
-    assert "confirmation (worst rule): 2 cells" in res.output
+    assert f"confirmation ({rule} rule): 2 cells" in res.output
+    per_setting = "min; bound95: the largest per length and world size"
+    assert (per_setting in " ".join(res.output.split())) == (rule == "setting"), res.output
     rows = [ln for ln in res.output.splitlines() if ln.startswith("│")
             and ("holds" in ln or "fails" in ln)]
     # the search's own cell, then the same seed and length at three ranks
