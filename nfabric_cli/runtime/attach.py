@@ -172,6 +172,7 @@ def create_state(
         monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
         direct_fp32=direct_fp32, nonfinite=nonfinite,
     )
+    state.first_step_check = watch_static_graph(ddp_model)
     _LIVE.add(state)
     return state
 
@@ -199,7 +200,7 @@ def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | No
     module = ddp_model.module
     _check_dense(module)
     sizes = _bucket_sizes(ddp_model)
-    _check_static_graph(ddp_model, sizes)
+    _check_static_graph(ddp_model, sizes, at_attach=True)
     _check_frozen_after_ddp(ddp_model, sizes)
     world_size = dist.get_world_size(ddp_model.process_group)
     if isinstance(source, Bindings):
@@ -252,23 +253,42 @@ def _check_dense(module: Any) -> None:
             "makes sparse ones (sparse=True): build it with sparse=False to attach")
 
 
-def _check_static_graph(ddp_model: DistributedDataParallel, sizes: list[int] | None) -> None:
+def _check_static_graph(ddp_model: DistributedDataParallel, sizes: list[int] | None,
+                        at_attach: bool) -> None:
     """`static_graph=True` reduces its first step's buckets at the end of backward
     (`Reducer::delay_all_reduce`), each labelled with the same bucket index, so none is the
     last: with more than one bucket on that step (one per dtype, or `bucket_cap_mb_list`),
     the step never completes (measured: two ranks, a float32 and a bfloat16 layer, killed
     after 60 s; one bucket trains, `tests/runtime/test_hook.py`). Past its first step the
-    buckets are indexed as usual."""
-    if not getattr(ddp_model, "static_graph", False) or getattr(
-            ddp_model, "_static_graph_delay_allreduce_enqueued", False):
+    buckets are indexed as usual. Checked at attach and again at the first step's first
+    bucket (`watch_static_graph`), for `ddp._set_static_graph()` called in between (torch
+    refuses it once training has started). At attach, a DDP that has enqueued its delayed
+    reduce is past its first step; during that reduce the flag is set already."""
+    if not getattr(ddp_model, "static_graph", False) or (at_attach and getattr(
+            ddp_model, "_static_graph_delay_allreduce_enqueued", False)):
         return
     buckets = len(sizes) if sizes is not None else len(
         {p.dtype for p in ddp_model.module.parameters() if p.requires_grad})
     if buckets > 1:
-        raise InputError(f"DDP(static_graph=True) reduces its first step's {buckets} buckets "
+        late = "" if at_attach else ", set after attach"
+        raise InputError(f"DDP(static_graph=True{late}) reduces its first step's {buckets} buckets "
                          "with none marked last, and nfabric would wait for it: build DDP "
                          "without static_graph (or with one bucket: one parameter dtype, no "
                          "bucket_cap_mb_list)")
+
+
+def watch_static_graph(ddp_model: DistributedDataParallel) -> Any:
+    """The check `FabricState` runs at its first step's first bucket (`_check_static_graph`,
+    for a static graph set after attach), holding the model weakly; measured: the same two
+    ranks as at attach, `_set_static_graph()` called after it, hung at the first step."""
+    ref = weakref.ref(ddp_model)
+    sizes = _bucket_sizes(ddp_model)
+
+    def check() -> None:
+        ddp = ref()
+        if ddp is not None:
+            _check_static_graph(ddp, sizes, at_attach=False)
+    return check
 
 
 def _bucket_sizes(ddp_model: DistributedDataParallel) -> list[int] | None:

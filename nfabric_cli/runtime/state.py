@@ -23,7 +23,7 @@ import numbers
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -207,6 +207,8 @@ class FabricState:
         # the state attached to this DDP model after this one closed (`hand_over`): DDP keeps
         # the hook it was first given, for its lifetime
         self._successor: FabricState | None = None
+        # run at the first step's first bucket (`attach.watch_static_graph`); None: none
+        self.first_step_check: Callable[[], None] | None = None
 
     @classmethod
     def create(cls, ddp_model: Any, source: Any, total_steps: int | None = None,
@@ -370,6 +372,9 @@ class FabricState:
         if id(params[0]) not in self._names:  # (its steps would be counted twice, or fail)
             raise self._foreign(params)
         if self._step_started is None:
+            if self.first_step_check is not None:  # (raises on every rank alike: no hang)
+                check, self.first_step_check = self.first_step_check, None
+                check()
             self._step_started = time.perf_counter()
             found = self._step_witness.reduction()
             if found is not None:  # said at the step's end, after its collectives (`_advance`)

@@ -393,6 +393,11 @@ def test_replicas_on_disjoint_groups_each_attach_on_their_own_ranks() -> None:
     assert same == [True, True, False]  # each replica agrees with itself; their data differ
 
 
+class _ToBf16(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16)
+
+
 def _refused_worker(rank: int, world: int, cases: list[str], where: str) -> list[str]:
     """Each case on a DDP model of its own: what attach said."""
     from nfabric_cli.errors import InputError
@@ -405,11 +410,12 @@ def _refused_worker(rank: int, world: int, cases: list[str], where: str) -> list
                                        torch.nn.Linear(8, classes))
 
         model = net()
-        if case == "static graph, two dtypes":
+        if case in ("static graph, two dtypes", "static graph set after attach"):
             model[1].to(torch.bfloat16)
+            model.insert(1, _ToBf16())
         # one dtype, two buckets on its first step (one per parameter): the same hang
         caps = {"bucket_cap_mb_list": [1e-4] * 3} if case == "static graph, two buckets" else {}
-        ddp = DDP(model, static_graph=case.startswith("static graph"), **caps)
+        ddp = DDP(model, static_graph=case.startswith("static graph,"), **caps)
         source, kw = _bindings(model, "sign"), {"total_steps": 2}
         if case in ("zero steps", "fractional steps"):
             kw["total_steps"] = 0 if case == "zero steps" else 2.5
@@ -425,6 +431,9 @@ def _refused_worker(rank: int, world: int, cases: list[str], where: str) -> list
             state = attach(ddp, source, **kw)
             if case == "twice":
                 attach(ddp, _bindings(model, "sign"), total_steps=2)
+            if case == "static graph set after attach":  # checked again at the first bucket
+                ddp._set_static_graph()
+                F.cross_entropy(ddp(torch.arange(8)).float(), torch.arange(8) % 2).backward()
             if case == "static graph, one dtype":  # its first step's one bucket is the last
                 for step in range(2):
                     idx = torch.randint(0, 50, (8,), generator=torch.Generator().manual_seed(step))
@@ -466,6 +475,10 @@ def test_what_attach_cannot_serve_is_refused_in_one_line(tmp_path) -> None:
         "static graph, two buckets": "DDP(static_graph=True) reduces its first step's 2 "
                                        "buckets with none marked last",
         "static graph, one dtype": "trained 2 steps, ['control', 'sign/sharded']",
+        # `ddp._set_static_graph()` after attach: it hung too; now refused at the first step's
+        # first bucket, on every rank (torch refuses the call once training has started)
+        "static graph set after attach": "DDP(static_graph=True, set after attach) reduces "
+                                         "its first step's 2 buckets with none marked last",
     }
     for said in run_ranks(_refused_worker, 2, list(expected), str(where)):
         for case, line in zip(expected, said, strict=True):
