@@ -39,7 +39,7 @@ from nfabric_cli.calibration.spec import CalibrationSpec, Cell
 from nfabric_cli.profile.target import (
     degradation,
     prediction_bound,
-    setting_bound,
+    validation_bound,
     within_tolerance,
 )
 
@@ -150,12 +150,12 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
                       higher_is_better: bool, reference: dict[str, Any]) -> dict[str, Any]:
     """One candidate: its cells (the search's own first, then those of the grid stored in
     `attrs`), the worst and the mean degradation over them, the 95 % prediction bound for one
-    more seed over all its cells (`bound95`) and the largest per setting (`setting_bound95`),
-    and its status, `holds`, `fails` or `pending`. Under the `worst` and `setting` rules a
-    candidate fails at any cell outside tolerance (confirmation trains none of its cells after
-    one); under `bound` it needs every cell. Under `bound` and `setting` it holds when that
-    rule's bound is within tolerance as well. `cells` lists the stored ones in the grid's
-    order."""
+    more seed (`bound95`) and the one for the worst of the spec's `validate_seeds` more
+    (`validate_bound95`), and its status, `holds`, `fails` or `pending`. Under the `worst` and
+    `validate` rules a candidate fails at any cell outside tolerance (confirmation trains none
+    of its cells after one); under `bound` it needs every cell. Under `bound` and `validate`
+    it holds when that rule's bound is within tolerance as well. `cells` lists the stored
+    ones in the grid's order."""
     rule = spec.confirm_rule
     own = {"seed": spec.seed, "steps": spec.steps, "world_size": spec.world_size,
            "metric": t.user_attrs["metric"],
@@ -171,8 +171,9 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
     failed = spec.every_cell_within and not all(c["within"] for c in cells)
     status = "fails" if failed else "pending" if missing else "holds"
     degrs = [c["degradation"] for c in cells]
-    bound, by_setting = prediction_bound(degrs), setting_bound(cells)
-    judged = {"worst": None, "bound": bound, "setting": by_setting}[rule]
+    bound = prediction_bound(degrs)
+    for_validate = validation_bound(degrs, spec.confirm_validate_seeds)
+    judged = {"worst": None, "bound": bound, "validate": for_validate}[rule]
     if status == "holds" and rule != "worst" and not within_tolerance(
             judged if judged is not None else max(degrs), spec.tolerance):
         status = "fails"
@@ -180,7 +181,7 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
     out = {"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
            "status": status, "cells": cells, "worst_degradation": max(degrs),
            "mean_degradation": sum(degrs) / len(degrs), "bound95": bound,
-           "setting_bound95": by_setting,
+           "validate_bound95": for_validate,
            "traffic_mean": sum(traffic) / len(traffic)}
     if t.user_attrs.get("kind") == REPAIR:
         a = t.user_attrs

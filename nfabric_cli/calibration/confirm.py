@@ -69,7 +69,7 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
                 break
         else:
             mine = candidate_verdict(trial, study.user_attrs, spec, higher, cal.reference)
-            key95 = "setting_bound95" if spec.confirm_rule == "setting" else "bound95"
+            key95 = "validate_bound95" if spec.confirm_rule == "validate" else "bound95"
             bound = "n/a" if mine[key95] is None else f"{mine[key95]:+.4f}"
             if mine["status"] == "holds":
                 cal.sink.note(f"trial {trial.number} holds on every confirmation cell "
@@ -83,7 +83,7 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
 def failed_first(study: optuna.Study, spec: CalibrationSpec, higher_is_better: bool) -> list[Cell]:
     """The grid, the cells more candidates failed on first (stable): a candidate after them,
     a repair above all (`repair.py`), most likely fails where they did, and under the worst
-    and setting rules it stops at its first failure. Under the bound rule every cell is
+    and validate rules it stops at its first failure. Under the bound rule every cell is
     trained anyway."""
     cells = spec.confirm_cells()
     if not spec.every_cell_within:

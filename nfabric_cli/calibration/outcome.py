@@ -28,6 +28,7 @@ from nfabric_cli.calibration.choice import (
 from nfabric_cli.calibration.codeprint import code_fingerprint, foreign_results
 from nfabric_cli.calibration.confirm import confirmation_cost
 from nfabric_cli.calibration.space import Config, config_profile, fp32_config, route_param
+from nfabric_cli.calibration.spec import CalibrationSpec
 from nfabric_cli.calibration.storage import redact
 from nfabric_cli.calibration.strategy import pruner_label
 from nfabric_cli.calibration.study import StudyRun
@@ -181,20 +182,28 @@ def _confirmation(run: StudyRun) -> dict[str, Any] | None:
     if not cells:
         return None
     home = run.spec.world_size
-    return {"cells": [[c.seed, c.steps, c.ranks(home)] for c in cells],
-            "rule": run.spec.confirm_rule,
-            "candidates": verdicts(run.study, run.spec, run.workload.higher_is_better,
-                                   run.reference),
-            "cost": confirmation_cost(run.study.user_attrs)}
+    doc = {"cells": [[c.seed, c.steps, c.ranks(home)] for c in cells],
+           "rule": run.spec.confirm_rule,
+           "candidates": verdicts(run.study, run.spec, run.workload.higher_is_better,
+                                  run.reference),
+           "cost": confirmation_cost(run.study.user_attrs)}
+    if run.spec.confirm_rule == "validate":
+        doc["validate_seeds"] = run.spec.confirm_validate_seeds
+    return doc
 
 
-#: `meta["proven"]["rule"]`, per confirmation rule (the search's cell alone: `worst`)
-RULE_TEXT = {
-    "worst": "every cell within tolerance of its own fp32 reference",
-    "bound": "the 95 % prediction bound for one more seed within tolerance",
-    "setting": "every cell within tolerance of its own fp32 reference, and the 95 % "
-               "prediction bound for one more seed in each setting (length, world size)",
-}
+def rule_text(spec: CalibrationSpec | None) -> str:
+    """`meta["proven"]["rule"]`: the confirmation rule in words (None: no grid, the search's
+    own cell alone, judged like `worst`)."""
+    rule = "worst" if spec is None else spec.confirm_rule
+    if rule == "bound":
+        return "the 95 % prediction bound for one more seed within tolerance"
+    every = "every cell within tolerance of its own fp32 reference"
+    if rule == "worst":
+        return every
+    return (f"{every}, and the worst of {spec.confirm_validate_seeds} more seeds within it at "
+            "95 % (the prediction bound for one more seed at "
+            f"{0.95 ** (1 / spec.confirm_validate_seeds):.2%})")
 
 
 def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | None
@@ -213,9 +222,10 @@ def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | N
             "steps": sorted({c["steps"] for c in cells}),
             "world_size": spec.world_size,
             "world_sizes": sorted({c["world_size"] for c in cells}), "simulated": True,
-            "rule": RULE_TEXT[spec.confirm_rule if confirmation is not None else "worst"],
+            "rule": rule_text(spec if confirmation is not None else None),
             "worst_degradation": mine["worst_degradation"], "bound95": mine["bound95"],
-            "setting_bound95": mine["setting_bound95"],
+            "validate_bound95": mine["validate_bound95"],
+            "validate_seeds": spec.confirm_validate_seeds,
             "cells": cells}
 
 

@@ -54,6 +54,8 @@ def profile_key(trials: int, spec: CalibrationSpec | None = None, warm: bool = F
         fields.append({"repairs": spec.confirm_repairs})  # a round that trained changes `trials`)
     if warm:
         fields.append({"warm": "a candidate"})
+    if spec.confirm_rule == "validate":  # (the rule is new: earlier names stand)
+        fields.append({"validate_seeds": spec.confirm_validate_seeds})
     setting = json.dumps(fields)
     return f"{key}+confirm-{hashlib.sha256(setting.encode()).hexdigest()[:10]}"
 

@@ -77,11 +77,12 @@ NOT_IN_SEARCH_KEY: tuple[str, ...] = (
     "trials", "sampler", "pruner",
     "hyperband_min_resource", "hyperband_reduction_factor", "hyperband_brackets",
     "confirm_seeds", "confirm_steps", "confirm_world_sizes", "confirm_candidates", "confirm_rule",
-    "confirm_repairs",
+    "confirm_repairs", "confirm_validate_seeds",
 )
-_CONFIRM_KEYS = {"seeds", "steps", "world_sizes", "candidates", "rule", "repairs"}
+_CONFIRM_KEYS = {"seeds", "steps", "world_sizes", "candidates", "rule", "repairs",
+                 "validate_seeds"}
 MAX_REPAIRS = 8
-CONFIRM_RULES: tuple[str, ...] = ("worst", "bound", "setting")
+CONFIRM_RULES: tuple[str, ...] = ("worst", "bound", "validate")
 MAX_CONFIRM_CELLS = 64
 _PHASE_KEYS = {"boundaries"}
 _ROUTE_KEYS = {"tau", "error_feedback", "reducer", "rounding", "sign_mode"}
@@ -130,9 +131,10 @@ class CalibrationSpec:
     confirm_steps: tuple[int, ...] = ()
     confirm_world_sizes: tuple[int, ...] = ()
     confirm_candidates: int = 3
-    # "worst" cell; the pooled 95 % prediction "bound" for a new seed; or "setting": every
-    # cell, and each setting's bound (`target.setting_bound`)
+    # "worst" cell; the 95 % prediction "bound" for one more seed; or "validate": every cell,
+    # and the worst of `confirm_validate_seeds` more seeds at 95 % (`target.validation_bound`)
     confirm_rule: str = "worst"
+    confirm_validate_seeds: int = 5
     # when no candidate holds: rounds of repairs (`repair.py`), each the cheapest failure with
     # one more region on fp32
     confirm_repairs: int = 1
@@ -151,7 +153,7 @@ class CalibrationSpec:
     @property
     def every_cell_within(self) -> bool:
         """Whether the confirmation rule fails a candidate at its first cell outside tolerance
-        (`worst`, `setting`), so it need not train the rest."""
+        (`worst`, `validate`), so it need not train the rest."""
         return self.confirm_rule != "bound"
 
     def confirm_ignored(self) -> bool:
@@ -289,6 +291,8 @@ def parse_spec(data: dict[str, Any], workload: str) -> CalibrationSpec:
         confirm_candidates=typed(confirm.get("candidates", 3), int, "confirm.candidates"),
         confirm_rule=typed(confirm.get("rule", "worst"), str, "confirm.rule"),
         confirm_repairs=typed(confirm.get("repairs", 1), int, "confirm.repairs"),
+        confirm_validate_seeds=typed(confirm.get("validate_seeds", 5), int,
+                                     "confirm.validate_seeds"),
         **kw,
     )
     if "eval_every" not in data and "steps" in data:
@@ -349,6 +353,9 @@ def check_spec(spec: CalibrationSpec) -> CalibrationSpec:
     if spec.confirm_rule not in CONFIRM_RULES:
         raise InputError(f"confirm.rule: one of {', '.join(CONFIRM_RULES)}, got "
                          f"{spec.confirm_rule!r}")
+    if not 1 <= spec.confirm_validate_seeds <= 100:
+        raise InputError(f"confirm.validate_seeds must be in [1, 100], got "
+                         f"{spec.confirm_validate_seeds}")
     if not 1 <= spec.confirm_candidates <= 100:
         raise InputError(f"confirm.candidates must be in [1, 100], got {spec.confirm_candidates}")
     if not 0 <= spec.confirm_repairs <= MAX_REPAIRS:

@@ -83,8 +83,9 @@ def calibrate_cmd(
     confirm_rule: str = typer.Option(None, "--confirm-rule", help="worst (every cell within "
                                      "tolerance, validate's rule), bound (the 95 % "
                                      "prediction bound for one more seed within it) or "
-                                     "setting (every cell, and that bound in each length and "
-                                     "world size: docs/calibration.md, 'Confirmation')."),
+                                     "validate (every cell, and the worst of the spec's "
+                                     "validate_seeds more seeds within it at 95 %: "
+                                     "docs/calibration.md, 'Confirmation')."),
     confirm_repairs: int = typer.Option(None, "--confirm-repairs", help="When no candidate "
                                         "holds: rounds that retrain the cheapest that failed "
                                         "with one region on fp32 (default 1; 0: none, so the "
@@ -327,13 +328,13 @@ def _routes(best: dict[str, Any]) -> Table:
 
 def _confirmation(doc: dict[str, Any]) -> Table:
     cost = doc["cost"]
-    # the bound the rule judges by: per setting under `setting`, else over all the cells
-    key = "setting_bound95" if doc["rule"] == "setting" else "bound95"
+    # the bound the rule judges by: for the worst of several seeds under `validate`
+    key = "validate_bound95" if doc["rule"] == "validate" else "bound95"
     table = Table(title=f"confirmation ({doc['rule']} rule): {len(doc['cells']) + 1} cells, "
                         f"{cost['runs']} runs, {cost['train_steps']:,} steps, "
                         f"{cost['wall_s'] / 60:.1f} min"
-                        + ("; bound95: the largest per length and world size"
-                           if key == "setting_bound95" else ""))
+                        + (f"; bound95: the worst of {doc.get('validate_seeds')} more seeds'"
+                           if key == "validate_bound95" else ""))
     home = doc["candidates"][0]["cells"][0].get("world_size") if doc["candidates"] else None
     last = "cells: seed/steps degradation (/wN: at N ranks)"
     for col in ("trial", "traffic", "status", "worst", "mean", "bound95", last):

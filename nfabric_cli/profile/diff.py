@@ -26,7 +26,7 @@ EVIDENCE_FIELDS: tuple[str, ...] = ("traffic_fraction", "metric_delta", "trials"
 #: What confirmation measured (`meta.proven`): evidence too. Its seeds, lengths, world size and
 #: rule, the range a profile claims, are metadata.
 EVIDENCE_META: tuple[str, ...] = ("proven.cells", "proven.worst_degradation", "proven.bound95",
-                                  "proven.setting_bound95")
+                                  "proven.validate_bound95")
 LONG_LIST = 8  # longer lists print as their length in tables (the JSON keeps them whole)
 _COMPARED = tuple(f for f in ROW_FIELDS if f not in ("region", "phase"))
 #: Route options of the same route, compared as it takes them: an unset `tau` and tau = 0.5

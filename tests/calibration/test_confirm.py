@@ -27,6 +27,7 @@ from nfabric_cli.calibration.choice import (
     verdicts,
 )
 from nfabric_cli.calibration.confirm import failed_first
+from nfabric_cli.calibration.outcome import rule_text
 from nfabric_cli.calibration.plot import failed_confirmation
 from nfabric_cli.calibration.publish import profile_key
 from nfabric_cli.calibration.repair import enqueue_repairs, raised
@@ -37,7 +38,6 @@ from nfabric_cli.calibration.workers import budgeted
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.profile.proven import outside_proven, proven_range
-from nfabric_cli.profile.target import setting_bound
 from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, Notes, tiny_spec, tiny_spec_dict, toml_text
 
@@ -281,8 +281,6 @@ def test_calibrate_confirms_at_other_world_sizes_and_records_them(tmp_path) -> N
     assert simulate_run(wl, two, 2, 40, 1, (40,), processes=1).metric == held["cells"][1]["metric"]
     proven = profile.meta["proven"]
     assert proven["world_size"] == 2 and proven["world_sizes"] == [2, 3]
-    # two cells a world size: the bound per setting, recorded beside the pooled one
-    assert proven["setting_bound95"] == pytest.approx(setting_bound(held["cells"]))
     assert proven["rule"] == "every cell within tolerance of its own fp32 reference"
     assert outside_proven(profile.meta, seeds=[0, 1], steps=40, world_size=3) == []
     [line] = outside_proven(profile.meta, seeds=[1], steps=40, world_size=4)
@@ -329,37 +327,48 @@ def test_the_bound_rule_asks_for_margin_the_worst_rule_does_not() -> None:
         tiny_spec(confirm={"rule": "median"})
 
 
-def test_the_setting_rule_asks_each_length_for_the_margin_the_pooled_bound_averages_away(
-        ) -> None:
-    """Every cell within tolerance and the pooled bound too, but the 40-step cells sit
-    higher than the 20-step ones: their own bound is out (lm.v11's case, across world
-    sizes), so the `setting` rule takes the dearer candidate the other two rules pass over."""
+def test_the_validate_rule_asks_the_margin_a_validation_of_several_seeds_needs() -> None:
+    """Every cell within tolerance and the 95 % bound for one more seed too, but spread out:
+    the worst of five more seeds (a `validate --seeds 0-4` run) would likely miss. The
+    `validate` rule takes the dearer candidate the other two pass; like `worst`, it stops a
+    candidate at its first cell outside tolerance."""
     ref = {"metric": 0.9}
-    at40, at20 = [0.03, 0.01, 0.04, 0.02], [0.01, -0.01, 0.02, 0.0]  # seeds 0-3
-    cells = {**{(seed, 40): 0.9 - d for seed, d in enumerate(at40) if seed},
-             **{(seed, 20): 0.9 - d for seed, d in enumerate(at20)}}
-    rows = {"edge": {"traffic": 0.05, "degr": at40[0], "cells": cells},
+    edge_degrs = [0.02, 0.01, 0.03, 0.02, 0.0, 0.025]  # seed 0 (the search's), then 1-5
+    rows = {"edge": {"traffic": 0.05, "degr": edge_degrs[0],
+                     "cells": {(seed, 40): 0.9 - d for seed, d in enumerate(edge_degrs) if seed}},
             "tight": {"traffic": 0.2, "degr": 0.0,
-                      "cells": {cell: 0.9 for cell in cells}}}
+                      "cells": {(seed, 40): 0.9 for seed in range(1, 6)}}}
     specs = {rule: tiny_spec(steps=40, eval_every=10, tolerance=0.05,
-                             confirm={"seeds": [1, 2, 3], "steps": [20], "rule": rule})
-             for rule in ("worst", "bound", "setting")}
+                             confirm={"seeds": [1, 2, 3, 4, 5], "rule": rule})
+             for rule in ("worst", "bound", "validate")}
     study = _study(specs["worst"], rows)
-    edge = verdicts(study, specs["setting"], True, ref)[0]
-    assert edge["worst_degradation"] == pytest.approx(0.04)
-    assert edge["bound95"] == pytest.approx(0.04722, abs=1e-5)
-    assert edge["setting_bound95"] == pytest.approx(0.05305, abs=1e-5)
-    assert setting_bound(edge["cells"]) == edge["setting_bound95"]
+    edge = verdicts(study, specs["validate"], True, ref)[0]
+    assert edge["worst_degradation"] == pytest.approx(0.03)
+    mean, sd = statistics.fmean(edge_degrs), statistics.stdev(edge_degrs)
+    assert edge["bound95"] == pytest.approx(mean + 2.015048 * sd * math.sqrt(7 / 6), rel=1e-5)
+    # t(0.95 ** (1 / 5), 5) = 3.346248
+    assert edge["validate_bound95"] == pytest.approx(
+        mean + 3.346248 * sd * math.sqrt(7 / 6), rel=1e-5)
+    assert edge["bound95"] < 0.05 < edge["validate_bound95"]
     won = {rule: robust_winner(study, spec, True, ref).user_attrs["key"]
            for rule, spec in specs.items()}
-    assert won == {"worst": "edge", "bound": "edge", "setting": "tight"}
-    # like the worst rule, it stops a candidate at its first cell outside tolerance
-    out = _study(specs["setting"], {"edge": {"traffic": 0.05, "degr": 0.0,
-                                             "cells": {(2, 20): 0.8}}})
-    assert verdicts(out, specs["setting"], True, ref)[0]["status"] == "fails"
-    assert failed_first(out, specs["setting"], True)[0] == (2, 20, None)
-    with pytest.raises(InputError, match="confirm.rule: one of worst, bound, setting"):
+    assert won == {"worst": "edge", "bound": "edge", "validate": "tight"}
+    # fewer seeds asked: less margin
+    one = tiny_spec(steps=40, eval_every=10, tolerance=0.05,
+                    confirm={"seeds": [1, 2, 3, 4, 5], "rule": "validate", "validate_seeds": 1})
+    assert verdicts(study, one, True, ref)[0]["validate_bound95"] == edge["bound95"]
+    out = _study(specs["validate"], {"edge": {"traffic": 0.05, "degr": 0.0,
+                                              "cells": {(4, 40): 0.8}}})
+    assert verdicts(out, specs["validate"], True, ref)[0]["status"] == "fails"
+    assert failed_first(out, specs["validate"], True)[0] == (4, 40, None)
+    assert rule_text(specs["validate"]) == (
+        "every cell within tolerance of its own fp32 reference, and the worst of 5 more seeds "
+        "within it at 95 % (the prediction bound for one more seed at 98.98%)")
+    assert rule_text(None) == rule_text(specs["worst"])
+    with pytest.raises(InputError, match="confirm.rule: one of worst, bound, validate"):
         tiny_spec(confirm={"rule": "median"})
+    with pytest.raises(InputError, match=r"confirm.validate_seeds must be in \[1, 100\], got 0"):
+        tiny_spec(confirm={"validate_seeds": 0})
 
 
 def test_a_study_resumed_by_other_code_names_the_results_it_did_not_train(

@@ -309,7 +309,7 @@ def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
     assert set(doc["best"]) >= {"trial", "traffic_fraction", "metric", "metric_delta", "routes"}
 
 
-@pytest.mark.parametrize("rule", ["worst", "setting"])
+@pytest.mark.parametrize("rule", ["worst", "validate"])
 def test_cli_prints_the_confirmation_table_with_other_world_sizes(
         tmp_path: Path, rule: str) -> None:
     """The candidates' table names a cell at another world size (`/w3`), which bound its
@@ -318,10 +318,15 @@ def test_cli_prints_the_confirmation_table_with_other_world_sizes(
                "--confirm-world-sizes", "3", "--confirm-seeds", "none", "--confirm-rule", rule)
     assert res.exit_code == 0, res.output
     assert f"confirmation ({rule} rule): 2 cells" in res.output
-    per_setting = "min; bound95: the largest per length and world size"
-    assert (per_setting in " ".join(res.output.split())) == (rule == "setting"), res.output
+    five = "min; bound95: the worst of 5 more seeds'"
+    assert (five in " ".join(res.output.split())) == (rule == "validate"), res.output
+    proven = read_profile(tmp_path / "o" / "tiny" / "tiny.v1.parquet").meta["proven"]
     rows = [ln for ln in res.output.splitlines() if ln.startswith("│")
             and ("holds" in ln or "fails" in ln)]
+    if rule == "worst":
+        assert proven["rule"] == "every cell within tolerance of its own fp32 reference"
+    else:  # two cells bound no five more seeds (t(0.99, 1) is 31): nothing holds, all fp32
+        assert proven == {"fp32": True} and all("fails" in ln for ln in rows), res.output
     # the search's own cell, then the same seed and length at three ranks
     assert rows and all("0/6 " in ln and "0/6/w3 " in ln for ln in rows), res.output
 
