@@ -283,10 +283,13 @@ def watch_static_graph(ddp_model: DistributedDataParallel) -> Any:
     ranks as at attach, `_set_static_graph()` called after it, hung at the first step."""
     ref = weakref.ref(ddp_model)
     sizes = _bucket_sizes(ddp_model)
+    static = bool(getattr(ddp_model, "static_graph", False))
 
     def check() -> None:
         ddp = ref()
-        if ddp is not None:
+        # only a static graph set since attach: one set before it passed attach's check (or
+        # DDP was past its first step then), and torch refuses the call once training started
+        if ddp is not None and not static:
             _check_static_graph(ddp, sizes, at_attach=False)
     return check
 

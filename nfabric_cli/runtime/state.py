@@ -373,8 +373,8 @@ class FabricState:
             raise self._foreign(params)
         if self._step_started is None:
             if self.first_step_check is not None:  # (raises on every rank alike: no hang)
-                check, self.first_step_check = self.first_step_check, None
-                check()
+                self.first_step_check()
+                self.first_step_check = None
             self._step_started = time.perf_counter()
             found = self._step_witness.reduction()
             if found is not None:  # said at the step's end, after its collectives (`_advance`)

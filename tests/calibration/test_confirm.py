@@ -38,6 +38,7 @@ from nfabric_cli.calibration.workers import budgeted
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile import read_profile
 from nfabric_cli.profile.proven import outside_proven, proven_range
+from nfabric_cli.profile.target import validation_bound
 from nfabric_cli.workloads.registry import get_workload
 from tests.calibration.helpers import TINY, Notes, tiny_spec, tiny_spec_dict, toml_text
 
@@ -86,6 +87,12 @@ def test_a_multi_objective_study_has_no_confirmation_cells_and_one_profile_key()
     # a study with a warm start's trial is keyed apart: since that trial is always a candidate,
     # a study published before may name another winner, and must not report the old profile
     assert profile_key(5, tpe, warm=True) != profile_key(5, tpe)
+    # the validate rule's seeds name the profile (another count may hold another winner); the
+    # other rules ignore them, and keep the names they had before the key existed
+    keys = {profile_key(5, tiny_spec(confirm={**grid, "rule": rule, "validate_seeds": m}))
+            for rule in ("worst", "validate") for m in (5, 10)}
+    assert len(keys) == 3 and profile_key(5, tiny_spec(confirm={
+        **grid, "validate_seeds": 10})) == profile_key(5, tpe)
     with pytest.raises(InputError, match="confirm: 89 cells"):
         tiny_spec(sampler="nsga2", confirm={"seeds": list(range(1, 10)),
                                              "steps": list(range(10, 90, 10))})
@@ -282,6 +289,9 @@ def test_calibrate_confirms_at_other_world_sizes_and_records_them(tmp_path) -> N
     proven = profile.meta["proven"]
     assert proven["world_size"] == 2 and proven["world_sizes"] == [2, 3]
     assert proven["rule"] == "every cell within tolerance of its own fp32 reference"
+    # recorded whatever the rule: the bound the worst of five more seeds stays under
+    assert proven["validate_seeds"] == 5 and proven["validate_bound95"] == validation_bound(
+        [c["degradation"] for c in held["cells"]], 5)
     assert outside_proven(profile.meta, seeds=[0, 1], steps=40, world_size=3) == []
     [line] = outside_proven(profile.meta, seeds=[1], steps=40, world_size=4)
     assert "seeds 0, 1 at 40 steps, world sizes 2, 3; outside that range here: world size 4" in line
@@ -329,7 +339,7 @@ def test_the_bound_rule_asks_for_margin_the_worst_rule_does_not() -> None:
 
 def test_the_validate_rule_asks_the_margin_a_validation_of_several_seeds_needs() -> None:
     """Every cell within tolerance and the 95 % bound for one more seed too, but spread out:
-    the worst of five more seeds (a `validate --seeds 0-4` run) would likely miss. The
+    the worst of five more seeds (one validation on five unseen seeds) would likely miss. The
     `validate` rule takes the dearer candidate the other two pass; like `worst`, it stops a
     candidate at its first cell outside tolerance."""
     ref = {"metric": 0.9}

@@ -44,8 +44,6 @@ def test_a_diverged_fp32_reference_is_refused_in_one_line() -> None:
             require_finite_reference(bad, "(seed 1, 600 steps)")
 
 
-
-
 def test_the_validation_bound_covers_the_worst_of_several_new_seeds() -> None:
     # lm.v11's recorded cells (nats; seeds 0-9, 600 steps, four ranks then two)
     cells = [0.03603, 0.03035, 0.03568, -0.00335, 0.00931, 0.01049, 0.04825, 0.02298, 0.00641,
