@@ -4,38 +4,36 @@ A loop that accumulates gradients over micro-batches without ``ddp.no_sync()`` i
 plain DDP (it reduces every micro-batch: slower, the same result), but DDP calls the hook, and
 the fabric counts a step, on every micro-batch: the phases run that many times too fast, the
 monitor judges partial gradients, and a low-bit route compresses the part of ``.grad`` already
-reduced once more. Nothing in the hook tells a micro-batch from a step; the optimizer does. A
-global optimizer step hook (``torch.optim``'s, held weakly) counts the steps of optimizers over
-the model's parameters, and at each reduction the witness notes whether one came since the
-last. Half a window or more without one, in `RUNS` or more separate runs, is several
-reductions per optimizer step: accumulation (two micro-batches a step: 16 runs of one), or
-several backward passes per step by design (SAM, a GAN's generator loss through a DDP
-discriminator), which the fabric counts as steps too. One long run is not: a rank that joined
-early under `Join` (uneven inputs) reduces zeros without stepping until the others are done.
-A `GradScaler` that skips steps reads the same way while its skips fall in 4 or more runs
-of 16 in a window, which a healthy run's few skips at the start never do.
+reduced once more. Nothing in the hook tells a micro-batch from a step; the optimizer does. A global
+optimizer step hook (``torch.optim``'s, held weakly) counts the steps of optimizers over the
+model's parameters, and the witness measures each step's run: the reductions since the step
+before. `RUNS` steps in a row after two or more reductions each are several reductions per
+optimizer step: accumulation (k micro-batches a step: runs of k, found at reduction
+``RUNS * k + 1``, whatever k), or several backward passes per step by design (SAM, a GAN's
+generator loss through a DDP discriminator), which the fabric counts as steps too. A run no
+step ends is never judged: a rank that joined early under `Join` (uneven inputs) reduces
+zeros without stepping until the others are done. A `GradScaler` that skips a step (no
+``optimizer.step()``) makes one run of two or more: its skips at the start of a run are one
+run, and a healthy run's later skips are far apart; only a skip before each of `RUNS` steps
+in a row would read as accumulation.
 
 Not seen: optimizers outside ``torch.optim.Optimizer``; reductions before the first step of one
-over the model's parameters (a run that never steps one is never judged); parameters an
-optimizer gained by ``add_param_group`` after its first step (ownership is decided then);
-accumulation over 15 or more micro-batches (3 runs or fewer in any window; over 11-14 it is
-found once a window holds 4).
+over the model's parameters only (a run that never steps one is never judged); parameters an
+optimizer gained by ``add_param_group`` after its first step (ownership is decided then).
+(Until session 67 the rule was 16 of the last 32 reductions without a step, in 4 or more runs:
+blind from 15 micro-batches a step, 3 runs a window at most.)
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-#: reductions judged together; how many of them without an optimizer step after them, in how
-#: many separate runs, mean several per step (2 micro-batches a step: 16 of 32, in 16 runs)
-WINDOW = 32
-UNSTEPPED = 16
+#: optimizer steps in a row that each came after two or more reductions: several a step
 RUNS = 4
 
 
@@ -47,8 +45,9 @@ class StepWitness:
         # per optimizer, whether it steps any of the parameters (decided at its first step)
         self._owns: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         self.steps = 0  # optimizer steps over the parameters since attach
-        self._at_last: int | None = None  # `steps` at the last reduction
-        self._unstepped: deque[bool] = deque(maxlen=WINDOW)
+        self._at_last = 0  # `steps` at the last reduction
+        self._run = 0  # reductions since the last optimizer step
+        self._runs: list[int] = []  # the runs of the last steps in a row, each of two or more
         me = weakref.ref(self)  # the hook is global: it must not keep a closed state alive
 
         def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -74,24 +73,20 @@ class StepWitness:
         if owns:
             self.steps += 1
 
-    def reduction(self) -> int | None:
-        """Note a reduction (a step's first bucket). Returns, once, how many of the last
-        `WINDOW` reductions no optimizer step followed, when that is `UNSTEPPED` or more in
-        `RUNS` or more separate runs."""
+    def reduction(self) -> list[int] | None:
+        """Note a reduction (a step's first bucket). Returns, once, the runs (reductions per
+        optimizer step) of the last `RUNS` steps when each was two or more."""
         if not self._remove.alive:  # judged (or closed): nothing more to note
             return None
-        if self._at_last is not None and self.steps > 0:  # (judged from the first step on)
-            self._unstepped.append(self.steps == self._at_last)
+        if self.steps != self._at_last:  # a step ended the run before this reduction
+            self._runs = self._runs + [self._run] if self._run >= 2 else []
+            self._run = 0
         self._at_last = self.steps
-        if len(self._unstepped) < WINDOW:
-            return None
-        marks = list(self._unstepped)
-        unstepped = sum(marks)
-        runs = sum(m and not before for before, m in zip([False, *marks[:-1]], marks, strict=True))
-        if unstepped < UNSTEPPED or runs < RUNS:
+        self._run += 1
+        if len(self._runs) < RUNS:
             return None
         self._remove()  # said once: the global hook stops counting
-        return unstepped
+        return self._runs
 
     def close(self) -> None:
         """Stop counting (the state closed)."""
@@ -104,11 +99,14 @@ NO_SYNC_HINT = ("with gradient accumulation, total_steps counts optimizer steps,
                 "ddp.no_sync()")
 
 
-def accumulation_warning(unstepped: int) -> str:
-    """The line for `StepWitness.reduction`'s finding."""
-    return (f"nfabric: {unstepped} of the last {WINDOW} reductions had no optimizer step after "
-            "them, and nfabric counts each reduction as a step (phases placed by total_steps "
-            "run that many times too fast): gradient accumulation without ddp.no_sync()? Then "
-            "low-bit routes also compress the part of .grad already reduced again: run every "
-            "micro-batch but the last under `with ddp.no_sync():`. Several backward passes per "
-            "step by design (SAM, a GAN): pass total_steps in reductions")
+def accumulation_warning(runs: list[int]) -> str:
+    """The line for `StepWitness.reduction`'s finding: the runs it found."""
+    lo, hi = min(runs), max(runs)
+    each = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    return (f"nfabric: each of the last {len(runs)} optimizer steps came after {each} "
+            "reductions, and nfabric counts each reduction as a step (phases placed by "
+            "total_steps run that many times too fast): gradient accumulation without "
+            "ddp.no_sync()? Then low-bit routes also compress the part of .grad already "
+            "reduced again: run every micro-batch but the last under `with ddp.no_sync():`. "
+            "Several backward passes per step by design (SAM, a GAN): pass total_steps in "
+            "reductions")

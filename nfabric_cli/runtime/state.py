@@ -151,7 +151,7 @@ class FabricState:
         self._names = {id(tp.param): tp.name for tp in params}
         # whether optimizer steps follow the reductions (accumulation without no_sync)
         self._step_witness = StepWitness(tp.param for tp in params)
-        self._accumulation_found: int | None = None
+        self._accumulation_found: list[int] | None = None
         self.device = params[0].param.device if params else torch.device("cpu")
         self.controller = StepController(bindings, self.total_steps, self.world_size, self._log,
                                          monitor=monitor, gate=gate, nonfinite=nonfinite)

@@ -10,15 +10,16 @@ import pytest
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
-from nfabric_cli.runtime.accumulation import UNSTEPPED, WINDOW, StepWitness
+from nfabric_cli.runtime.accumulation import RUNS, StepWitness
 from tests.distutil import run_ranks
 from tests.runtime.models import tiny_ddp
 
 
-def _reductions(witness: StepWitness, opt: torch.optim.Optimizer, stepped) -> list[int]:
-    """Reductions, an optimizer step after each where `stepped(i)`: where the witness spoke."""
+def _reductions(witness: StepWitness, opt: torch.optim.Optimizer, stepped) -> list:
+    """128 reductions, an optimizer step after each where `stepped(i)`: where the witness
+    spoke, and what it found."""
     said = []
-    for i in range(4 * WINDOW):
+    for i in range(128):
         found = witness.reduction()
         if found is not None:
             said.append((i, found))
@@ -33,18 +34,23 @@ def _every(k: int):  # noqa: ANN202
 
 @pytest.mark.parametrize(("stepped", "said"), [
     (_every(1), []),  # one reduction per optimizer step: never
-    # the first full window judged from the first step on (after reduction 1, 3 or 7), only then
-    (_every(2), [(WINDOW + 1, UNSTEPPED)]),
-    (_every(4), [(WINDOW + 3, WINDOW * 3 // 4)]),
-    (_every(8), [(WINDOW + 7, WINDOW * 7 // 8)]),
-    (_every(14), [(57, 29)]),  # only once a window holds four runs (of up to 13)
-    (_every(15), []),  # three runs a window at most: not judged (the module's "Not seen")
+    # k micro-batches a step: found at the reduction after the fourth step, whatever k (the
+    # window rule before it was blind from 15)
+    (_every(2), [(8, [2] * RUNS)]),
+    (_every(4), [(16, [4] * RUNS)]),
+    (_every(14), [(56, [14] * RUNS)]),
+    (_every(15), [(60, [15] * RUNS)]),
+    (_every(30), [(120, [30] * RUNS)]),
+    (lambda i: i % 5 in (1, 4), [(10, [2, 3, 2, 3])]),  # 2 and 3 in turn
+    # three steps in a row after two, then one after one: the count starts again
+    (lambda i: i % 7 in (1, 3, 5, 6), []),
     # a rank that joined early (Join, uneven inputs) reduces zeros without stepping: one long
     # run, then (the next epoch) one reduction a step again
-    (lambda i: i < 12 or i >= 12 + 2 * WINDOW, []),
-    (lambda i: i < 12 or i >= 12 + UNSTEPPED + 4, []),
-], ids=["1", "2", "4", "8", "14", "15", "joined", "joined-then-on"])
-def test_reductions_without_an_optimizer_step_between_them_are_found_once(stepped, said):
+    (lambda i: i < 12 or i >= 12 + 64, []),
+    # a GradScaler's skips at the start (no optimizer.step()), and one now and then later
+    (lambda i: i >= 5 and i % 9 != 0, []),
+], ids=["1", "2", "4", "14", "15", "30", "2-3", "3-then-1", "joined", "scaler-skips"])
+def test_optimizer_steps_after_several_reductions_each_are_found_once(stepped, said):
     w = torch.nn.Parameter(torch.zeros(3))
     witness = StepWitness([w])
     opt = torch.optim.SGD([w], lr=0.1)
@@ -87,7 +93,7 @@ def test_only_steps_of_the_models_own_optimizers_count_and_a_closed_witness_coun
     assert len(_global_optimizer_post_hooks) == hooks
 
 
-STEPS = WINDOW // 2 + 2  # optimizer steps, two micro-batches each: a window judged and more
+STEPS = 18  # optimizer steps, two micro-batches each: found at the ninth reduction
 
 
 def _said(state, train) -> list:  # noqa: ANN001
@@ -124,13 +130,14 @@ def _worker(rank: int, world: int, no_sync: bool) -> list[str]:
 @pytest.mark.parametrize("no_sync", [False, True])
 def test_accumulation_without_no_sync_is_named_once_and_with_it_nothing(no_sync: bool) -> None:
     (steps0, *said0), (steps1, *said1) = run_ranks(_worker, 2, no_sync)
-    assert not [s for s in said1 if "reductions had no" in s]  # rank 0 speaks for the run
+    assert not [s for s in said1 if "optimizer steps came" in s]  # rank 0 speaks for the run
     if no_sync:  # one reduction, one fabric step, per optimizer step
         assert steps0 == steps1 == STEPS and said0 == []
         return
     assert steps0 == steps1 == 2 * STEPS  # every micro-batch reduced, counted as a step
-    (found,) = [s for s in said0 if "reductions had no optimizer step" in s]
-    assert found.startswith(f"nfabric: {UNSTEPPED} of the last {WINDOW} reductions")
+    (found,) = [s for s in said0 if "optimizer steps came after" in s]
+    assert found.startswith(f"nfabric: each of the last {RUNS} optimizer steps came after 2 "
+                            "reductions, and nfabric counts each reduction as a step")
     assert "gradient accumulation without ddp.no_sync()?" in found
     assert "under `with ddp.no_sync():`" in found
     # past total_steps halfway through the run, the warning names the same cause
@@ -163,6 +170,6 @@ def _joined_worker(rank: int, world: int) -> list[str]:
 
 def test_a_rank_that_joined_early_is_not_named() -> None:
     """Under `Join` the rank that ran out reduces zeros, one reduction per step of the others,
-    with no optimizer step of its own: 20 of its last 32 reductions (the first version warned
-    there), in one run."""
+    with no optimizer step of its own: one run of 20 that no step ends (a window rule of the
+    first version warned there)."""
     assert run_ranks(_joined_worker, 2) == [[JOINED_STEPS]] * 2
