@@ -15,11 +15,11 @@ step ends is never judged: a rank that joined early under `Join` (uneven inputs)
 zeros without stepping until the others are done. A `GradScaler` that skips a step (no
 ``optimizer.step()``) makes one run of two or more: its skips at the start of a run are one
 run, and a healthy run's later skips are far apart; only a skip before each of `RUNS` steps
-in a row would read as accumulation.
+in a row (the start's run among them) would read as accumulation. Several optimizers over the
+model that step together end one run.
 
-Not seen: optimizers outside ``torch.optim.Optimizer``; reductions before the first step of one
-over the model's parameters only (a run that never steps one is never judged); parameters an
-optimizer gained by ``add_param_group`` after its first step (ownership is decided then).
+Not seen: optimizers outside ``torch.optim.Optimizer``; parameters an optimizer gained by
+``add_param_group`` after its first step (ownership is decided then).
 (Until session 67 the rule was 16 of the last 32 reductions without a step, in 4 or more runs:
 blind from 15 micro-batches a step, 3 runs a window at most.)
 """

@@ -63,6 +63,25 @@ class _Unhashable(torch.optim.SGD):
         return self is other
 
 
+def test_two_optimizers_over_the_model_end_one_run() -> None:
+    """Two optimizers over the model (Muon beside AdamW, say) step together: two steps
+    between two reductions end one run, and a step per reduction is never named."""
+    w, v = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(3))
+    for k, said in ((1, []), (2, [(8, [2] * RUNS)])):
+        witness = StepWitness([w, v])
+        a, b = torch.optim.SGD([w], lr=0.1), torch.optim.Adam([v])
+        found = []
+        for i in range(32):
+            if (r := witness.reduction()) is not None:
+                found.append((i, r))
+            if (i + 1) % k == 0:
+                a.step()
+                b.step()
+        # (two per boundary; judged at 8: the hook is gone, nothing counted after)
+        assert found == said and witness.steps == (2 * 32 if not said else 2 * RUNS)
+        witness.close()
+
+
 def test_the_global_hook_never_fails_an_optimizers_step():
     w = torch.nn.Parameter(torch.ones(3))
     witness = StepWitness([w])
