@@ -15,7 +15,9 @@ candidate holds when every cell is within tolerance of that cell's reference; a 
 stops at its first failing cell (`confirm.failed_first` trains the cells earlier candidates
 failed on first). `rule = "bound"` asks more:
 the one-sided 95 % prediction bound for one more seed, from the candidate's cells, within
-tolerance (every cell is trained). Of the candidates that hold, the one with the least traffic
+tolerance (every cell is trained). `rule = "validate"` asks both, every cell and room for the
+worst of `confirm.validate_seeds` more seeds at 95 % (`target.validation_bound`): what a
+`validate --seeds` run on that many unseen seeds checks. Of the candidates that hold, the one with the least traffic
 over its cells wins (a profile whose monitor falls back on other seeds or world sizes sends
 those fp32 steps too): after a candidate holds, the next ones are confirmed only while their
 search traffic is below its mean over the cells. When none holds, repairs (`repair.py`) add
@@ -187,6 +189,11 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
         a = t.user_attrs
         out["repair"] = {"of": a["repair_of"], "round": a["repair_round"], "region": a["region"]}
     return out
+
+
+def judged_bound(rule: str) -> str:
+    """The verdict key of the bound a confirmation rule judges by (and tables print)."""
+    return "validate_bound95" if rule == "validate" else "bound95"
 
 
 def beaten(search_traffic: float, best: dict[str, Any] | None) -> bool:

@@ -22,6 +22,7 @@ from nfabric_cli.calibration.choice import (
     cell_job,
     cell_verdict,
     config_of,
+    judged_bound,
     pending,
     reference_job,
 )
@@ -69,7 +70,7 @@ def confirm(cal: Calibrator, study: optuna.Study) -> None:
                 break
         else:
             mine = candidate_verdict(trial, study.user_attrs, spec, higher, cal.reference)
-            key95 = "validate_bound95" if spec.confirm_rule == "validate" else "bound95"
+            key95 = judged_bound(spec.confirm_rule)
             bound = "n/a" if mine[key95] is None else f"{mine[key95]:+.4f}"
             if mine["status"] == "holds":
                 cal.sink.note(f"trial {trial.number} holds on every confirmation cell "

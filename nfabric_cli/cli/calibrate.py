@@ -327,13 +327,14 @@ def _routes(best: dict[str, Any]) -> Table:
 
 
 def _confirmation(doc: dict[str, Any]) -> Table:
+    from nfabric_cli.calibration.choice import judged_bound
+
     cost = doc["cost"]
-    # the bound the rule judges by: for the worst of several seeds under `validate`
-    key = "validate_bound95" if doc["rule"] == "validate" else "bound95"
+    key = judged_bound(doc["rule"])  # for the worst of several seeds under `validate`
     table = Table(title=f"confirmation ({doc['rule']} rule): {len(doc['cells']) + 1} cells, "
                         f"{cost['runs']} runs, {cost['train_steps']:,} steps, "
                         f"{cost['wall_s'] / 60:.1f} min"
-                        + (f"; bound95: the worst of {doc.get('validate_seeds')} more seeds'"
+                        + (f"; bound95: for the worst of {doc['validate_seeds']} more seeds"
                            if key == "validate_bound95" else ""))
     home = doc["candidates"][0]["cells"][0].get("world_size") if doc["candidates"] else None
     last = "cells: seed/steps degradation (/wN: at N ranks)"

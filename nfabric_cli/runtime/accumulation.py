@@ -1,4 +1,4 @@
-"""Gradient accumulation without `no_sync`: reductions that no optimizer step follows.
+"""Gradient accumulation without `no_sync`: optimizer steps that each follow several reductions.
 
 A loop that accumulates gradients over micro-batches without ``ddp.no_sync()`` is legal in
 plain DDP (it reduces every micro-batch: slower, the same result), but DDP calls the hook, and
@@ -13,15 +13,13 @@ optimizer step: accumulation (k micro-batches a step: runs of k, found at reduct
 generator loss through a DDP discriminator), which the fabric counts as steps too. A run no
 step ends is never judged: a rank that joined early under `Join` (uneven inputs) reduces
 zeros without stepping until the others are done. A `GradScaler` that skips a step (no
-``optimizer.step()``) makes one run of two or more: its skips at the start of a run are one
-run, and a healthy run's later skips are far apart; only a skip before each of `RUNS` steps
+``optimizer.step()``) makes one run of two or more: its skips at the start of training make
+one run, and a healthy run's later skips are far apart; only a skip before each of `RUNS` steps
 in a row (the start's run among them) would read as accumulation. Several optimizers over the
 model that step together end one run.
 
 Not seen: optimizers outside ``torch.optim.Optimizer``; parameters an optimizer gained by
 ``add_param_group`` after its first step (ownership is decided then).
-(Until session 67 the rule was 16 of the last 32 reductions without a step, in 4 or more runs:
-blind from 15 micro-batches a step, 3 runs a window at most.)
 """
 
 from __future__ import annotations

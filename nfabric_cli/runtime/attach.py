@@ -16,6 +16,7 @@ import logging
 import os
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -277,19 +278,20 @@ def _check_static_graph(ddp_model: DistributedDataParallel, sizes: list[int] | N
                          "bucket_cap_mb_list)")
 
 
-def watch_static_graph(ddp_model: DistributedDataParallel) -> Any:
+def watch_static_graph(ddp_model: DistributedDataParallel) -> Callable[[], None] | None:
     """The check `FabricState` runs at its first step's first bucket (`_check_static_graph`,
     for a static graph set after attach), holding the model weakly; measured: the same two
-    ranks as at attach, `_set_static_graph()` called after it, hung at the first step."""
+    ranks as at attach, `_set_static_graph()` called after it, hung at the first step. None
+    when the graph is static already: that passed attach's check (or DDP was past its first
+    step then), and torch refuses the call once training has started."""
+    if getattr(ddp_model, "static_graph", False):
+        return None
     ref = weakref.ref(ddp_model)
     sizes = _bucket_sizes(ddp_model)
-    static = bool(getattr(ddp_model, "static_graph", False))
 
     def check() -> None:
         ddp = ref()
-        # only a static graph set since attach: one set before it passed attach's check (or
-        # DDP was past its first step then), and torch refuses the call once training started
-        if ddp is not None and not static:
+        if ddp is not None:
             _check_static_graph(ddp, sizes, at_attach=False)
     return check
 

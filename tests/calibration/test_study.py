@@ -312,13 +312,13 @@ def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
 @pytest.mark.parametrize("rule", ["worst", "validate"])
 def test_cli_prints_the_confirmation_table_with_other_world_sizes(
         tmp_path: Path, rule: str) -> None:
-    """The candidates' table names a cell at another world size (`/w3`), which bound its
-    rule judges by, and the run exits 0."""
+    """The candidates' table names a cell at another world size (`/w3`) and, in its title,
+    the bound the rule judges by; the run exits 0."""
     res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o"),
                "--confirm-world-sizes", "3", "--confirm-seeds", "none", "--confirm-rule", rule)
     assert res.exit_code == 0, res.output
     assert f"confirmation ({rule} rule): 2 cells" in res.output
-    five = "min; bound95: the worst of 5 more seeds'"
+    five = "min; bound95: for the worst of 5 more seeds"
     assert (five in " ".join(res.output.split())) == (rule == "validate"), res.output
     proven = read_profile(tmp_path / "o" / "tiny" / "tiny.v1.parquet").meta["proven"]
     rows = [ln for ln in res.output.splitlines() if ln.startswith("│")

@@ -15,7 +15,8 @@ from tests.distutil import run_ranks
 from tests.runtime.models import tiny_ddp
 
 
-def _reductions(witness: StepWitness, opt: torch.optim.Optimizer, stepped) -> list:
+def _reductions(witness: StepWitness, opt: torch.optim.Optimizer,
+                stepped) -> list[tuple[int, list[int]]]:
     """128 reductions, an optimizer step after each where `stepped(i)`: where the witness
     spoke, and what it found."""
     said = []
@@ -34,8 +35,7 @@ def _every(k: int):  # noqa: ANN202
 
 @pytest.mark.parametrize(("stepped", "said"), [
     (_every(1), []),  # one reduction per optimizer step: never
-    # k micro-batches a step: found at the reduction after the fourth step, whatever k (the
-    # window rule before it was blind from 15)
+    # k micro-batches a step: found at the reduction after the fourth step, whatever k
     (_every(2), [(8, [2] * RUNS)]),
     (_every(4), [(16, [4] * RUNS)]),
     (_every(14), [(56, [14] * RUNS)]),
@@ -189,6 +189,5 @@ def _joined_worker(rank: int, world: int) -> list[str]:
 
 def test_a_rank_that_joined_early_is_not_named() -> None:
     """Under `Join` the rank that ran out reduces zeros, one reduction per step of the others,
-    with no optimizer step of its own: one run of 20 that no step ends (a window rule of the
-    first version warned there)."""
+    with no optimizer step of its own: one run of 20 that no step ends."""
     assert run_ranks(_joined_worker, 2) == [[JOINED_STEPS]] * 2
