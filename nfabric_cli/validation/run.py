@@ -52,12 +52,13 @@ class RunPlan:
 
     def outside_proven(self, seeds: list[int]) -> list[str]:
         """Where these seeds, the run's length or world size leave the profile's proven range,
-        and whether the data here is other than the data it was calibrated on."""
-        from nfabric_cli.profile.proven import other_data, outside_proven
+        whether its proof leaves room for the new seeds' worst, and whether the data here is
+        other than the data it was calibrated on."""
+        from nfabric_cli.profile.proven import other_data, outside_proven, thin_margin
 
         return outside_proven(self.profile_meta, seeds=seeds, steps=self.cfg.steps,
-                              world_size=self.cfg.world_size) + other_data(
-            self.profile_meta, self.data_fingerprint)
+                              world_size=self.cfg.world_size) + thin_margin(
+            self.profile_meta, seeds) + other_data(self.profile_meta, self.data_fingerprint)
 
 
 @dataclass

@@ -23,3 +23,29 @@ def test_other_data_is_one_sentence_naming_both_fingerprints() -> None:
     cfg = SimpleNamespace(steps=60, world_size=2)
     assert RunPlan(cfg, "glyphs", True, meta, "5a4bb1fd87fb" + "1" * 52).outside_proven([0]) == [line]
     assert RunPlan(cfg, "glyphs", True, meta, "06c77cafaa94" + "0" * 52).outside_proven([0]) == []
+
+
+def test_a_proof_without_room_for_the_new_seeds_worst_is_said() -> None:
+    """lm.v11's 20 cells bound the worst of five new seeds past its tolerance (one of seeds
+    10-14 missed); lm.v12's leave room for ten; seeds it was proven on are not new."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from nfabric_cli.profile.proven import thin_margin
+    from nfabric_cli.profile.store import read_profile
+    from nfabric_cli.validation.run import RunPlan
+
+    root = Path(__file__).resolve().parents[2] / "profiles" / "lm"
+    v11, v12 = (read_profile(root / f"lm.{v}.parquet").meta for v in ("v11", "v12"))
+    [line] = thin_margin(v11, list(range(10, 15)))
+    assert line == ("the profile's proof leaves no room for the worst of 5 new seeds: its 20 "
+                    "cells bound it at +0.06206 (95 %) against a tolerance of 0.05, so a seed "
+                    "may miss (calibrate's validate rule asks for that room: "
+                    "docs/calibration.md, 'The rule')")
+    assert thin_margin(v11, [0, 1, 2, 3, 4]) == []  # proven seeds: nothing new to bound
+    assert thin_margin(v11, [10]) == []  # one new seed: its 95 % bound, +0.0478, is inside
+    assert thin_margin(v12, list(range(10, 20))) == []
+    assert thin_margin({"proven": {"fp32": True}}, [10]) == [] and thin_margin({}, [10]) == []
+    cfg = SimpleNamespace(steps=600, world_size=2)
+    lines = RunPlan(cfg, "lm", False, v11).outside_proven(list(range(10, 15)))
+    assert lines[1] == line and lines[0].startswith("the profile was proven on seeds 0,")
