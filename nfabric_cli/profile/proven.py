@@ -89,28 +89,31 @@ def outside_proven(meta: dict[str, Any], *, seeds: list[int] | None = None,
             f"{', '.join(out)} (a result there is not covered by calibration)"]
 
 
-def thin_margin(meta: dict[str, Any], seeds: list[int]) -> list[str]:
+def thin_margin(meta: dict[str, Any], seeds: list[int], tolerance: float) -> list[str]:
     """One sentence when the profile's proof leaves no room for the worst of this run's new
     seeds (those it was not proven on): the 95 % bound for the worst of that many
-    (`target.validation_bound`, over the recorded cells) is past the tolerance, so one of them
-    may well miss (`lm.v11`: five new seeds, bound +0.0621 against 0.05; one missed at
-    +0.0535). [] when the bound is within it, or the profile records no cells to bound with."""
+    (`target.validation_bound`, over the recorded cells) is past `tolerance` (the run's: the
+    profile's unless `--tolerance` says otherwise), so one of them may well miss (`lm.v11`:
+    five new seeds, bound +0.0621 against 0.05; one missed at +0.0535). [] when the bound is
+    within it, or the profile records no finite cells to bound with (hand-written)."""
+    import math
+
     from nfabric_cli.profile.target import validation_bound, within_tolerance
 
     rng, proven = proven_range(meta), meta.get("proven")
-    target = meta.get("target") if isinstance(meta.get("target"), dict) else {}
     new = [s for s in seeds if rng is None or s not in rng.seeds]
-    if rng is None or not new or not isinstance(proven, dict) or "tolerance" not in target:
+    cells = proven.get("cells") if isinstance(proven, dict) else None
+    if rng is None or not new or not isinstance(cells, list):
         return []
-    cells = [c["degradation"] for c in proven.get("cells") or []]
-    bound = validation_bound(cells, len(new))
-    if bound is None or within_tolerance(bound, target["tolerance"]):
+    degrs = [c.get("degradation") for c in cells if isinstance(c, dict)]
+    degrs = [float(d) for d in degrs if isinstance(d, (int, float)) and math.isfinite(d)]
+    bound = validation_bound(degrs, len(new)) if len(degrs) == len(cells) else None
+    if bound is None or within_tolerance(bound, tolerance):
         return []
     many = f"the worst of {len(new)} new seeds" if len(new) > 1 else "a new seed"
-    return [f"the profile's proof leaves no room for {many}: its {len(cells)} cells bound it at "
-            f"{bound:+.4g} (95 %) against a tolerance of {target['tolerance']:g}, so a seed "
-            "may miss (calibrate's validate rule asks for that room: docs/calibration.md, "
-            "'The rule')"]
+    return [f"the profile's proof leaves no room for {many}: its {len(degrs)} cells bound it at "
+            f"{bound:+.4g} (95 %) against a tolerance of {tolerance:g}, so a seed may miss "
+            "(calibrate's validate rule asks for that room: docs/calibration.md, 'The rule')"]
 
 
 def other_data(meta: dict[str, Any], fingerprint: str | None) -> list[str]:

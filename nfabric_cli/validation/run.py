@@ -58,7 +58,8 @@ class RunPlan:
 
         return outside_proven(self.profile_meta, seeds=seeds, steps=self.cfg.steps,
                               world_size=self.cfg.world_size) + thin_margin(
-            self.profile_meta, seeds) + other_data(self.profile_meta, self.data_fingerprint)
+            self.profile_meta, seeds, self.cfg.tolerance) + other_data(
+            self.profile_meta, self.data_fingerprint)
 
 
 @dataclass

@@ -20,7 +20,7 @@ def test_other_data_is_one_sentence_naming_both_fingerprints() -> None:
     assert other_data(meta, "06c77cafaa94" + "0" * 52) == []
     assert other_data(meta, None) == [] and other_data({}, "5a4bb1fd87fb") == []
     assert other_data({"provenance": "not a dict"}, "5a4bb1fd87fb") == []
-    cfg = SimpleNamespace(steps=60, world_size=2)
+    cfg = SimpleNamespace(steps=60, world_size=2, tolerance=0.02)
     assert RunPlan(cfg, "glyphs", True, meta, "5a4bb1fd87fb" + "1" * 52).outside_proven([0]) == [line]
     assert RunPlan(cfg, "glyphs", True, meta, "06c77cafaa94" + "0" * 52).outside_proven([0]) == []
 
@@ -37,15 +37,25 @@ def test_a_proof_without_room_for_the_new_seeds_worst_is_said() -> None:
 
     root = Path(__file__).resolve().parents[2] / "profiles" / "lm"
     v11, v12 = (read_profile(root / f"lm.{v}.parquet").meta for v in ("v11", "v12"))
-    [line] = thin_margin(v11, list(range(10, 15)))
+    [line] = thin_margin(v11, list(range(10, 15)), 0.05)
     assert line == ("the profile's proof leaves no room for the worst of 5 new seeds: its 20 "
                     "cells bound it at +0.06206 (95 %) against a tolerance of 0.05, so a seed "
                     "may miss (calibrate's validate rule asks for that room: "
                     "docs/calibration.md, 'The rule')")
-    assert thin_margin(v11, [0, 1, 2, 3, 4]) == []  # proven seeds: nothing new to bound
-    assert thin_margin(v11, [10]) == []  # one new seed: its 95 % bound, +0.0478, is inside
-    assert thin_margin(v12, list(range(10, 20))) == []
-    assert thin_margin({"proven": {"fp32": True}}, [10]) == [] and thin_margin({}, [10]) == []
-    cfg = SimpleNamespace(steps=600, world_size=2)
+    assert thin_margin(v11, [0, 1, 2, 3, 4], 0.05) == []  # proven seeds: nothing new to bound
+    assert thin_margin(v11, [10], 0.05) == []  # one new seed: its 95 % bound, +0.0478, inside
+    # the run's tolerance judges (`--tolerance`): wider, room; narrower, one seed has none
+    assert thin_margin(v11, list(range(10, 15)), 0.1) == []
+    [narrow] = thin_margin(v11, [10], 0.02)
+    assert narrow.startswith("the profile's proof leaves no room for a new seed: its 20 cells "
+                             "bound it at +0.04776 (95 %) against a tolerance of 0.02")
+    assert thin_margin(v12, list(range(10, 20)), 0.05) == []
+    assert thin_margin({"proven": {"fp32": True}}, [10], 0.05) == []
+    assert thin_margin({}, [10], 0.05) == []
+    # hand-written cells: one without a degradation, or a diverged one, bound nothing
+    for bad in ({"seed": 0}, {"degradation": None}, {"degradation": float("inf")}):
+        meta = {**v11, "proven": {**v11["proven"], "cells": [*v11["proven"]["cells"], bad]}}
+        assert thin_margin(meta, [10, 11, 12, 13, 14], 0.05) == []
+    cfg = SimpleNamespace(steps=600, world_size=2, tolerance=0.05)
     lines = RunPlan(cfg, "lm", False, v11).outside_proven(list(range(10, 15)))
     assert lines[1] == line and lines[0].startswith("the profile was proven on seeds 0,")
