@@ -173,18 +173,16 @@ def candidate_verdict(t: FrozenTrial, attrs: dict[str, Any], spec: CalibrationSp
     failed = spec.every_cell_within and not all(c["within"] for c in cells)
     status = "fails" if failed else "pending" if missing else "holds"
     degrs = [c["degradation"] for c in cells]
-    bound = prediction_bound(degrs)
-    for_validate = validation_bound(degrs, spec.confirm_validate_seeds)
-    judged = {"worst": None, "bound": bound, "validate": for_validate}[rule]
-    if status == "holds" and rule != "worst" and not within_tolerance(
-            judged if judged is not None else max(degrs), spec.tolerance):
-        status = "fails"
     traffic = [c["traffic_fraction"] for c in cells]
     out = {"trial": t.number, "traffic_fraction": t.user_attrs["traffic_fraction"],
            "status": status, "cells": cells, "worst_degradation": max(degrs),
-           "mean_degradation": sum(degrs) / len(degrs), "bound95": bound,
-           "validate_bound95": for_validate,
+           "mean_degradation": sum(degrs) / len(degrs), "bound95": prediction_bound(degrs),
+           "validate_bound95": validation_bound(degrs, spec.confirm_validate_seeds),
            "traffic_mean": sum(traffic) / len(traffic)}
+    judged = out[judged_bound(rule)]
+    if status == "holds" and rule != "worst" and not within_tolerance(
+            judged if judged is not None else max(degrs), spec.tolerance):
+        out["status"] = "fails"
     if t.user_attrs.get("kind") == REPAIR:
         a = t.user_attrs
         out["repair"] = {"of": a["repair_of"], "round": a["repair_round"], "region": a["region"]}

@@ -34,6 +34,7 @@ from nfabric_cli.calibration.strategy import pruner_label
 from nfabric_cli.calibration.study import StudyRun
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.provenance import base_provenance
+from nfabric_cli.profile.target import validation_quantile
 from nfabric_cli.profile.thresholds import HealthThresholds
 
 
@@ -203,7 +204,7 @@ def rule_text(spec: CalibrationSpec | None) -> str:
         return every
     return (f"{every}, and the worst of {spec.confirm_validate_seeds} more seeds within it at "
             "95 % (the prediction bound for one more seed at "
-            f"{0.95 ** (1 / spec.confirm_validate_seeds):.2%})")
+            f"{validation_quantile(spec.confirm_validate_seeds):.2%})")
 
 
 def _proven(run: StudyRun, winner: FrozenTrial, confirmation: dict[str, Any] | None

@@ -145,7 +145,7 @@ def create_state(
     trainable = trainable_parameters(module)  # the all-gather goes on their device (NCCL)
     device = trainable[0].param.device if trainable else torch.device("cpu")
     try:
-        bindings, steps, seed = _bind(ddp_model, source, total_steps, substrate, seed, monitor,
+        bindings, steps, seed, sizes = _bind(ddp_model, source, total_steps, substrate, seed, monitor,
                                       gate, nonfinite, trace_dir, _rehook)
     except Exception:  # (any failure: the other ranks must not wait for this one)
         check_ranks_agree(pg, None, device)  # the other ranks learn it, and raise
@@ -173,15 +173,17 @@ def create_state(
         monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
         direct_fp32=direct_fp32, nonfinite=nonfinite,
     )
-    state.first_step_check = watch_static_graph(ddp_model)
+    state.first_step_check = watch_static_graph(ddp_model, sizes)
     _LIVE.add(state)
     return state
 
 
 def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | None,
           substrate: Any, seed: Any, monitor: bool, gate: bool | str, nonfinite: str,
-          trace_dir: Any, rehook: bool) -> tuple[Bindings, int | None, int]:
-    """`create_state`'s checks and the bindings: (bindings, the run's steps, the seed)."""
+          trace_dir: Any, rehook: bool
+          ) -> tuple[Bindings, int | None, int, list[int] | None]:
+    """`create_state`'s checks and the bindings: (bindings, the run's steps, the seed, DDP's
+    bucket sizes as `_bucket_sizes` read them)."""
     if getattr(ddp_model, "_comm_hooks", None) and not rehook:  # one hook, for DDP's lifetime
         raise InputError("this DDP model already has a communication hook (another, or an "
                          "nfabric state still open): attach once per DDP model, before any "
@@ -225,7 +227,7 @@ def _bind(ddp_model: DistributedDataParallel, source: Any, total_steps: int | No
     steps = total_steps or bindings.total_steps
     if steps is None and len(bindings.phases) > 1:
         raise InputError("the profile has several phases: pass total_steps to attach")
-    return bindings, steps, whole
+    return bindings, steps, whole, sizes
 
 
 def _bucket_cap_mb(ddp_model: DistributedDataParallel) -> float | None:
@@ -278,16 +280,17 @@ def _check_static_graph(ddp_model: DistributedDataParallel, sizes: list[int] | N
                          "bucket_cap_mb_list)")
 
 
-def watch_static_graph(ddp_model: DistributedDataParallel) -> Callable[[], None] | None:
+def watch_static_graph(ddp_model: DistributedDataParallel,
+                       sizes: list[int] | None) -> Callable[[], None] | None:
     """The check `FabricState` runs at its first step's first bucket (`_check_static_graph`,
     for a static graph set after attach), holding the model weakly; measured: the same two
     ranks as at attach, `_set_static_graph()` called after it, hung at the first step. None
     when the graph is static already: that passed attach's check (or DDP was past its first
-    step then), and torch refuses the call once training has started."""
+    step then), and torch refuses the call once training has started. `sizes`: attach's
+    `_bucket_sizes`."""
     if getattr(ddp_model, "static_graph", False):
         return None
     ref = weakref.ref(ddp_model)
-    sizes = _bucket_sizes(ddp_model)
 
     def check() -> None:
         ddp = ref()
