@@ -26,17 +26,24 @@ from nfabric_cli.profile.thresholds import HealthThresholds
 
 #: What every rank must agree on, in the order `attach_facts` gives it.
 FACTS = ("the profile's routes, phases and bucket verdicts", "the health thresholds",
-         "the options (monitor, gate, nonfinite, dedicated_group)", "total_steps")
+         "the options (monitor, gate, nonfinite, dedicated_group)", "total_steps",
+         "the closed states' process group taken again")
+#: What to do about a fact that differs, where it is not the profile, options or total_steps.
+_HINTS = {FACTS[4]: "every rank must attach and close its nfabric states in the same order "
+                    "(runtime/groups.py)"}
 
 
-def attach_facts(bindings: Bindings, total_steps: int | None, options: Sequence[Any]) -> list[int]:
-    """`FACTS` as numbers: a digest where the text is long, total_steps itself (-1: None)."""
+def attach_facts(bindings: Bindings, total_steps: int | None, options: Sequence[Any],
+                 reused_group: str = "") -> list[int]:
+    """`FACTS` as numbers: a digest where the text is long, total_steps itself (-1: None);
+    `reused_group`: the name of the closed state's group this attach takes ('' for a new
+    one, `runtime/groups.py`)."""
     routes = repr([(b.name, sorted(b.routes.items()), sorted(b.regions.items()))
                    for b in bindings.params.values()])
     health = HealthThresholds.from_profile(bindings.meta).to_dict()  # as the monitor takes them
     return [_digest(repr(bindings.phases) + routes + repr(bindings.buckets)),
             _digest(repr(sorted(health.items()))), _digest(repr(tuple(options))),
-            -1 if total_steps is None else int(total_steps)]
+            -1 if total_steps is None else int(total_steps), _digest(reused_group)]
 
 
 def check_ranks_agree(group: Any, facts: list[int] | None, device: torch.device) -> None:
@@ -63,9 +70,10 @@ def check_ranks_agree(group: Any, facts: list[int] | None, device: torch.device)
             other = next(r for r, v in enumerate(values) if v != values[0])
             raise InputError(
                 f"ranks attach different fabrics: {what} differ ({_show(what, values[0])} on "
-                f"rank 0, {_show(what, values[other])} on rank {other}); every rank must "
-                "attach the same profile with the same total_steps and options, or their "
-                "collectives stop lining up")
+                f"rank 0, {_show(what, values[other])} on rank {other}); "
+                + _HINTS.get(what, "every rank must attach the same profile with the same "
+                                   "total_steps and options")
+                + ", or their collectives stop lining up")
 
 
 def _digest(text: str) -> int:

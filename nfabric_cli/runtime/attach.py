@@ -32,6 +32,7 @@ from nfabric_cli.binding.store import load_bindings_or_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.proven import outside_proven
+from nfabric_cli.runtime import groups
 from nfabric_cli.runtime.agreement import attach_facts, check_ranks_agree
 from nfabric_cli.runtime.controller import check_options
 from nfabric_cli.runtime.hook import fabric_hook
@@ -62,8 +63,9 @@ def attach(
     `source` is a profile (file or directory) or bindings file, or an `OperatingProfile` or
     `Bindings` object.
     `total_steps` places the phase boundaries (fractions of the run); it is required when the
-    profile has more than one phase and the bindings do not carry it. `dedicated_group=False`
-    reuses DDP's process group (needed when not every rank of WORLD calls `attach`).
+    profile has more than one phase and the bindings do not carry it. The hook's collectives
+    go on a copy of DDP's process group, a closed state's if there is one
+    (`runtime/groups.py`); `dedicated_group=False` sends them on DDP's own.
     `trace_dir` records per-bucket traces for `nfabric replay` (see `runtime/trace.py`).
     `gate`: the capacity gate (False: every bucket as written); ``"measure"``: with no
     substrate, time whole steps on the low-bit and fp32 paths and keep the faster (`probe.py`).
@@ -150,29 +152,27 @@ def create_state(
     except Exception:  # (any failure: the other ranks must not wait for this one)
         check_ranks_agree(pg, None, device)  # the other ranks learn it, and raise
         raise
-    check_ranks_agree(pg, attach_facts(bindings, steps,
-                                       (monitor, gate, nonfinite, dedicated_group)), device)
+    reuse = groups.reusable(pg) if dedicated_group else None
+    check_ranks_agree(pg, attach_facts(bindings, steps, (monitor, gate, nonfinite, dedicated_group),
+                                       groups.name(reuse)), device)
     world_size = dist.get_world_size(pg)
     if steps is not None and dist.get_rank(pg) == 0:
         for note in outside_proven(bindings.meta, steps=steps, world_size=world_size):
             warnings.warn(f"nfabric: {note}", stacklevel=3)
-    group = pg
-    if dedicated_group:
-        ranks = None if pg is None or pg == dist.group.WORLD else dist.get_process_group_ranks(pg)
-        # A subgroup's members alone create its copy (named from its ranks): DDP groups that
-        # split the world (replicas beside pipeline stages) each attach on their own ranks,
-        # and a world-wide `new_group` that only some ranks enter hangs their rendezvous.
-        group = dist.new_group(ranks=ranks, backend=dist.get_backend(pg),
-                               use_local_synchronization=ranks is not None)
+    group = groups.lend(pg, reuse) if dedicated_group else pg  # (a closed state's, or new)
     trace = None
     if trace_dir is not None:  # (checked writable in `_bind`)
         trace = TraceRecorder(trace_dir, dist.get_rank(group), dist.get_world_size(group),
                               dist.get_backend(group))
-    state = FabricState(
-        bindings, module, steps, group,
-        monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
-        direct_fp32=direct_fp32, nonfinite=nonfinite,
-    )
+    try:
+        state = FabricState(
+            bindings, module, steps, group,
+            monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,
+            direct_fp32=direct_fp32, nonfinite=nonfinite,
+        )
+    except BaseException:
+        groups.give_back(group)  # (no state holds it)
+        raise
     state.first_step_check = watch_static_graph(ddp_model, sizes)
     _LIVE.add(state)
     return state

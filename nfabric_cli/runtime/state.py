@@ -40,6 +40,7 @@ from nfabric_cli.routes.exchange import WHOLE
 from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels, whole_bucket
 from nfabric_cli.routes.spec import RouteSpec
+from nfabric_cli.runtime import groups
 from nfabric_cli.runtime.accumulation import NO_SYNC_HINT, StepWitness, accumulation_warning
 from nfabric_cli.runtime.agree import StatsRound
 from nfabric_cli.runtime.bucket import BucketJob
@@ -351,6 +352,7 @@ class FabricState:
             pool.shutdown(wait=True)
             self._step_witness.close()
             self.comm.release()  # the wire buffers (a bucket's size each): nothing is sent now
+            groups.give_back(self.comm.group)  # the next attach takes it (`runtime/groups.py`)
             if self.trace is not None:
                 self.trace.close()
             if (self.steps_known and self.step != self.total_steps and self.step > 0
