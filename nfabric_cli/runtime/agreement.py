@@ -29,8 +29,8 @@ FACTS = ("the profile's routes, phases and bucket verdicts", "the health thresho
          "the options (monitor, gate, nonfinite, dedicated_group)", "total_steps",
          "the closed states' process group taken again")
 #: What to do about a fact that differs, where it is not the profile, options or total_steps.
-_HINTS = {FACTS[4]: "every rank must attach and close its nfabric states in the same order "
-                    "(runtime/groups.py)"}
+_HINTS = {FACTS[4]: "every rank must have closed the same nfabric states before attaching "
+                    "again (runtime/groups.py)"}
 
 
 def attach_facts(bindings: Bindings, total_steps: int | None, options: Sequence[Any],

@@ -160,11 +160,11 @@ def create_state(
         for note in outside_proven(bindings.meta, steps=steps, world_size=world_size):
             warnings.warn(f"nfabric: {note}", stacklevel=3)
     group = groups.lend(pg, reuse) if dedicated_group else pg  # (a closed state's, or new)
-    trace = None
-    if trace_dir is not None:  # (checked writable in `_bind`)
-        trace = TraceRecorder(trace_dir, dist.get_rank(group), dist.get_world_size(group),
-                              dist.get_backend(group))
     try:
+        trace = None
+        if trace_dir is not None:  # (checked writable in `_bind`)
+            trace = TraceRecorder(trace_dir, dist.get_rank(group), dist.get_world_size(group),
+                                  dist.get_backend(group))
         state = FabricState(
             bindings, module, steps, group,
             monitor=monitor, gate=gate, injections=tuple(injections), seed=seed, trace=trace,

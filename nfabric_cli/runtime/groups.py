@@ -7,10 +7,11 @@ gloo each holds its threads and a socket per peer. Made anew at every attach, a 
 attaches again and again (a sweep in one process, the HF Trainer's `train()` called twice, a
 re-attach per phase) grew each of two ranks by 3 threads and 5 file descriptors an attach.
 So a closed state's group goes back here, and the next attach on the same DDP group takes it
-instead of making one. Groups are made in the same order on every rank, and `attach` checks
-that every rank takes the same one (`agreement.py`), so their collectives still line up.
-A group whose process group has been destroyed (`destroy_process_group`, then a new one) is
-forgotten, not lent.
+instead of making one: of several, the first by name (a group's name is the same on every rank
+that made it, whatever order each closed its states in). `attach` checks that every rank takes
+the same one (`agreement.py`), so their collectives still line up. The groups of a process
+group since destroyed (`destroy_process_group`, then a new one) are dropped at the next attach,
+not lent.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 _LOCK = threading.Lock()
-_FREE: dict[Any, list[Any]] = {}  # DDP's group -> copies no open state uses, oldest first
+_FREE: dict[Any, list[Any]] = {}  # DDP's group -> copies no open state uses
 _LENT: dict[Any, Any] = {}        # a copy an open state uses -> DDP's group it copies
 
 
@@ -49,7 +50,9 @@ def reusable(parent: Any) -> Any | None:
         for group in [g for g in _LENT if not _alive(g)]:
             del _LENT[group]
         free = _FREE.get(parent)
-        return free[0] if free else None
+        # by name, not in the order this rank closed them: ranks that closed the same states
+        # in another order (a set of states, iterated in id order) take the same one
+        return min(free, key=name) if free else None
 
 
 def lend(parent: Any, reuse: Any | None) -> Any:

@@ -36,14 +36,21 @@ def _again_and_again(rank: int, world: int) -> dict:
         state.close()
         groups.append(state.comm.group)
         counts.append(_threads_and_fds())
-    both = [attach(DDP(m), static_profile(m, "sign"), total_steps=2)
-            for m in (make_model(), make_model())]  # open together: two groups
-    names = [s.comm.group.group_name for s in both]
-    for s in both:
+    models = [make_model(), make_model()]
+    ddps = [DDP(m) for m in models]
+    both = [attach(d, static_profile(m, "sign"), total_steps=2) for d, m in zip(ddps, models, strict=True)]
+    names = [s.comm.group.group_name for s in both]  # open together: a group each
+    saved = sorted(state.state_dict()["ranks"])  # a closed state's gather, over a lent group
+    for d, m, s in zip(ddps, models, both, strict=True):
+        train_steps(d, torch.optim.SGD(m.parameters(), lr=0.1), s, rank, 0, 2)
+    for s in (both if rank == 0 else both[::-1]):  # closed in another order on each rank
         s.close()
+    again = attach(ddps[0], static_profile(models[0], "sign"), total_steps=2)
+    again.close()
     return {"same": all(g is groups[0] for g in groups), "counts": counts,
             "together": [names[0] != names[1], groups[0].group_name in names],
-            "dict": sorted(state.state_dict())}  # a closed state's, over the lent group
+            "dict": saved, "steps": [s.step for s in both],
+            "again": again.comm.group.group_name == min(names)}
 
 
 def test_attach_after_close_takes_the_closed_states_group() -> None:
@@ -53,7 +60,8 @@ def test_attach_after_close_takes_the_closed_states_group() -> None:
         assert r["same"]
         assert r["counts"][-1] == r["counts"][0], r["counts"]
         assert r["together"] == [True, True]
-        assert r["dict"]
+        assert r["dict"] == [0, 1]  # both ranks' parts
+        assert r["steps"] == [2, 2] and r["again"]
 
 
 def _out_of_order(rank: int, world: int) -> str:
@@ -72,9 +80,9 @@ def test_ranks_that_would_take_different_groups_are_refused() -> None:
     assert results[0] == results[1]
     assert results[0].startswith("ranks attach different fabrics: the closed states' process "
                                  "group taken again differ (digest ")
-    assert results[0].endswith("every rank must attach and close its nfabric states in the "
-                               "same order (runtime/groups.py), or their collectives stop "
-                               "lining up")
+    assert results[0].endswith("every rank must have closed the same nfabric states before "
+                               "attaching again (runtime/groups.py), or their collectives "
+                               "stop lining up")
 
 
 def _new_world(rank: int, world: int, folder: str) -> list:
