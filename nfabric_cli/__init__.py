@@ -33,12 +33,13 @@ _SOURCES = {
     "InputError": "nfabric_cli.errors",
     "CheckFailed": "nfabric_cli.errors",
     "exit_rank": "nfabric_cli.ranks.exit",
+    "AccumulationWarning": "nfabric_cli.runtime.accumulation",
 }
 
 __all__ = [
     "__version__", "attach", "FabricState", "fabric_hook", "compile_profile", "Bindings",
     "read_profile", "write_profile", "OperatingProfile", "Substrate", "InputError",
-    "CheckFailed", "exit_rank",
+    "CheckFailed", "exit_rank", "AccumulationWarning",
 ]
 assert __all__[1:] == list(_SOURCES)  # one list of names, said twice for type checkers
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from nfabric_cli.profile.operating import OperatingProfile
     from nfabric_cli.profile.store import read_profile, write_profile
     from nfabric_cli.ranks.exit import exit_rank
+    from nfabric_cli.runtime.accumulation import AccumulationWarning
     from nfabric_cli.runtime.attach import attach
     from nfabric_cli.runtime.hook import fabric_hook
     from nfabric_cli.runtime.state import FabricState

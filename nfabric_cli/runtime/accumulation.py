@@ -97,6 +97,13 @@ NO_SYNC_HINT = ("with gradient accumulation, total_steps counts optimizer steps,
                 "ddp.no_sync()")
 
 
+class AccumulationWarning(UserWarning):
+    """Optimizer steps that each came after several reductions (`accumulation_warning`): its
+    own category, so that a loop with several backward passes per step by design (a GAN's
+    discriminator, SAM) can silence it alone, ``warnings.filterwarnings("ignore",
+    category=nfabric_cli.AccumulationWarning)``."""
+
+
 def accumulation_warning(runs: list[int]) -> str:
     """The line for `StepWitness.reduction`'s finding: the runs it found."""
     lo, hi = min(runs), max(runs)
@@ -107,4 +114,4 @@ def accumulation_warning(runs: list[int]) -> str:
             "ddp.no_sync()? Then low-bit routes also compress the part of .grad already "
             "reduced again: run every micro-batch but the last under `with ddp.no_sync():`. "
             "Several backward passes per step by design (SAM, a GAN): pass total_steps in "
-            "reductions")
+            "reductions and filter nfabric_cli.AccumulationWarning")

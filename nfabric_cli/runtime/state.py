@@ -41,7 +41,12 @@ from nfabric_cli.routes.fp32 import ddp_mean_
 from nfabric_cli.routes.groups import BucketGroup, bucket_groups, spec_numels, whole_bucket
 from nfabric_cli.routes.spec import RouteSpec
 from nfabric_cli.runtime import groups
-from nfabric_cli.runtime.accumulation import NO_SYNC_HINT, StepWitness, accumulation_warning
+from nfabric_cli.runtime.accumulation import (
+    NO_SYNC_HINT,
+    AccumulationWarning,
+    StepWitness,
+    accumulation_warning,
+)
 from nfabric_cli.runtime.agree import StatsRound
 from nfabric_cli.runtime.bucket import BucketJob
 from nfabric_cli.runtime.controller import StepController
@@ -733,7 +738,7 @@ class FabricState:
         self.controller.advance(step)
         found, self._accumulation_found = self._accumulation_found, None
         if found is not None and self.rank == 0:  # (after the step's collectives)
-            warnings.warn(accumulation_warning(found), stacklevel=2)
+            warnings.warn(accumulation_warning(found), AccumulationWarning, stacklevel=2)
         if self.steps_known and self.step == self.total_steps + 1:
             warnings.warn(
                 f"nfabric: step {self.step} is past total_steps={self.total_steps}: the last "

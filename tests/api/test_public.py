@@ -19,7 +19,7 @@ def test_all_names_are_listed_visible_and_resolve() -> None:
     assert nfabric_cli.__all__ == [
         "__version__", "attach", "FabricState", "fabric_hook", "compile_profile", "Bindings",
         "read_profile", "write_profile", "OperatingProfile", "Substrate", "InputError",
-        "CheckFailed", "exit_rank"]
+        "CheckFailed", "exit_rank", "AccumulationWarning"]
     assert set(nfabric_cli.__all__) <= set(dir(nfabric_cli))
     for name in nfabric_cli.__all__:
         assert getattr(nfabric_cli, name) is not None

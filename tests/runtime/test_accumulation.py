@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
+import nfabric_cli
 from nfabric_cli.runtime.accumulation import RUNS, StepWitness
 from tests.distutil import run_ranks
 from tests.runtime.models import tiny_ddp
@@ -125,11 +126,13 @@ def _said(state, train) -> list:  # noqa: ANN001
     return [steps] + [str(w.message) for w in caught if "nfabric" in str(w.message)]
 
 
-def _worker(rank: int, world: int, no_sync: bool) -> list[str]:
+def _worker(rank: int, world: int, no_sync: bool, silenced: bool = False) -> list[str]:
     wl, _, ddp, state = tiny_ddp(world, STEPS)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
 
     def train() -> None:
+        if silenced:  # (a GAN's, SAM's loop: several backward passes a step by design)
+            warnings.filterwarnings("ignore", category=nfabric_cli.AccumulationWarning)
         for step in range(STEPS):
             opt.zero_grad()
             for micro in range(2):
@@ -164,6 +167,15 @@ def test_accumulation_without_no_sync_is_named_once_and_with_it_nothing(no_sync:
     assert f"step {STEPS + 1} is past total_steps={STEPS}" in past and "ddp.no_sync()" in past
     (closed,) = [s for s in said0 if "closed at step" in s]  # and so does close()
     assert f"step {2 * STEPS} of total_steps={STEPS}" in closed and "ddp.no_sync()" in closed
+
+
+def test_the_accumulation_warning_is_its_own_category() -> None:
+    """A loop that means several reductions a step silences that line alone: the ones about
+    total_steps still come."""
+    (steps, *said), _ = run_ranks(_worker, 2, False, True)
+    assert steps == 2 * STEPS and not [s for s in said if "optimizer steps came" in s]
+    assert len(said) == 2 and "is past total_steps" in said[0] and "closed at step" in said[1]
+    assert issubclass(nfabric_cli.AccumulationWarning, UserWarning)
 
 
 JOINED_STEPS, EARLY = 60, 20  # rank 0 runs out of batches 20 steps before rank 1
