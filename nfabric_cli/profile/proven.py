@@ -116,6 +116,26 @@ def thin_margin(meta: dict[str, Any], seeds: list[int], tolerance: float) -> lis
             "(calibrate's validate rule asks for that room: docs/calibration.md, 'The rule')"]
 
 
+def other_host(meta: dict[str, Any], here: dict[str, str]) -> list[str]:
+    """One sentence when the profile was calibrated on another CPU than `here`
+    (`provenance.host`): its proven cells may not replay here bit for bit, each is then in
+    effect another seed; [] when they agree, or the profile does not say (made before session
+    68)."""
+    provenance = meta.get("provenance")
+    if not isinstance(provenance, dict) or provenance.get("source") != "calibrate":
+        return []
+    recorded = provenance.get("host")
+    if not isinstance(recorded, dict) or all(recorded.get(k) == v for k, v in here.items()):
+        return []
+
+    def said(h: dict) -> str:
+        return f"{h.get('cpu') or '?'}, {h.get('machine') or '?'} {h.get('kernels') or '?'}"
+
+    return [f"the profile was calibrated on another CPU ({said(recorded)}; here {said(here)}): "
+            "float results differ in their last bits from one to the other, so its proven "
+            "cells may not replay here exactly, each one then in effect a new seed"]
+
+
 def other_data(meta: dict[str, Any], fingerprint: str | None) -> list[str]:
     """One sentence when the profile was calibrated on other data than `fingerprint` (the
     workload's here: another `--data-dir`, or data built with other bits, as the glyph images

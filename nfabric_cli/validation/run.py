@@ -52,14 +52,15 @@ class RunPlan:
 
     def outside_proven(self, seeds: list[int]) -> list[str]:
         """Where these seeds, the run's length or world size leave the profile's proven range,
-        whether its proof leaves room for the new seeds' worst, and whether the data here is
-        other than the data it was calibrated on."""
-        from nfabric_cli.profile.proven import other_data, outside_proven, thin_margin
+        whether its proof leaves room for the new seeds' worst, and whether the data or the
+        CPU here is other than the one it was calibrated on."""
+        from nfabric_cli.profile.proven import other_data, other_host, outside_proven, thin_margin
+        from nfabric_cli.profile.provenance import host
 
         return outside_proven(self.profile_meta, seeds=seeds, steps=self.cfg.steps,
                               world_size=self.cfg.world_size) + thin_margin(
             self.profile_meta, seeds, self.cfg.tolerance) + other_data(
-            self.profile_meta, self.data_fingerprint)
+            self.profile_meta, self.data_fingerprint) + other_host(self.profile_meta, host())
 
 
 @dataclass

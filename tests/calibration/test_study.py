@@ -143,7 +143,7 @@ def test_tiny_study_end_to_end_writes_a_valid_profile(tmp_path: Path) -> None:
                               "higher_is_better": True}
     prov = meta["provenance"]
     for key in ("sampler", "pruner", "seed", "trials", "pruned", "budget", "reference_metric",
-                "data_fingerprint", "packages"):
+                "data_fingerprint", "packages", "host"):
         assert key in prov, key
     assert (prov["sampler"], prov["seed"], prov["trials"]) == ("tpe", 0, 4)
     assert prov["pruner"] == "hyperband(min_resource=1, reduction_factor=2, brackets=2, checkpoints=3)"

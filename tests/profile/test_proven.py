@@ -25,6 +25,41 @@ def test_other_data_is_one_sentence_naming_both_fingerprints() -> None:
     assert RunPlan(cfg, "glyphs", True, meta, "06c77cafaa94" + "0" * 52).outside_proven([0]) == []
 
 
+def test_another_cpu_is_one_sentence_naming_both() -> None:
+    """A profile calibrated on another CPU (session 68: transformer.v12's proven cell seed 6,
+    600 steps, two ranks, +1.39 points where it was calibrated, +2.50 here, with the same code,
+    packages and data) says so beside the proven-range warnings; nothing on the same CPU, for
+    a profile that does not record one, or for a hand-written one (nothing was measured)."""
+    from types import SimpleNamespace
+
+    from nfabric_cli.profile.proven import other_host
+    from nfabric_cli.profile.provenance import base_provenance, host
+    from nfabric_cli.validation.run import RunPlan
+
+    there = {"machine": "x86_64", "kernels": "AVX2", "cpu": "AMD EPYC 7B12"}
+    here = {"machine": "x86_64", "kernels": "AVX512", "cpu": "Intel(R) Xeon(R) Processor"}
+    meta = {"provenance": {"source": "calibrate", "host": there}}
+    [line] = other_host(meta, here)
+    assert line == ("the profile was calibrated on another CPU (AMD EPYC 7B12, x86_64 AVX2; "
+                    "here Intel(R) Xeon(R) Processor, x86_64 AVX512): float results differ in "
+                    "their last bits from one to the other, so its proven cells may not replay "
+                    "here exactly, each one then in effect a new seed")
+    assert other_host(meta, dict(there)) == []
+    assert other_host({"provenance": {"source": "calibrate"}}, here) == []  # before session 68
+    assert other_host({"provenance": {"source": "profile init", "host": there}}, here) == []
+    assert other_host({}, here) == []
+    # what a profile made here records, and validate's plan on this machine: nothing to say
+    recorded = base_provenance()["host"]
+    assert recorded == host() and set(recorded) == {"machine", "kernels", "cpu"}
+    assert recorded["kernels"]  # torch's dispatch level, never empty
+    cfg = SimpleNamespace(steps=60, world_size=2, tolerance=0.02)
+    mine = {"provenance": {"source": "calibrate", "host": recorded}}
+    assert RunPlan(cfg, "vision", True, mine, None).outside_proven([0]) == []
+    theirs = {"provenance": {"source": "calibrate", "host": there}}
+    assert RunPlan(cfg, "vision", True, theirs, None).outside_proven([0])[0].startswith(
+        "the profile was calibrated on another CPU (AMD EPYC 7B12, x86_64 AVX2; here ")
+
+
 def test_a_proof_without_room_for_the_new_seeds_worst_is_said() -> None:
     """lm.v11's 20 cells bound the worst of five new seeds past its tolerance (one of seeds
     10-14 missed); lm.v12's leave room for ten; seeds it was proven on are not new."""
