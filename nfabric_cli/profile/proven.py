@@ -118,22 +118,29 @@ def thin_margin(meta: dict[str, Any], seeds: list[int], tolerance: float) -> lis
 
 def other_host(meta: dict[str, Any], here: dict[str, str]) -> list[str]:
     """One sentence when the profile was calibrated on another CPU than `here`
-    (`provenance.host`): its proven cells may not replay here bit for bit, each is then in
-    effect another seed; [] when they agree, or the profile does not say (made before session
-    68)."""
+    (`provenance.host`, what both name): its proven cells may not replay here bit for bit,
+    each is then in effect another seed; [] when they agree, or the profile does not say
+    (made before this was recorded). The host is the one that wrote the profile: cells a
+    study's other workers or an earlier run on another machine measured are not told apart."""
     provenance = meta.get("provenance")
     if not isinstance(provenance, dict) or provenance.get("source") != "calibrate":
         return []
     recorded = provenance.get("host")
-    if not isinstance(recorded, dict) or all(recorded.get(k) == v for k, v in here.items()):
+    if not isinstance(recorded, dict):
+        return []
+    # what both name (a key added later, or a CPU model one side could not read, is no
+    # difference)
+    both = [k for k, v in here.items() if v and recorded.get(k)]
+    if all(recorded[k] == here[k] for k in both):
         return []
 
     def said(h: dict) -> str:
         return f"{h.get('cpu') or '?'}, {h.get('machine') or '?'} {h.get('kernels') or '?'}"
 
-    return [f"the profile was calibrated on another CPU ({said(recorded)}; here {said(here)}): "
-            "float results differ in their last bits from one to the other, so its proven "
-            "cells may not replay here exactly, each one then in effect a new seed"]
+    return [f"the profile was calibrated on another CPU or kernel level ({said(recorded)}; here "
+            f"{said(here)}): float results may differ in their last bits from one to the "
+            "other, so its proven cells may not replay here exactly, each one then in effect a "
+            "new seed"]
 
 
 def other_data(meta: dict[str, Any], fingerprint: str | None) -> list[str]:

@@ -32,16 +32,17 @@ def package_versions() -> dict[str, str]:
 
 
 def host() -> dict[str, str]:
-    """The CPU a profile was made on: its architecture, the kernels torch dispatches to on it
-    (`AVX512`, `AVX2`, ...) and its model. Training's last bits follow them (a matmul's
-    summation order), and after hundreds of steps its trajectory: the same code, packages and
-    data gave `transformer.v12`'s proven cell seed 6, 600 steps, two ranks, 0.9556 here
-    against 0.9667 where it was calibrated (docs/calibration.md, "`transformer.v13`")."""
+    """The CPU a profile was made on: its architecture, ATen's kernel level on it (`AVX512`,
+    `AVX2`, ...) and its model ('' where /proc/cpuinfo names none, as on ARM: the BLAS
+    libraries pick their own code paths by model). Training's last bits can follow them, and
+    after hundreds of steps its trajectory: the same code, packages and data gave
+    `transformer.v12`'s proven cell seed 6, 600 steps, two ranks, 0.9556 here against 0.9667
+    where it was calibrated (docs/calibration.md, "`transformer.v13`")."""
     import platform
 
     import torch
 
-    model = platform.processor()
+    model = ""  # (platform.processor() says "unknown", or the architecture again, on Linux)
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             model = next((ln.split(":", 1)[1].strip() for ln in f

@@ -40,11 +40,15 @@ def test_another_cpu_is_one_sentence_naming_both() -> None:
     here = {"machine": "x86_64", "kernels": "AVX512", "cpu": "Intel(R) Xeon(R) Processor"}
     meta = {"provenance": {"source": "calibrate", "host": there}}
     [line] = other_host(meta, here)
-    assert line == ("the profile was calibrated on another CPU (AMD EPYC 7B12, x86_64 AVX2; "
-                    "here Intel(R) Xeon(R) Processor, x86_64 AVX512): float results differ in "
-                    "their last bits from one to the other, so its proven cells may not replay "
-                    "here exactly, each one then in effect a new seed")
+    assert line == ("the profile was calibrated on another CPU or kernel level (AMD EPYC 7B12, "
+                    "x86_64 AVX2; here Intel(R) Xeon(R) Processor, x86_64 AVX512): float "
+                    "results may differ in their last bits from one to the other, so its proven "
+                    "cells may not replay here exactly, each one then in effect a new seed")
     assert other_host(meta, dict(there)) == []
+    # compared on what both name: a key one side lacks, or a model one side could not read
+    assert other_host(meta, {**there, "numa": "2"}) == []
+    assert other_host(meta, {**there, "cpu": ""}) == []
+    assert len(other_host(meta, {**there, "kernels": "AVX512"})) == 1  # one field is enough
     assert other_host({"provenance": {"source": "calibrate"}}, here) == []  # before session 68
     assert other_host({"provenance": {"source": "profile init", "host": there}}, here) == []
     assert other_host({}, here) == []
@@ -57,7 +61,8 @@ def test_another_cpu_is_one_sentence_naming_both() -> None:
     assert RunPlan(cfg, "vision", True, mine, None).outside_proven([0]) == []
     theirs = {"provenance": {"source": "calibrate", "host": there}}
     assert RunPlan(cfg, "vision", True, theirs, None).outside_proven([0])[0].startswith(
-        "the profile was calibrated on another CPU (AMD EPYC 7B12, x86_64 AVX2; here ")
+        "the profile was calibrated on another CPU or kernel level (AMD EPYC 7B12, x86_64 AVX2; "
+        "here ")
 
 
 def test_a_proof_without_room_for_the_new_seeds_worst_is_said() -> None:
