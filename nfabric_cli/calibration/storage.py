@@ -184,6 +184,14 @@ def check_compatible(study: optuna.Study, name: str, n_objectives: int, attrs: d
             f"study {name!r} belongs to workload {workload!r}, not {attrs['workload']!r}; "
             "pick another --study name"
         )
+    for key, what in (("model", "another model"), ("data", "other data")):
+        # (a study from before these were stored holds neither: not known, not refused)
+        if found.get(key) is not None and found[key] != attrs.get(key):
+            raise InputError(
+                f"study {name!r} was trained on {what} (fingerprint {str(found[key])[:12]}, "
+                f"here {str(attrs.get(key))[:12]}): its results are not this workload's; pick "
+                "another --study name"
+            )
     if len(study.directions) != n_objectives:
         kind = "multi-objective (nsga2)" if len(study.directions) > 1 else "single-objective"
         raise InputError(f"study {name!r} is {kind}; use a sampler of that kind or another --study")

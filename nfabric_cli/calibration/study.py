@@ -33,7 +33,7 @@ from torch import nn
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.compile import compile_profile
-from nfabric_cli.binding.fingerprint import trainable_parameters
+from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
 from nfabric_cli.calibration.choice import REPAIR
 from nfabric_cli.calibration.codeprint import KEY, code_fingerprint, foreign_results
 from nfabric_cli.calibration.confirm import confirm
@@ -424,7 +424,12 @@ def run_study(
     storage = open_storage(storage_url)
     name = study_name or default_study_name(spec, workload.name)
     spec_dict = {k: v for k, v in spec.to_dict().items() if k not in NOT_IN_SEARCH_KEY}
-    attrs = {"workload": workload.name, "search_key": spec.search_key(), "spec": spec_dict}
+    # what the study's stored results were trained on, besides the spec: the model and its
+    # data (a plugin edited between two runs keeps its name; written before `search_key`,
+    # which a worker that joins waits for)
+    attrs = {"workload": workload.name, "model": model_fingerprint(calibrator.model),
+             "data": workload.data_fingerprint(), "search_key": spec.search_key(),
+             "spec": spec_dict}
     n_obj = 2 if calibrator.multi else 1
     study, resumed = load_or_create(
         storage, name, n_obj, optuna.samplers.RandomSampler(), make_pruner(spec), attrs

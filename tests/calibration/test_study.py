@@ -286,6 +286,45 @@ def test_study_of_another_workload_or_spec_is_refused(tmp_path: Path) -> None:
         run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
 
 
+def test_study_of_another_model_or_data_under_the_same_name_is_refused(tmp_path: Path) -> None:
+    """A plugin edited between two runs keeps its workload name and spec: its study resumed,
+    trained nothing new and wrote the old model's results under the new model's fingerprint
+    (exit 0; an outsider's finding, session 68)."""
+    from torch import nn
+
+    from tests.calibration.tiny import TinyNet, TinyWorkload
+
+    class Wider(TinyWorkload):
+        def _make_model(self) -> nn.Module:
+            net = TinyNet()
+            net.body = nn.Linear(12, 32, bias=False)
+            return net
+
+    class Relabelled(TinyWorkload):
+        def __init__(self) -> None:
+            super().__init__()
+            self.y = (self.y + 1) % 4
+            self.fingerprint = "0" * 64
+
+    url = f"sqlite:///{tmp_path}/s.db"
+    first = run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
+    here = first.study.user_attrs
+    with pytest.raises(InputError, match=r"^study 'x' was trained on another model \(fingerprint "
+                                         f"{here['model'][:12]}, here [0-9a-f]{{12}}\): its "
+                                         "results are not this workload's; pick another "
+                                         "--study name$"):
+        run_study(Wider(), tiny_spec(trials=1), url, "x")
+    with pytest.raises(InputError, match=r"^study 'x' was trained on other data \(fingerprint "
+                                         f"{here['data'][:12]}, here 000000000000\)"):
+        run_study(Relabelled(), tiny_spec(trials=1), url, "x")
+    assert run_study(get_workload(TINY), tiny_spec(trials=2), url, "x").resumed  # the same one
+    # a study stored before these were kept holds neither: resumed as before
+    study = optuna.load_study(study_name="x", storage=url)
+    for key in ("model", "data"):
+        study._storage.set_study_user_attr(study._study_id, key, None)
+    assert run_study(Wider(), tiny_spec(trials=2), url, "x").resumed
+
+
 def _cli(tmp_path: Path, *args: str):
     """`calibrate` on the tiny workload; its study and profile land in `tmp_path` unless
     `args` name others (the last --out / --storage wins): a case that runs where it was
