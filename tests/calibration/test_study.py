@@ -336,6 +336,42 @@ def _cli(tmp_path: Path, *args: str):
     return CliRunner().invoke(app, ["calibrate", TINY, "--spec", str(spec), *own, *args])
 
 
+def test_a_plugins_own_exception_is_its_error_not_an_internal_one(tmp_path: Path) -> None:
+    """A plugin whose loss raises was reported as nfabric's bug (exit 3, "internal error"):
+    now one line that names the plugin's frame, exit 2."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(toml_text(tiny_spec_dict(trials=2)))
+    res = CliRunner().invoke(app, ["calibrate", "tests.calibration.tiny:broken", "--spec",
+                                   str(spec), "--storage", f"sqlite:///{tmp_path}/s.db",
+                                   "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("error: the workload's code raised ValueError: Expected input "
+                           "batch_size (16) to match target batch_size (3). (tiny.py:")
+    assert line.endswith(" in loss; run with --debug for the traceback)")
+    assert "Traceback" not in res.output and not (tmp_path / "out").exists()
+
+
+def test_an_internal_error_stays_one() -> None:
+    """What nfabric's own code raises stays exit 3 (`user_frame` None), even called from the
+    user's code; torch refusing what the user's code handed it is the user's."""
+    import torch
+
+    from nfabric_cli.binding.fingerprint import model_fingerprint
+    from nfabric_cli.cli.common import user_frame
+
+    try:
+        model_fingerprint(None)  # nfabric's frame raises (None has no parameters)
+    except AttributeError as exc:
+        assert user_frame(exc) is None
+    try:
+        torch.zeros(2).view(3)  # torch refuses: this file's frame is the one that called it
+    except RuntimeError as exc:
+        frame = user_frame(exc)
+        assert frame is not None and frame.startswith("test_study.py:")
+        assert frame.endswith(" in test_an_internal_error_stays_one")
+
+
 def test_cli_json_output_is_exactly_the_documented_keys(tmp_path: Path) -> None:
     res = _cli(tmp_path, "--storage", f"sqlite:///{tmp_path}/s.db", "--out", str(tmp_path / "o"),
                "--trials", "2", "--json")

@@ -72,6 +72,18 @@ def workload() -> TinyWorkload:
     return TinyWorkload()
 
 
+class _BrokenLoss(TinyWorkload):
+    """A plugin with a bug of its own: its loss raises (the CLI says so, exit 2)."""
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y[:3])  # a slicing slip: torch refuses the sizes
+
+
+def broken() -> TinyWorkload:
+    return _BrokenLoss()
+
+
 class TinyBNWorkload(TinyWorkload):
     """`TinyWorkload` with BatchNorm: running statistics, which DDP broadcasts from rank 0."""
 

@@ -297,15 +297,24 @@ def test_an_internal_error_exits_3_apart_from_a_verdict() -> None:
     """1 is a verdict (failed, different) for CI; a bug must not read as one."""
     import typer
 
+    from nfabric_cli.binding.fingerprint import model_fingerprint
     from nfabric_cli.cli.common import handle_errors
 
     @handle_errors
     def broken() -> None:
-        raise RuntimeError("a bug")
+        model_fingerprint(None)  # a bug in nfabric's own code (an AttributeError there)
 
     with pytest.raises(typer.Exit) as exc:
         broken()
     assert exc.value.exit_code == 3
+
+    @handle_errors
+    def plugin() -> None:  # the user's own code (this file is not nfabric's) raising: exit 2
+        raise RuntimeError("a plugin's bug")
+
+    with pytest.raises(typer.Exit) as exc:
+        plugin()
+    assert exc.value.exit_code == 2
 
 
 def test_compile_with_substrate_file(tmp_path):
