@@ -12,6 +12,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -160,6 +161,18 @@ def _import_callable(spec: str) -> Callable[..., Any]:
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)  # the current directory is on the import path, as promised
+    path = Path(module_name)
+    if path.suffix == ".py":  # a file (`path/to/mywl.py:build`): its folder, then its name
+        if not path.is_file():
+            raise InputError(f"bad plugin spec {spec!r}: no file {module_name}")
+        folder, module_name = str(path.resolve().parent), path.stem
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        known = sys.modules.get(module_name)
+        where = getattr(known, "__file__", None)
+        if known is not None and (where is None or Path(where).resolve() != path.resolve()):
+            raise InputError(f"bad plugin spec {spec!r}: a module named {module_name!r} is "
+                             f"already imported from {where or 'elsewhere'}; rename the file")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -133,6 +133,23 @@ def test_plugin_errors(plugin, fn: str, message: str) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_a_plugin_named_by_its_file(plugin, tmp_path: Path, monkeypatch) -> None:
+    """`path/to/mywl.py:FN`, what a new user types first (was: "cannot import module
+    'mywl.py'"), from another directory too."""
+    mod = plugin()
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    monkeypatch.chdir(other)
+    assert get_workload(f"../{mod}.py:workload").name == get_workload(f"{mod}:workload").name
+    assert get_workload(f"{tmp_path}/{mod}.py:workload").name == "from-plugin:None"
+    with pytest.raises(InputError, match=r"^bad plugin spec 'nope\.py:workload': no file nope\.py$"):
+        get_workload("nope.py:workload")
+    (other / "json.py").write_text("def workload():\n    return None\n")  # a taken name
+    with pytest.raises(InputError, match=r"a module named 'json' is already imported from .*; "
+                                         "rename the file$"):
+        get_workload("json.py:workload")
+
+
 def test_import_errors(plugin) -> None:
     with pytest.raises(InputError, match=r"cannot import module 'no_such_mod_xyz' \(not found"):
         get_workload("no_such_mod_xyz:workload")
