@@ -213,6 +213,7 @@ class FabricState:
         # the state attached to this DDP model after this one closed (`hand_over`): DDP keeps
         # the hook it was first given, for its lifetime
         self._successor: FabricState | None = None
+        self._failed = False  # a reduce failed: its group may hold unmatched collectives
         # run at the first step's first bucket (`attach.watch_static_graph`); None: none
         self.first_step_check: Callable[[], None] | None = None
 
@@ -357,7 +358,11 @@ class FabricState:
             pool.shutdown(wait=True)
             self._step_witness.close()
             self.comm.release()  # the wire buffers (a bucket's size each): nothing is sent now
-            groups.give_back(self.comm.group)  # the next attach takes it (`runtime/groups.py`)
+            if not self._failed and self._step_started is None:
+                # the next attach takes it (`runtime/groups.py`); not after a failed reduce or
+                # mid-step: a collective of it may be unmatched on some rank, and the next
+                # state's first one would meet it (a hang)
+                groups.give_back(self.comm.group)
             if self.trace is not None:
                 self.trace.close()
             if (self.steps_known and self.step != self.total_steps and self.step > 0
@@ -558,6 +563,7 @@ class FabricState:
             if self.controller.neutralise(step, all_finite(bufs)).skip:
                 self._neutralise(bufs)
         except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
+            self._failed = True
             for _, _, f in pending:
                 f.set_exception(exc)
             return
@@ -758,6 +764,7 @@ class FabricState:
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's
         statistics so that a run that catches the error starts its next step clean."""
+        self._failed = True
         pending, self._pending, self._inflight, self._issued = self._pending, [], None, []
         self._clear_step_stats()
         self._bucket_times = []
