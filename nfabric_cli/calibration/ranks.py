@@ -57,6 +57,7 @@ from nfabric_cli.calibration.aggregate import (
 )
 from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_thread, usable_cpus
 from nfabric_cli.calibration.reduces import ReduceOrders
+from nfabric_cli.errors import PluginError, user_frame
 from nfabric_cli.ranks.loop import RankRng
 from nfabric_cli.runtime.controller import StepDecision
 from nfabric_cli.runtime.inject import Injection, apply_injection
@@ -341,6 +342,9 @@ class SimulatedRanks:
         errors = [replies[p] for p in sorted(replies) if replies[p][0] == "error"]
         if errors:
             first = next((e for e in errors if e[1] != _BROKEN), errors[0])
+            if len(first) > 3 and first[3] is not None:  # the user's own code raised it
+                raise PluginError(f"the plugin's code raised {first[1]} ({first[3]}; in a "
+                                  f"simulated rank at step {step})")
             raise RuntimeError(f"simulated rank failed at step {step}: {first[1]}\n{first[2]}")
         return [replies[p] for p in sorted(replies)]
 
@@ -373,7 +377,7 @@ class SimulatedRanks:
             done = [(r, self._rank_gradient(step, r)) for r in ranks]
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
             self.barrier.abort()
-            return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+            return _failure(exc)
         try:
             self.barrier.wait()
         except threading.BrokenBarrierError:
@@ -411,7 +415,7 @@ class SimulatedRanks:
             elif ahead is not None and ahead[1][0] == "error":  # the barrier is broken
                 what = ahead[1][1]
                 outcome = ("error", what if what == _BROKEN
-                           else f"while computing step {ahead[0]} ahead: {what}", ahead[1][2])
+                           else f"while computing step {ahead[0]} ahead: {what}", *ahead[1][2:])
             else:
                 if ahead is not None:  # another step than the next was asked for
                     for r, state in zip(ranks, ahead[2], strict=True):
@@ -428,7 +432,7 @@ class SimulatedRanks:
                 updates = self._norms(owned) if measure else {}
             except Exception as exc:  # noqa: BLE001
                 self.barrier.abort()
-                conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                conn.send(_failure(exc))
                 continue
             conn.send(("ok", outcome[1], agree, updates))
             try:
@@ -442,7 +446,7 @@ class SimulatedRanks:
                 self._update(owned, plans[number], decision)
             except Exception as exc:  # noqa: BLE001
                 self.barrier.abort()
-                conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+                conn.send(_failure(exc))
                 continue
             conn.send(("updated",))
             try:
@@ -482,3 +486,9 @@ class SimulatedRanks:
 
 #: What a child says when a sibling's failure broke the barrier (not the failure itself).
 _BROKEN = "a sibling process failed"
+
+
+def _failure(exc: BaseException) -> tuple[str, str, str, str | None]:
+    """A child's error reply: what, its traceback, and the user's frame in it if any
+    (`errors.user_frame`: a plugin's own bug, exit 2, not nfabric's)."""
+    return ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), user_frame(exc))

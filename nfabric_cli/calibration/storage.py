@@ -184,14 +184,18 @@ def check_compatible(study: optuna.Study, name: str, n_objectives: int, attrs: d
             f"study {name!r} belongs to workload {workload!r}, not {attrs['workload']!r}; "
             "pick another --study name"
         )
-    for key, what in (("model", "another model"), ("data", "other data")):
-        # (a study from before these were stored holds neither: not known, not refused)
+    # data first: a model sized by its data (lm's vocabulary) differs because the data does.
+    # (a study from before these were stored holds neither: not known, not refused)
+    for key, what, hint in (
+        ("data", "other data", "this machine builds or reads other data than the study's "
+         "(glyphs' images follow the CPU, lm's text the Python release): a worker joining the "
+         "study needs the same data, or pick another --study name"),
+        ("model", "another model", "its results are not this model's; pick another --study "
+         "name"),
+    ):
         if found.get(key) is not None and found[key] != attrs.get(key):
-            raise InputError(
-                f"study {name!r} was trained on {what} (fingerprint {str(found[key])[:12]}, "
-                f"here {str(attrs.get(key))[:12]}): its results are not this workload's; pick "
-                "another --study name"
-            )
+            raise InputError(f"study {name!r} was trained on {what} (fingerprint "
+                             f"{str(found[key])[:12]}, here {str(attrs.get(key))[:12]}): {hint}")
     if len(study.directions) != n_objectives:
         kind = "multi-objective (nsga2)" if len(study.directions) > 1 else "single-objective"
         raise InputError(f"study {name!r} is {kind}; use a sampler of that kind or another --study")

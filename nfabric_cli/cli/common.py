@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from nfabric_cli.cli.tables import FittingConsole
-from nfabric_cli.errors import CheckFailed, InputError
+from nfabric_cli.errors import CheckFailed, InputError, user_frame
 
 console = FittingConsole()
 err_console = FittingConsole(stderr=True)
@@ -29,7 +29,7 @@ def debug_enabled() -> bool:
 
 def handle_errors(fn: F) -> F:
     """Turn library exceptions into one-line messages and exit codes: 2 bad input (the user's
-    own workload code raising counts: `user_frame`), 1 a verdict (a validation that failed,
+    own plugin code raising counts: `errors.user_frame`), 1 a verdict (a validation that failed,
     profiles that differ), 3 a bug (an internal error, kept apart from 1 so that CI does not
     read a crash as a verdict)."""
 
@@ -56,10 +56,10 @@ def handle_errors(fn: F) -> F:
             if debug_enabled():
                 traceback.print_exc()
             where = user_frame(exc)
-            if where is not None:  # the user's own code raised it (a plugin workload)
+            if where is not None:  # the user's own code raised it (a plugin workload, model)
                 if not debug_enabled():
                     err_console.print(
-                        f"[bold red]error:[/] the workload's code raised "
+                        f"[bold red]error:[/] the plugin's code raised "
                         f"{type(exc).__name__}: {escape(str(exc))} ({escape(where)}; run with "
                         "--debug for the traceback)", highlight=False, soft_wrap=True)
                 raise typer.Exit(2) from None
@@ -73,27 +73,6 @@ def handle_errors(fn: F) -> F:
             raise typer.Exit(3) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-def user_frame(exc: BaseException) -> str | None:
-    """`file:line in function` of the innermost frame of `exc`'s traceback that is the user's
-    own code (a plugin workload's module, say) rather than nfabric's, Python's or an installed
-    package's (torch), when that frame is the innermost of nfabric's and the user's: the
-    user's code raised, or called torch with what torch refused. None: nfabric raised it (an
-    internal error) or nothing in it is the user's."""
-    import sysconfig
-
-    package = str(Path(__file__).resolve().parents[1])
-    library = {str(Path(sysconfig.get_paths()[k]).resolve())
-               for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        path = str(Path(frame.filename).resolve())
-        if path.startswith(package + os.sep):  # (before the libraries: installed, it is one)
-            return None
-        if any(path.startswith(lib + os.sep) for lib in library) or frame.filename.startswith("<"):
-            continue  # torch, numpy, Python's own: whoever called them decides
-        return f"{Path(frame.filename).name}:{frame.lineno} in {frame.name}"
-    return None
 
 
 def print_json(obj: Any) -> None:

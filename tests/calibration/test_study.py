@@ -310,12 +310,14 @@ def test_study_of_another_model_or_data_under_the_same_name_is_refused(tmp_path:
     first = run_study(get_workload(TINY), tiny_spec(trials=1), url, "x")
     here = first.study.user_attrs
     with pytest.raises(InputError, match=r"^study 'x' was trained on another model \(fingerprint "
-                                         f"{here['model'][:12]}, here [0-9a-f]{{12}}\): its "
-                                         "results are not this workload's; pick another "
+                                         + here["model"][:12] + r", here [0-9a-f]{12}\): its "
+                                         "results are not this model's; pick another "
                                          "--study name$"):
         run_study(Wider(), tiny_spec(trials=1), url, "x")
     with pytest.raises(InputError, match=r"^study 'x' was trained on other data \(fingerprint "
-                                         f"{here['data'][:12]}, here 000000000000\)"):
+                                         + here["data"][:12] + r", here 000000000000\): this "
+                                         "machine builds or reads other data than the "
+                                         "study's"):
         run_study(Relabelled(), tiny_spec(trials=1), url, "x")
     assert run_study(get_workload(TINY), tiny_spec(trials=2), url, "x").resumed  # the same one
     # a study stored before these were kept holds neither: resumed as before
@@ -341,15 +343,27 @@ def test_a_plugins_own_exception_is_its_error_not_an_internal_one(tmp_path: Path
     now one line that names the plugin's frame, exit 2."""
     spec = tmp_path / "spec.toml"
     spec.write_text(toml_text(tiny_spec_dict(trials=2)))
-    res = CliRunner().invoke(app, ["calibrate", "tests.calibration.tiny:broken", "--spec",
-                                   str(spec), "--storage", f"sqlite:///{tmp_path}/s.db",
-                                   "--out", str(tmp_path / "out")])
+
+    def run(fn: str, *more: str):  # noqa: ANN202
+        return CliRunner().invoke(app, ["calibrate", f"tests.calibration.tiny:{fn}", "--spec",
+                                        str(spec), "--storage", f"sqlite:///{tmp_path}/{fn}.db",
+                                        "--out", str(tmp_path / "out"), *more])
+
+    res = run("broken")
     assert res.exit_code == 2, res.output
     line = res.output.strip().splitlines()[-1]
-    assert line.startswith("error: the workload's code raised ValueError: Expected input "
+    assert line.startswith("error: the plugin's code raised ValueError: Expected input "
                            "batch_size (16) to match target batch_size (3). (tiny.py:")
     assert line.endswith(" in loss; run with --debug for the traceback)")
     assert "Traceback" not in res.output and not (tmp_path / "out").exists()
+    # raised in a simulated rank's process (two ranks, two processes): the same verdict
+    for processes in ("2", "1"):
+        res = run("late", "--world-size", "2", "--processes", processes)
+        assert res.exit_code == 2, res.output
+        line = res.output.strip().splitlines()[-1]
+        assert line.startswith("error: the plugin's code raised ValueError: the loader broke "
+                               "at step 3 (tiny.py:"), line
+        assert " in train_batch" in line and "Traceback" not in res.output
 
 
 def test_an_internal_error_stays_one() -> None:
@@ -358,7 +372,7 @@ def test_an_internal_error_stays_one() -> None:
     import torch
 
     from nfabric_cli.binding.fingerprint import model_fingerprint
-    from nfabric_cli.cli.common import user_frame
+    from nfabric_cli.errors import user_frame
 
     try:
         model_fingerprint(None)  # nfabric's frame raises (None has no parameters)

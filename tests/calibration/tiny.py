@@ -84,6 +84,19 @@ def broken() -> TinyWorkload:
     return _BrokenLoss()
 
 
+class _LateBatch(TinyWorkload):
+    """A plugin whose data breaks at step 3: in a simulated rank's process by then."""
+
+    def train_batch(self, step: int, rank: int, world_size: int, seed: int):  # noqa: ANN201
+        if step >= 3:
+            raise ValueError(f"the loader broke at step {step}")
+        return super().train_batch(step, rank, world_size, seed)
+
+
+def late() -> TinyWorkload:
+    return _LateBatch()
+
+
 class TinyBNWorkload(TinyWorkload):
     """`TinyWorkload` with BatchNorm: running statistics, which DDP broadcasts from rank 0."""
 
