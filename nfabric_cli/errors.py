@@ -48,8 +48,9 @@ def user_frame(exc: BaseException) -> str | None:
 
 def _library(path: str) -> bool:
     """Whether `path` is Python's own or an installed package's: the interpreter's paths, the
-    site folders (the user's too), or any `site-packages` / `dist-packages` folder (Debian's,
-    a `--target` or PYTHONPATH install)."""
+    site folders (the user's too), or anything under a `site-packages` or `dist-packages`
+    folder (Debian's, a virtual environment's elsewhere). A package reached through
+    PYTHONPATH from a folder of another name reads as the user's code."""
     import site
     import sysconfig
 
