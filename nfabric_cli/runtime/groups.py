@@ -9,8 +9,10 @@ re-attach per phase) grew each of two ranks by 3 threads and 5 file descriptors 
 So a closed state's group goes back here, and the next attach on the same DDP group takes it
 instead of making one: of several, the first by name (a group's name is the same on every rank
 that made it, whatever order each closed its states in). `attach` checks that every rank takes
-the same one (`agreement.py`), so their collectives still line up. The groups of a process
-group since destroyed (`destroy_process_group`, then a new one) are dropped at the next attach,
+the same one (`agreement.py`), so their collectives still line up. Only a state closed clean
+gives its group back (`FabricState.close`: no failed reduce, not mid-step), since a failed
+one's may hold a collective some rank never matched. The groups of a process group since
+destroyed (`destroy_process_group`, then a new one) are dropped at the next attach,
 not lent.
 """
 
