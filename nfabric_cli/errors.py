@@ -6,6 +6,7 @@ line and exits 2. Anything else escaping a command is a bug (exit 3, traceback w
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 from pathlib import Path
@@ -51,11 +52,18 @@ def _library(path: str) -> bool:
     site folders (the user's too), or anything under a `site-packages` or `dist-packages`
     folder (Debian's, a virtual environment's elsewhere). A package reached through
     PYTHONPATH from a folder of another name reads as the user's code."""
+    if {"site-packages", "dist-packages"} & set(Path(path).parts):
+        return True
+    return any(path.startswith(root) for root in _library_roots())
+
+
+@functools.lru_cache(maxsize=1)
+def _library_roots() -> tuple[str, ...]:
+    """The interpreter's library folders and the site folders, resolved, each with a trailing
+    separator (read once, not per frame)."""
     import site
     import sysconfig
 
-    if {"site-packages", "dist-packages"} & set(Path(path).parts):
-        return True
     roots = [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     roots += [*site.getsitepackages(), site.getusersitepackages()]
-    return any(path.startswith(str(Path(r).resolve()) + os.sep) for r in roots)
+    return tuple(str(Path(r).resolve()) + os.sep for r in roots)

@@ -122,10 +122,11 @@ def other_host(meta: dict[str, Any], here: dict[str, str]) -> list[str]:
     each is then in effect another seed; [] when they agree, or the profile does not say
     (made before this was recorded). The host is the one that wrote the profile: cells a
     study's other workers or an earlier run on another machine measured are not told apart."""
-    provenance = meta.get("provenance")
-    if not isinstance(provenance, dict) or provenance.get("source") != "calibrate":
+    from nfabric_cli.profile.provenance import calibrated
+
+    if not calibrated(meta):  # (hand-written: nothing was measured anywhere)
         return []
-    recorded = provenance.get("host")
+    recorded = meta["provenance"].get("host")
     if not isinstance(recorded, dict):
         return []
     # what both name (a key added later, or a CPU model one side could not read, is no

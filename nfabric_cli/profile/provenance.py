@@ -8,6 +8,7 @@ profile gives the same bytes.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from importlib import metadata
 from typing import Any
@@ -32,7 +33,13 @@ def package_versions() -> dict[str, str]:
 
 
 def host() -> dict[str, str]:
-    """The CPU a profile was made on: its architecture, ATen's kernel level on it (`AVX512`,
+    """The CPU a profile was made on (`_host`, read once a process; a copy, the caller's)."""
+    return dict(_host())
+
+
+@functools.lru_cache(maxsize=1)
+def _host() -> dict[str, str]:
+    """The CPU this process runs on: its architecture, ATen's kernel level on it (`AVX512`,
     `AVX2`, ...) and its model ('' where /proc/cpuinfo names none, as on ARM: the BLAS
     libraries pick their own code paths by model). Training's last bits can follow them, and
     after hundreds of steps its trajectory: the same code, packages and data gave
