@@ -66,6 +66,7 @@ def main() -> None:
            "events": state.events, "loaded": loaded, "saved": residual_digest(state)}
     (a.out / f"rank{accelerator.process_index}.json").write_text(json.dumps(doc))
     state.close()
+    accelerator.load_state(str(a.out / "state"))  # to evaluate it: the closed fabric takes none
 
 
 if __name__ == "__main__":

@@ -58,7 +58,11 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
     resumes (`resume_state`): a rank without a file of its own takes the shared part from
     another rank's. Then the ranks compare what they loaded (one small all-gather): a rank
     that failed fails them all with its line, and ranks that loaded different steps (a folder
-    holding files of two runs) are refused, instead of training out of step."""
+    holding files of two runs) are refused, instead of training out of step. A closed state
+    (its run ended, and the framework loads a checkpoint to evaluate it) takes nothing: it
+    drives no step, and every rank's closes alike."""
+    if fabric.closed:
+        return
     failed: BaseException | None = None
     try:
         saved = _read_rank_state(fabric, Path(folder), framework, index)

@@ -183,6 +183,9 @@ def load_fabric_state(state: FabricState, sd: dict[str, Any], strict: bool = Tru
     if version > STATE_VERSION:
         raise InputError(f"fabric state version {sd['version']} is newer than this nfabric "
                          f"reads ({STATE_VERSION}): upgrade nfabric")
+    if state.closed:  # it reduces nothing more: what it loaded would drive no step
+        raise InputError("load_state_dict() into a closed nfabric state: load it into the state "
+                         "attach() returned for the resumed run")
     if state._pending:
         raise RuntimeError("load_state_dict() during a step: call it between optimizer steps")
     missing = [k for k in _REQUIRED if k not in sd]

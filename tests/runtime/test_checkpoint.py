@@ -185,6 +185,11 @@ def _refusals(rank: int, world: int, path: str) -> list[str]:
         out.append(str(exc))
     another.close()
     state.close()
+    try:  # a closed state drives no step: what it loaded would be lost
+        state.load_state_dict(good)
+        out.append("accepted")
+    except InputError as exc:
+        out.append(str(exc))
     return out
 
 
@@ -205,8 +210,8 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
                            f"nfabric_state_{rank}.pt for this rank (saved without nfabric, or on "
                            "another node: each rank reads its own file)")
         # a truncated or malformed state is refused in one line, and nothing of it is loaded
-        no_step, no_ef, bad_monitor, bad_held, inf_step, bad_version, unchanged, contradiction = \
-            malformed
+        (no_step, no_ef, bad_monitor, bad_held, inf_step, bad_version, unchanged, contradiction,
+         closed) = malformed
         assert no_step == "fabric state is incomplete (no step): nothing was loaded"
         assert no_ef == "fabric state is malformed (KeyError: 'ef'): nothing was loaded"
         assert bad_monitor.startswith("fabric state is malformed (KeyError: ")
@@ -217,6 +222,8 @@ def test_a_state_from_other_bindings_or_version_is_refused_in_one_line(tmp_path:
         assert bad_version == "fabric state is malformed (version 'x'): nothing was loaded"
         assert unchanged == "unchanged"
         assert contradiction.startswith("state_dict(all_ranks=False, dst=0): dst is where")
+        assert closed == ("load_state_dict() into a closed nfabric state: load it into the "
+                          "state attach() returned for the resumed run")
         assert all("\n" not in m for m in out)
 
 
