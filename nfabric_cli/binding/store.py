@@ -148,6 +148,29 @@ def read_bindings(path: str | os.PathLike[str]) -> Bindings:
         raise InputError(f"{path}: bindings metadata is incomplete ({exc})") from None
 
 
+def compiled_world_size(source: Any) -> int | None:
+    """The world size a bindings file (a path) or `Bindings` was compiled for; None for a
+    profile (compiled for the run's own) or anything else. Reads the file's metadata only."""
+    if isinstance(source, Bindings):
+        return source.world_size
+    if isinstance(source, (str, os.PathLike)):
+        kind, meta = read_metadata(resolve_profile(source))
+        return int(meta["world_size"]) if kind == "bindings" else None
+    return None
+
+
+def other_world_size(compiled: int | None, world_size: int, rebound: bool = True) -> list[str]:
+    """One sentence when bindings compiled for `compiled` ranks run on `world_size`: the
+    routes hold at any size, but the modelled bytes and capacity verdicts are per size;
+    `rebound`: worked out again for this run (a bindings file), else kept (a `Bindings`)."""
+    if compiled is None or compiled == world_size:
+        return []
+    what = f"worked out again for {world_size}" if rebound else f"those of {compiled} ranks"
+    return [f"these bindings were compiled for {compiled} ranks and run on {world_size}: their "
+            f"modelled bytes and capacity verdicts are {what} (compile-profile --world-size "
+            f"{world_size} keeps a file of this run's own)"]
+
+
 def load_bindings_or_profile(
     path: str | os.PathLike[str], model: nn.Module | None, **compile_kwargs: Any
 ) -> Bindings:

@@ -28,7 +28,11 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.buckets import makes_sparse
 from nfabric_cli.binding.compile import check_total_steps, compile_profile, whole_number
 from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
-from nfabric_cli.binding.store import load_bindings_or_profile
+from nfabric_cli.binding.store import (
+    compiled_world_size,
+    load_bindings_or_profile,
+    other_world_size,
+)
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.proven import outside_proven
@@ -147,6 +151,7 @@ def create_state(
     trainable = trainable_parameters(module)  # the all-gather goes on their device (NCCL)
     device = trainable[0].param.device if trainable else torch.device("cpu")
     try:
+        compiled = compiled_world_size(source)  # (before a bindings file is re-derived)
         bindings, steps, seed, sizes = _bind(ddp_model, source, total_steps, substrate, seed, monitor,
                                       gate, nonfinite, trace_dir, _rehook)
     except Exception:  # (any failure: the other ranks must not wait for this one)
@@ -156,8 +161,11 @@ def create_state(
     check_ranks_agree(pg, attach_facts(bindings, steps, (monitor, gate, nonfinite, dedicated_group),
                                        groups.name(reuse)), device)
     world_size = dist.get_world_size(pg)
-    if steps is not None and dist.get_rank(pg) == 0:
-        for note in outside_proven(bindings.meta, steps=steps, world_size=world_size):
+    if dist.get_rank(pg) == 0:
+        notes = other_world_size(compiled, world_size, not isinstance(source, Bindings))
+        if steps is not None:
+            notes = outside_proven(bindings.meta, steps=steps, world_size=world_size) + notes
+        for note in notes:
             warnings.warn(f"nfabric: {note}", stacklevel=3)
     group = groups.lend(pg, reuse) if dedicated_group else pg  # (a closed state's, or new)
     try:

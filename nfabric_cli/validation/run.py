@@ -49,18 +49,23 @@ class RunPlan:
     higher_is_better: bool
     profile_meta: dict[str, Any] = field(default_factory=dict)
     data_fingerprint: str | None = None  # the workload's data here
+    compiled_world_size: int | None = None  # a bindings file's (None: a profile)
 
     def outside_proven(self, seeds: list[int]) -> list[str]:
         """Where these seeds, the run's length or world size leave the profile's proven range,
         whether its proof leaves room for the new seeds' worst, and whether the data or the
-        CPU here is other than the one it was calibrated on."""
+        CPU here is other than the one it was calibrated on; and whether a bindings file was
+        compiled for another world size."""
+        from nfabric_cli.binding.store import other_world_size
         from nfabric_cli.profile.proven import other_data, other_host, outside_proven, thin_margin
         from nfabric_cli.profile.provenance import host
 
         return outside_proven(self.profile_meta, seeds=seeds, steps=self.cfg.steps,
                               world_size=self.cfg.world_size) + thin_margin(
             self.profile_meta, seeds, self.cfg.tolerance) + other_data(
-            self.profile_meta, self.data_fingerprint) + other_host(self.profile_meta, host())
+            self.profile_meta, self.data_fingerprint) + other_host(
+            self.profile_meta, host()) + other_world_size(self.compiled_world_size,
+                                                          self.cfg.world_size)
 
 
 @dataclass
@@ -137,7 +142,8 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     check_writable(cfg.report_dir, "--report", folder=True)
     if cfg.record_trace is not None:
         check_writable(cfg.record_trace, "--record-trace", folder=True)
-    return RunPlan(cfg, workload.name, higher, dict(bindings.meta), workload.data_fingerprint())
+    return RunPlan(cfg, workload.name, higher, dict(bindings.meta), workload.data_fingerprint(),
+                   int(meta["world_size"]) if kind == "bindings" else None)
 
 
 def run_validation(

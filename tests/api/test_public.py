@@ -48,13 +48,15 @@ def test_attach_keeps_test_knobs_out_of_its_signature() -> None:
 
 def _idioms(rank: int, world: int) -> bool:
     """attach() and register_comm_hook(FabricState.create(...), fabric_hook) train alike, and
-    both warn (on rank 0 only) when the run is longer than the profile was proven for."""
+    both warn (on rank 0 only) when the run is longer than the profile was proven for, and
+    when the bindings were compiled for another world size (here the second's, for 4)."""
     results = []
     for idiom in ("attach", "register"):
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.001)
+        compiled = world if idiom == "attach" else 4
         bindings = compile_profile(static_profile(model, "sign", [("head.*", "fp32")]), model,
-                                   world_size=world, bucket_cap_mb=None)
+                                   world_size=compiled, bucket_cap_mb=None)
         bindings.meta["proven"] = {"seeds": [0], "steps": [2, 3], "world_size": world}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -63,10 +65,16 @@ def _idioms(rank: int, world: int) -> bool:
             else:
                 state = nfabric_cli.FabricState.create(ddp, bindings, total_steps=4)
                 ddp.register_comm_hook(state, nfabric_cli.fabric_hook)
-        said = [str(w.message) for w in caught if "proven" in str(w.message)]
+        said = [str(w.message) for w in caught if "proven" in str(w.message)
+                or "compiled for" in str(w.message)]
         expected = (["nfabric: the profile was proven on seed 0 at 2, 3 steps, world size "
                      f"{world}; outside that range here: 4 steps (a result there is not "
                      "covered by calibration)"] if rank == 0 else [])
+        if rank == 0 and compiled != world:
+            expected.append(f"nfabric: these bindings were compiled for 4 ranks and run on "
+                            f"{world}: their modelled bytes and capacity verdicts are those of 4 "
+                            f"ranks (compile-profile --world-size {world} keeps a file of this "
+                            "run's own)")
         if said != expected:
             return False
         train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, 4)

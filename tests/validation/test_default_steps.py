@@ -42,3 +42,20 @@ def test_default_steps_reads_a_profile_before_its_provenance() -> None:
     assert default_steps("profile", {}, 200) == 200  # hand-written: the workload's
     assert default_steps("profile", {"proven": {"fp32": True}}, 200) == 200  # nothing proven
     assert default_steps("bindings", {"total_steps": None, "profile": old}, 200) == 300
+
+
+def test_a_bindings_file_of_another_world_size_is_said_before_the_run(tmp_path: Path) -> None:
+    """Its routes hold at any size; its modelled bytes and verdicts are worked out again for
+    the run's, and the run says so (beside the proven-range lines), once."""
+    proven = head_fp32_profile(tmp_path / "proven.parquet", proven=PROVEN)
+    model = TinyWorkload().build_model(0)
+    for compiled in (4, 2):
+        path = tmp_path / f"w{compiled}.parquet"
+        write_bindings(compile_profile(read_profile(proven), model, world_size=compiled), path)
+        cfg = ValidateConfig(source=str(path), workload=TINY, world_size=2,
+                             report_dir=str(tmp_path / "report"))
+        notes = [n for n in plan(cfg).outside_proven([0]) if "compiled for" in n]
+        assert notes == ([] if compiled == 2 else [
+            "these bindings were compiled for 4 ranks and run on 2: their modelled bytes and "
+            "capacity verdicts are worked out again for 2 (compile-profile --world-size 2 keeps "
+            "a file of this run's own)"])
