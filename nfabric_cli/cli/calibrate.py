@@ -110,6 +110,7 @@ def calibrate_cmd(
     study: the reference runs once, the budget is the study's, one of them writes the profile."""
     import optuna
 
+    from nfabric_cli.binding.fingerprint import model_fingerprint
     from nfabric_cli.calibration import calibrate
     from nfabric_cli.calibration.spec import run_spec
     from nfabric_cli.workloads.registry import get_workload
@@ -148,9 +149,10 @@ def calibrate_cmd(
         from nfabric_cli.calibration.strategy import default_study_name
 
         return _status(storage, study or default_study_name(cal, wl.name), as_json)
-    warm = _warm_starts(cal, warm_starts or [])
+    model = model_fingerprint(wl.build_model(cal.seed)) if warm_starts or out.is_dir() else ""
+    warm = _warm_starts(cal, warm_starts or [], model)
     if not warm:
-        _hint_warm_start(cal, out / wl.name)
+        _hint_warm_start(cal, out / wl.name, model)
     if as_json:
         _, outcome = calibrate(wl, cal, storage, study, out, processes=processes,
                                write=not no_write, warm=warm)
@@ -178,12 +180,13 @@ def calibrate_cmd(
                       soft_wrap=True)
 
 
-def _warm_starts(cal: Any, paths: list[Path]) -> list[Any]:
+def _warm_starts(cal: Any, paths: list[Path], model: str) -> list[Any]:
     """Each --warm-start profile as a config of `cal`'s search (InputError where one does not
-    fit), with a warning per option the trial trains otherwise than the profile says."""
+    fit), with a warning per option the trial trains otherwise than the profile says, and
+    when it was calibrated for another model (fingerprint `model` is this workload's)."""
     found = []
     for given in paths:
-        w = _read_warm_start(cal, given)
+        w = _read_warm_start(cal, given, model)
         for note in w.notes:
             err_console.print(f"[yellow]warning[/]: --warm-start {w.source}: {note}",
                               highlight=False, soft_wrap=True)
@@ -191,24 +194,39 @@ def _warm_starts(cal: Any, paths: list[Path]) -> list[Any]:
     return found
 
 
-def _read_warm_start(cal: Any, given: Path) -> Any:
-    """A profile file, or a folder's newest, as a `WarmStart` of `cal`'s search."""
+def _read_warm_start(cal: Any, given: Path, model: str) -> Any:
+    """A profile file, or a folder's newest, as a `WarmStart` of `cal`'s search; a note when
+    it was calibrated for another model than this workload's (fingerprint `model`): its
+    routes are read by region, whatever they were proven on."""
+    import dataclasses
+
     from nfabric_cli.calibration.warm import warm_start
     from nfabric_cli.profile.store import read_profile, resolve_profile
 
     path = resolve_profile(given)
-    return warm_start(cal, read_profile(path), str(path))
+    profile = read_profile(path)
+    w = warm_start(cal, profile, str(path))
+    theirs = profile.meta.get("model_fingerprint")
+    if theirs and theirs != model:
+        w = dataclasses.replace(w, notes=(
+            f"it was calibrated for another model (fingerprint {theirs}, this workload's "
+            f"{model}): its routes are taken by region name", *w.notes))
+    return w
 
 
-def _hint_warm_start(cal: Any, folder: Path) -> None:
-    """Say so when OUT holds a profile of this workload that fits the search: a
-    recalibration can train its routes first. Only a note: nothing changes unless asked."""
+def _hint_warm_start(cal: Any, folder: Path, model: str) -> None:
+    """Say so when OUT holds a profile of this workload's model (fingerprint `model`; not
+    another plugin's of the same name) that fits the search: a recalibration can train its
+    routes first. Only a note: nothing changes unless asked."""
     if not folder.is_dir():
         return
     try:
-        path = _read_warm_start(cal, folder).source
+        w = _read_warm_start(cal, folder, model)
     except (InputError, OSError):  # none, several newest, unreadable, or unfit: no note
         return
+    if any(n.startswith("it was calibrated for another model") for n in w.notes):
+        return
+    path = w.source
     err_console.print(f"note: {path} exists; --warm-start {folder} would train its routes "
                       "first (docs/calibration.md, 'Warm starts')", highlight=False,
                       soft_wrap=True)

@@ -12,6 +12,7 @@ from optuna.trial import TrialState
 from typer.testing import CliRunner
 
 from nfabric_cli.app import app
+from nfabric_cli.binding.fingerprint import model_fingerprint
 from nfabric_cli.calibration import run_study
 from nfabric_cli.calibration.space import Config, config_profile
 from nfabric_cli.calibration.warm import enqueue_warm, warm_start
@@ -200,3 +201,25 @@ def test_cli_notes_a_profile_it_could_warm_start_from(tmp_path: Path) -> None:
     warm = _cli(tmp_path, "--warm-start", str(folder))
     assert warm.exit_code == 0, warm.output
     assert "would train its routes first" not in warm.stderr
+
+
+def test_a_profile_of_another_model_is_not_offered_and_warned_of_when_given(
+        tmp_path: Path) -> None:
+    """Another plugin of the same name wrote OUT/<name>/ (another model, same regions): no
+    note offers it; given as --warm-start it is read by region, with a warning naming both
+    fingerprints."""
+    prof = _profile()
+    theirs = write_profile(OperatingProfile(prof.rows, {**prof.meta, "model_fingerprint":
+                                                        "0123456789abcdef"}),
+                           tmp_path / "o" / "tiny" / "tiny.v1.parquet")
+    quiet = _cli(tmp_path)
+    assert quiet.exit_code == 0, quiet.output
+    assert "--warm-start" not in quiet.stderr
+    given = CliRunner().invoke(app, ["calibrate", TINY, "--spec", str(tmp_path / "spec.toml"),
+                                     "--storage", f"sqlite:///{tmp_path}/t.db", "--warm-start",
+                                     str(theirs), "--no-write"])
+    assert given.exit_code == 0, given.output
+    ours = get_workload(TINY).build_model(0)
+    assert (f"warning: --warm-start {theirs}: it was calibrated for another model (fingerprint "
+            f"0123456789abcdef, this workload's {model_fingerprint(ours)}): its routes are "
+            "taken by region name") in " ".join(given.stderr.split())
