@@ -35,3 +35,5 @@ def render_seeds(doc: dict[str, Any], console: Console) -> None:
         seeds.add_row(str(row["seed"]), *(_d(row["arms"][a]["metric_delta"]) for a in arms),
                       "yes" if row["passed"] else "NO")
     console.print(seeds)
+    if doc.get("pairing_note"):
+        console.print(f"note: {doc['pairing_note']}", highlight=False, soft_wrap=True)
