@@ -43,8 +43,9 @@ from nfabric_cli.workloads.base import Workload, held_out_metric
 #: loss over the steps since the previous checkpoint); False stops it.
 CheckpointFn = Callable[[int, float, float, float], bool]
 #: a cached step plan: (phase, the scopes held on fp32, whether DDP has rebuilt its buckets,
-#: whether the model gate sends the step as plain DDP's)
-_PlanKey = tuple[str, frozenset[str], bool, bool]
+#: whether the model gate sends the step as plain DDP's, whether it is a plain phase's with no
+#: ramp open)
+_PlanKey = tuple[str, frozenset[str], bool, bool, bool]
 
 
 @dataclass
@@ -177,7 +178,7 @@ class SimulatedDDP:
         gated-off step is all fp32, as the hook sends it, whatever the gate would say of this
         step's buckets (it priced the buckets of the last step through the worker)."""
         phase = self.phase.name
-        key = (phase, self.controller.forced(), self.step > 0, gated_off)
+        key = (phase, self.controller.forced(), self.step > 0, gated_off, self.controller.plain)
         if key not in self._plans:
             buckets = self.buckets[key[2]]
             by_name = {n: self.effective(n) for n in self.names}

@@ -14,6 +14,12 @@ both drive one of these, so calibration predicts exactly what the runtime decide
   out), so the step goes out as plain DDP's; `neutralise(step, finite)` is that step's whole
   decision (neutralised when its reduced result is not finite).
 
+A scope whose route changes at a phase boundary is *ramped* (with the monitor acting): the
+update guard holds its update near the magnitude it had and lets it rise from there until it
+fits (`runtime/guard.py`), so a scheduled change from `sign` to fp32 cannot deliver the raw
+gradient at once. A plain phase entered with a ramp open runs judged, as a low-bit one, until
+the ramp ends.
+
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
 or its worker when a trace is recorded), and the simulator, driving the same rule, trains such
@@ -124,6 +130,10 @@ class StepController:
         self.skipped_steps: list[int] = []
         self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down
         self._holding: set[str] = set()  # held scopes whose hold has been scaled down
+        # scopes whose route changed at the last phase boundaries, until updates fit (step
+        # the ramp began, the change in words, steps it capped, updates in a row that fit)
+        self._ramps: dict[str, list[Any]] = {}
+        self._ramp_fits = thresholds.window  # updates in a row that fit close a ramp
         # per phase, the gate keys of the buckets with a low-bit route in its profile, as its
         # last step through the hook's worker laid them out
         self._priced: dict[str, tuple[tuple, ...]] = {}
@@ -141,8 +151,9 @@ class StepController:
 
     @property
     def plain(self) -> bool:
-        """Whether this step is plain DDP's: its phase routes every parameter on fp32."""
-        return self.phase.name in self.plain_phases
+        """Whether this step is plain DDP's: its phase routes every parameter on fp32 and no
+        route change is still ramping."""
+        return self.phase.name in self.plain_phases and not self._ramps
 
     @property
     def acting(self) -> bool:
@@ -249,10 +260,14 @@ class StepController:
                 sums[scope] = sums.get(scope, 0.0) + update_norms[name] ** 2
         norms = {s: math.sqrt(v) for s, v in sums.items()}
         blowups = [s for s, reason in why.items() if reason.startswith(BLOWUP)]
-        held = self.guard.judge(norms, scopes, skipped, blowups)
+        held = self.guard.judge(norms, scopes, skipped, blowups, self._ramps)
+        if not skipped:
+            self._ramp(step, {h.scope: h for h in held if h.scope not in scopes}, scopes, norms)
         self._holding &= scopes  # a scope released by the monitor logs its next hold again
         for h in held:
             self.held.append((step, h.scope, h.factor))
+            if h.scope not in scopes:  # a ramp's (its events are `_ramp`'s)
+                continue
             if h.scope not in self._holding:  # one event per hold: its first scale-down
                 self._holding.add(h.scope)
                 kept = "" if self.monitor.forced_fp32(h.scope) else ", route kept"
@@ -262,6 +277,35 @@ class StepController:
                                     f"({h.multiple:g} x median of healthy updates){cause}; "
                                     "every held step is scaled down likewise"})
         return held
+
+    def _ramp(self, step: int, capped: Mapping[str, Held], held: frozenset[str],
+              norms: Mapping[str, float]) -> None:
+        """Count this step in each open ramp: capped, or an update that fit (a scope the
+        monitor holds, or absent this step, counts neither way). A ramp closes after `window`
+        updates in a row fit (one that fits can be followed by the blow-up it was held from:
+        `vision.v13`, seed 18, a ramp closed at its first fit, 3 steps after it opened, and
+        the loss went from 0.04 to 10 six steps later), or at once when it never capped. One
+        event when a ramp first caps, one when a ramp that capped closes."""
+        for scope in list(self._ramps):
+            ramp = self._ramps[scope]
+            began, change, steps, fits = ramp
+            h = capped.get(scope)
+            if h is not None:
+                if not steps:
+                    self.log({"step": step, "scope": scope, "from": "update", "to": "ramped",
+                              "reason": f"{change} from step {began}: update norm {h.norm:.3g} "
+                                        f"held to {h.cap:.3g} ({h.multiple:g} x median of its "
+                                        "recent updates), rising with what it delivers until "
+                                        f"{self._ramp_fits} in a row fit"})
+                ramp[2:] = [steps + 1, 0]
+            elif scope in norms and scope not in held:
+                ramp[3] = fits + 1
+                if not steps or fits + 1 >= self._ramp_fits:
+                    del self._ramps[scope]
+                    if steps:
+                        self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
+                                  "reason": f"{self._ramp_fits} updates in a row fit after "
+                                            f"{steps} ramped steps"})
 
     def advance(self, step: int) -> bool:
         """Close step `step`; enter the next phase if it changes (True when it did)."""
@@ -273,7 +317,14 @@ class StepController:
         return True
 
     def _enter_phase(self, phase: Phase, step: int) -> None:
-        self.phase = phase
+        old, self.phase = getattr(self, "phase", phase), phase
+        if old.name != phase.name and self.acting:
+            for b in self.bindings.params.values():
+                was, now = b.routes[old.name], b.routes[phase.name]
+                scope = b.regions[phase.name]
+                if was != now and scope not in self._ramps:
+                    self._ramps[scope] = [step, f"phase {phase.name!r}: {was.label()} -> "
+                                                f"{now.label()}", 0, 0]
         routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
         self.monitor.set_routes(routes)
         for ev in self.monitor.on_phase_change(phase.name, step):
@@ -286,6 +337,7 @@ class StepController:
                 "monitor": self.monitor.state_dict(), "gate": self.gate.state_dict(),
                 "guard": self.guard.state_dict(), "held": [list(h) for h in self.held],
                 "holding": sorted(self._holding),
+                "ramps": {s: list(r) for s, r in self._ramps.items()},
                 "priced": {ph: [list(names) for names, _ in keys]
                            for ph, keys in self._priced.items()}}
 
@@ -296,6 +348,8 @@ class StepController:
             self.guard.load_state_dict(sd["guard"])
             self.held = [tuple(h) for h in sd["held"]]  # type: ignore[misc]
             self._holding = set(sd["holding"])
+        # (states saved before ramps: none open)
+        self._ramps = {s: list(r) for s, r in sd.get("ramps", {}).items()}
         # (states saved before it: the first step resumed prices its buckets again)
         self._priced = {ph: tuple((tuple(names), ph) for names in rows)
                         for ph, rows in sd.get("priced", {}).items()}

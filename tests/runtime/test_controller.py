@@ -368,3 +368,75 @@ def test_steps_the_model_gate_refuses_are_plain_and_the_rule_survives_a_checkpoi
     again = StepController(c.bindings, 100, 2, log.append)
     again.load_state_dict(old)
     assert not again.gated_off()
+
+
+def _phased(first: str, then: str, monitor: bool = True) -> tuple[StepController, list[dict]]:
+    """Steps 0-9 on route `first`, 10-19 on `then` (20 steps, every parameter alike)."""
+    import dataclasses
+
+    from nfabric_cli.profile.operating import OperatingProfile
+
+    model = Net()
+    phases = [Phase("early", 0.0, 0.5), Phase("late", 0.5, 1.0)]
+    profile = static_profile(model, first, phases=phases, world_size=2)
+    rows = [dataclasses.replace(r, route=then) if r.phase == "late" else r for r in profile.rows]
+    bindings = compile_profile(OperatingProfile(rows, profile.meta), model, world_size=2,
+                               total_steps=20)
+    bindings.meta["health"] = {**HEALTH, "update_cap": 2.0}
+    log: list[dict] = []
+    return StepController(bindings, 20, 2, log.append, monitor=monitor), log
+
+
+def test_a_route_change_at_a_phase_boundary_ramps_the_update_until_a_window_of_it_fits():
+    """sign for 10 steps (updates of norm 1), then fp32, whose raw updates are 10x: each
+    leaves the hook at no more than 2 x the median of what the scope delivered before it
+    (the ramp's own deliveries included, so the cap rises), and the ramp closes once a
+    window (8) of updates in a row fit. The plain fp32 phase is judged until then, plain
+    DDP's after. With the monitor off nothing ramps."""
+    c, log = _phased("sign", "fp32")
+    assert c.plain_phases == {"late"}
+    for _ in range(10):
+        assert step(c, 1.0, 1.0, 1.0).scales == {}
+    assert c.phase.name == "late" and not c.plain  # a ramp is open: judged, not plain DDP's
+    delivered, window = [], [1.0] * 8
+    while not c.plain:
+        d = step(c, 1.0, 10.0, 10.0)
+        out = 10.0 * d.scales.get("*", 1.0)
+        assert out <= 2.0 * statistics.median(window) * (1 + 1e-12)  # never a step change
+        delivered.append(out)
+        window = (window + [out])[-8:]
+        assert len(delivered) < 40
+    capped = [x for x in delivered if x < 10.0]
+    assert delivered[0] == pytest.approx(2.0) and capped == sorted(capped)  # rising
+    assert delivered[len(capped):] == [10.0] * 8  # closed after 8 that fit
+    ramped = [e for e in log if "ramped" in (e["to"], e["from"])]
+    assert [(e["from"], e["to"], e["step"]) for e in ramped] == [
+        ("update", "ramped", 10), ("ramped", "update", 9 + len(delivered))]
+    assert ramped[0]["reason"].startswith("phase 'late': sign/sharded -> fp32 from step 10: "
+                                          "update norm 10 held to 2 (2 x median of its recent")
+    assert not [e for e in log if e["to"] == "held"]  # a ramp is no monitor hold
+    assert step(c, 1.0, 10.0, 50.0).scales == {}  # plain DDP's again: nothing judged
+    off, off_log = _phased("sign", "fp32", monitor=False)
+    for _ in range(10):
+        step(off, 1.0, 1.0, 1.0)
+    assert off.plain and step(off, 1.0, 10.0, 10.0).scales == {} and off_log == []
+
+
+def test_a_route_change_that_keeps_the_magnitude_closes_its_ramp_at_once_and_resumes():
+    """fp32 -> sign (the update shrinks): the first update fits, the ramp closes with no
+    event. A ramp open at a checkpoint resumes where it was, to the same decisions."""
+    c, log = _phased("fp32", "sign")
+    for _ in range(10):
+        step(c, 1.0, 1.0, 1.0)  # plain phase: nothing judged, nothing in the guard's window
+    step(c, 1.0, 1.0, 0.5)
+    assert c._ramps == {} and log == []
+    a, _ = _phased("sign", "fp32")
+    for _ in range(10):
+        step(a, 1.0, 1.0, 1.0)
+    step(a, 1.0, 10.0, 10.0)  # one capped step: the ramp is open
+    saved = json.loads(json.dumps(a.state_dict()))
+    b, _ = _phased("sign", "fp32")
+    b.load_state_dict(saved)
+    assert not b.plain
+    for _ in range(12):
+        assert step(a, 1.0, 10.0, 10.0).scales == step(b, 1.0, 10.0, 10.0).scales
