@@ -155,20 +155,24 @@ def compiled_world_size(source: Any) -> int | None:
         return source.world_size
     if isinstance(source, (str, os.PathLike)):
         kind, meta = read_metadata(resolve_profile(source))
-        return int(meta["world_size"]) if kind == "bindings" else None
+        size = meta.get("world_size") if kind == "bindings" else None
+        return size if isinstance(size, int) else None  # (a malformed file: read_bindings')
     return None
 
 
 def other_world_size(compiled: int | None, world_size: int, rebound: bool = True) -> list[str]:
     """One sentence when bindings compiled for `compiled` ranks run on `world_size`: the
     routes hold at any size, but the modelled bytes and capacity verdicts are per size;
-    `rebound`: worked out again for this run (a bindings file), else kept (a `Bindings`)."""
+    `rebound`: worked out again for this run (a bindings file), else the stored bytes are
+    kept (a `Bindings`; the runtime's gate prices the run's own size either way)."""
     if compiled is None or compiled == world_size:
         return []
-    what = f"worked out again for {world_size}" if rebound else f"those of {compiled} ranks"
-    return [f"these bindings were compiled for {compiled} ranks and run on {world_size}: their "
-            f"modelled bytes and capacity verdicts are {what} (compile-profile --world-size "
-            f"{world_size} keeps a file of this run's own)"]
+    what = (f"their modelled bytes and capacity verdicts are worked out again for {world_size}"
+            if rebound else f"their modelled bytes are those of {compiled} ranks (the capacity "
+            f"gate prices {world_size})")
+    return [f"these bindings were compiled for {compiled} ranks and run on {world_size}: "
+            f"{what} (compile-profile --world-size {world_size} keeps a file of this run's "
+            "own)"]
 
 
 def load_bindings_or_profile(

@@ -149,7 +149,8 @@ def calibrate_cmd(
         from nfabric_cli.calibration.strategy import default_study_name
 
         return _status(storage, study or default_study_name(cal, wl.name), as_json)
-    model = model_fingerprint(wl.build_model(cal.seed)) if warm_starts or out.is_dir() else ""
+    offer = (out / wl.name).is_dir()  # a profile there may be offered as a warm start
+    model = model_fingerprint(wl.build_model(cal.seed)) if warm_starts or offer else ""
     warm = _warm_starts(cal, warm_starts or [], model)
     if not warm:
         _hint_warm_start(cal, out / wl.name, model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,13 @@ def load_rank_state(fabric: FabricState, folder: str | os.PathLike[str], framewo
     that failed fails them all with its line, and ranks that loaded different steps (a folder
     holding files of two runs) are refused, instead of training out of step. A closed state
     (its run ended, and the framework loads a checkpoint to evaluate it) takes nothing: it
-    drives no step, and every rank's closes alike."""
+    drives no step, and every rank's closes alike; rank 0 says so (a run meant to resume from
+    it must attach first, then load)."""
     if fabric.closed:
+        if fabric.rank == 0:
+            warnings.warn(f"nfabric: {framework} loaded {folder} with the fabric's state closed: "
+                          "the fabric's part was not restored (to resume training from it, "
+                          "attach first, then load)", stacklevel=3)
         return
     failed: BaseException | None = None
     try:

@@ -22,7 +22,8 @@ the ramp ends.
 
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
-or its worker when a trace is recorded), and the simulator, driving the same rule, trains such
+or its worker when a trace is recorded; while a ramp is open it is judged, above), and the
+simulator, driving the same rule, trains such
 a phase (a calibration's fp32 reference is one) as `validate`'s fp32 arm trains. `passive`
 (benchmarks only) runs the detectors on every step and acts on nothing: what they would say
 of a plain run.
@@ -280,12 +281,13 @@ class StepController:
 
     def _ramp(self, step: int, capped: Mapping[str, Held], held: frozenset[str],
               norms: Mapping[str, float]) -> None:
-        """Count this step in each open ramp: capped, or an update that fit (a scope the
-        monitor holds, or absent this step, counts neither way). A ramp closes after `window`
-        updates in a row fit (one that fits can be followed by the blow-up it was held from:
-        `vision.v13`, seed 18, a ramp closed at its first fit, 3 steps after it opened, and
-        the loss went from 0.04 to 10 six steps later), or at once when it never capped. One
-        event when a ramp first caps, one when a ramp that capped closes."""
+        """Count this step in each open ramp: capped, or not (an update that fit, or a scope
+        the monitor holds or that is absent this step: nothing to ramp then). A ramp closes
+        after `window` steps in a row capped nothing (an update that fits can be followed by
+        the blow-up it was held from: `vision.v13`, seed 18, a ramp closed at its first fit,
+        3 steps after it opened, and the loss went from 0.04 to 10 six steps later), or at
+        once when its first step caps nothing. One event when a ramp first caps, one when a
+        ramp that capped closes."""
         for scope in list(self._ramps):
             ramp = self._ramps[scope]
             began, change, steps, fits = ramp
@@ -296,16 +298,16 @@ class StepController:
                               "reason": f"{change} from step {began}: update norm {h.norm:.3g} "
                                         f"held to {h.cap:.3g} ({h.multiple:g} x median of its "
                                         "recent updates), rising with what it delivers until "
-                                        f"{self._ramp_fits} in a row fit"})
+                                        f"{self._ramp_fits} steps in a row fit"})
                 ramp[2:] = [steps + 1, 0]
-            elif scope in norms and scope not in held:
+            else:
                 ramp[3] = fits + 1
                 if not steps or fits + 1 >= self._ramp_fits:
                     del self._ramps[scope]
                     if steps:
                         self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
-                                  "reason": f"{self._ramp_fits} updates in a row fit after "
-                                            f"{steps} ramped steps"})
+                                  "reason": f"{self._ramp_fits} steps in a row capped nothing "
+                                            f"after {steps} ramped steps"})
 
     def advance(self, step: int) -> bool:
         """Close step `step`; enter the next phase if it changes (True when it did)."""
@@ -316,15 +318,22 @@ class StepController:
         self._enter_phase(nxt, self.step)
         return True
 
-    def _enter_phase(self, phase: Phase, step: int) -> None:
-        old, self.phase = getattr(self, "phase", phase), phase
+    def _enter_phase(self, phase: Phase, step: int, old: Phase | None = None) -> None:
+        """Enter `phase` at `step` from `old` (default: the phase now): the monitor takes its
+        routes, and each scope whose route changes opens a ramp (replacing an open one)."""
+        old, self.phase = old or getattr(self, "phase", phase), phase
         if old.name != phase.name and self.acting:
             for b in self.bindings.params.values():
                 was, now = b.routes[old.name], b.routes[phase.name]
                 scope = b.regions[phase.name]
-                if was != now and scope not in self._ramps:
-                    self._ramps[scope] = [step, f"phase {phase.name!r}: {was.label()} -> "
-                                                f"{now.label()}", 0, 0]
+                if was == now:
+                    continue
+                if self._ramps.get(scope, [0, "", 0])[2]:  # one that capped: closed here
+                    self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
+                              "reason": f"the route changes again at phase {phase.name!r} "
+                                        f"after {self._ramps[scope][2]} ramped steps"})
+                self._ramps[scope] = [
+                    step, f"phase {phase.name!r}: {was.label()} -> {now.label()}", 0, 0]
         routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
         self.monitor.set_routes(routes)
         for ev in self.monitor.on_phase_change(phase.name, step):
@@ -356,5 +365,8 @@ class StepController:
         self.skipped_steps[:] = list(sd["skipped_steps"])
         self.step = int(sd["step"])
         self.phase = self.bindings.phase_at(min(self.step, self.total_steps), self.total_steps)
-        if self.monitor.phase != self.phase.name:  # resumed with another total_steps
-            self._enter_phase(self.phase, self.step)  # its routes, trips reset, pins released
+        if self.monitor.phase != self.phase.name:  # resumed with another total_steps: its
+            # routes, trips reset, pins released, and the ramps of a route change, as a run
+            # crossing the boundary would have
+            saved = next((p for p in self.bindings.phases if p.name == self.monitor.phase), None)
+            self._enter_phase(self.phase, self.step, saved)

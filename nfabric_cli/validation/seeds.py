@@ -136,7 +136,7 @@ def aggregate(summaries: dict[int, dict[str, Any]]) -> dict[str, Any]:
         else within_tolerance(-bound if higher else bound, tol),
         "arms": arms,
         "per_seed": per_seed,
-        "pairing_note": None if passed else pairing_note(arms),
+        "pairing_note": None if passed else pairing_note(arms, higher, tol),
     }
 
 
@@ -162,19 +162,23 @@ def _correlation(a: list[float | None], b: list[float | None]) -> float | None:
     return statistics.correlation(a, b)
 
 
-def pairing_note(arms: dict[str, Any]) -> str | None:
+def pairing_note(arms: dict[str, Any], higher_is_better: bool, tolerance: float) -> str | None:
     """Why a failed worst-seed verdict may be the seeds' spread more than the routes': when
     the profile's metric and fp32's move together little across seeds (correlation under
     `LOOSE_PAIRING`), each seed's delta carries both runs' own seed-to-seed spread. Measured
     on `transformer.v13`, 300 steps, two ranks, seeds 10-19: correlation -0.61, the profile's
     sd 0.48 points against fp32's 1.05, one seed missing by 0.5 points where fp32 had its best
     seed, while the mean delta was +0.08 (the profile ahead). A reading for the user; the
-    verdict stays the worst seed's. None otherwise."""
+    verdict stays the worst seed's. None otherwise, and where the mean's interval lies wholly
+    past the tolerance (a loss the seeds agree on, not their spread)."""
     profile, fp32 = arms.get("profile"), arms.get("fp32")
     if profile is None or fp32 is None:
         return None
     rho, d = profile["fp32_correlation"], profile["metric_delta"]
     if rho is None or rho >= LOOSE_PAIRING or d["ci90"] is None:
+        return None
+    nearest = d["ci90"][1] if higher_is_better else -d["ci90"][0]  # the interval's best end
+    if not within_tolerance(-nearest, tolerance):
         return None
     apart = fp32["metric_sd"] * math.sqrt(2)
     return (f"the profile's metric and fp32's moved together little across these seeds "

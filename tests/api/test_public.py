@@ -72,9 +72,9 @@ def _idioms(rank: int, world: int) -> bool:
                      "covered by calibration)"] if rank == 0 else [])
         if rank == 0 and compiled != world:
             expected.append(f"nfabric: these bindings were compiled for 4 ranks and run on "
-                            f"{world}: their modelled bytes and capacity verdicts are those of 4 "
-                            f"ranks (compile-profile --world-size {world} keeps a file of this "
-                            "run's own)")
+                            f"{world}: their modelled bytes are those of 4 ranks (the capacity "
+                            f"gate prices {world}) (compile-profile --world-size {world} keeps a "
+                            "file of this run's own)")
         if said != expected:
             return False
         train_steps(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), state, rank, 0, 4)

@@ -28,10 +28,11 @@ STEPS, SEED = 4, 3
 
 
 def _bindings(model, world: int, health: dict | None = None, norms: str = "type:GroupNorm",
-              fp32: bool = False, substrate: dict | None = None):
+              fp32: bool = False, substrate: dict | None = None, ramp: bool = False):
     """warmup (first step): int8+EF head, fp32 rest; then head int8+EF, norms ternary+EF, rest
     sign+EF; int8 with stochastic rounding (the hook and the simulator draw the same noise).
-    `fp32`: the same profile with every route fp32 (plain DDP's path in the hook)."""
+    `fp32`: the same profile with every route fp32 (plain DDP's path in the hook). `ramp`:
+    every route sign for two steps, then fp32 (a plain phase, entered with a ramp open)."""
     spec = tiny_spec(world_size=world, steps=STEPS, eval_every=2, health=health or {},
                      regions=[
                          {"name": "head", "selector": "head.*", "routes": ["fp32", "int8"]},
@@ -41,6 +42,8 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
                      ])
     config = Config((("int8", "fp32", "fp32"), ("int8", "ternary", "sign")), (0.25,), 0.4, True,
                     rounding="stochastic")
+    if ramp:
+        config = Config((("sign",) * 3, ("fp32",) * 3), (0.5,), 0.4, False)
     profile = config_profile(spec, config, {"world_size": world, "health": spec.health})
     if fp32:
         profile = on_route(profile, "fp32")
@@ -58,11 +61,11 @@ NAN = (Injection("nan", 2, 1),)
 
 def _real_worker(rank: int, world: int, health: dict | None = None,
                  injections: tuple = (), fp32: bool = False, direct: bool = True,
-                 substrate: dict | None = None) -> dict:
+                 substrate: dict | None = None, ramp: bool = False) -> dict:
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     ddp = DDP(model)
-    bindings = _bindings(model, world, health, fp32=fp32, substrate=substrate)
+    bindings = _bindings(model, world, health, fp32=fp32, substrate=substrate, ramp=ramp)
     state = attach_with(ddp, bindings, total_steps=STEPS,
                         seed=SEED, injections=injections, direct_fp32=direct)
     opt, sched = wl.make_optimizer(ddp.parameters(), STEPS)
@@ -77,29 +80,35 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
 
 
 @pytest.mark.parametrize("guarded", [None, 0, 1, "nan", "fp32", "fp32-nan", "fp32-worker",
-                                     "fp32-nan-worker"],
+                                     "fp32-nan-worker", "ramp"],
                          ids=["healthy", "spike-held", "spike-tripped", "nan-skipped",
                               "all-fp32-spike", "all-fp32-nan", "all-fp32-spike-worker",
-                              "all-fp32-nan-worker"])
+                              "all-fp32-nan-worker", "sign-then-fp32-ramped"])
 def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | None) -> None:
     # "-worker": the all-fp32 steps on the hook's worker path, as a recorded trace sends
-    # them; they must train as the direct path does (plain DDP: nothing held, NaN summed)
+    # them; they must train as the direct path does (plain DDP: nothing held, NaN summed).
+    # "ramp": the plain phase after sign is judged while its ramp is open, in both
     world = 2
     health, injections, fp32 = (None, (), str(guarded).startswith("fp32"))
     direct = not str(guarded).endswith("worker")
-    if str(guarded).startswith("fp32-nan"):  # plain DDP sums the NaN into every update: so must we
+    ramp = guarded == "ramp"
+    if ramp:
+        health = {"window": 4, "min_history": 2, "update_cap": 1.0}
+    elif str(guarded).startswith("fp32-nan"):  # plain DDP sums the NaN into every update: so must we
         injections = NAN
     elif guarded == "nan":  # skipped on every rank, error feedback forgotten, in both
         injections = NAN
     elif guarded is not None:
         health, injections = {**GUARDED, "grad_blowup_trips": int(fp32 or guarded)}, SPIKE
-    real = run_ranks(_real_worker, world, health, injections, fp32, direct)
+    real = run_ranks(_real_worker, world, health, injections, fp32, direct, None, ramp)
     wl = get_workload("vision")
     model = wl.build_model(SEED)
-    bindings = _bindings(model, world, health, fp32=fp32)
+    bindings = _bindings(model, world, health, fp32=fp32, ramp=ramp)
     sim = simulate_run(wl, bindings, world, STEPS, SEED, checkpoints=(STEPS,),
                        injections=injections)
-    if fp32:  # every route fp32: plain DDP's step in the hook, so nothing is held in either
+    if ramp:  # the fp32 phase's first step capped (and so judged, not plain DDP's)
+        assert [(e["step"], e["to"]) for e in sim.events][:1] == [(2, "ramped")]
+    elif fp32:  # every route fp32: plain DDP's step in the hook, so nothing is held in either
         assert sim.events == [] and sim.detections == []
     elif guarded == "nan":
         assert sim.skipped_steps == [2]

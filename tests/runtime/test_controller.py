@@ -423,13 +423,17 @@ def test_a_route_change_at_a_phase_boundary_ramps_the_update_until_a_window_of_i
 
 
 def test_a_route_change_that_keeps_the_magnitude_closes_its_ramp_at_once_and_resumes():
-    """fp32 -> sign (the update shrinks): the first update fits, the ramp closes with no
-    event. A ramp open at a checkpoint resumes where it was, to the same decisions."""
-    c, log = _phased("fp32", "sign")
-    for _ in range(10):
-        step(c, 1.0, 1.0, 1.0)  # plain phase: nothing judged, nothing in the guard's window
-    step(c, 1.0, 1.0, 0.5)
-    assert c._ramps == {} and log == []
+    """sign -> int8 with the update's norm within 2 x its median: the first update fits, the
+    ramp closes with no event (1.5x passes, 3x would have been capped). A ramp open at a
+    checkpoint resumes where it was, to the same decisions; a resume with another
+    total_steps that lands past the boundary opens the ramp a run crossing it would."""
+    for update, capped in ((1.5, False), (3.0, True)):
+        c, log = _phased("sign", "int8")
+        for _ in range(10):
+            step(c, 1.0, 1.0, 1.0)
+        assert c._ramps  # opened at the boundary
+        assert (step(c, 1.0, 1.0, update).scales != {}) == capped
+        assert bool(c._ramps) == capped and bool(log) == capped
     a, _ = _phased("sign", "fp32")
     for _ in range(10):
         step(a, 1.0, 1.0, 1.0)
@@ -440,3 +444,10 @@ def test_a_route_change_that_keeps_the_magnitude_closes_its_ramp_at_once_and_res
     assert not b.plain
     for _ in range(12):
         assert step(a, 1.0, 10.0, 10.0).scales == step(b, 1.0, 10.0, 10.0).scales
+    early, _ = _phased("sign", "fp32")
+    for _ in range(8):  # step 8 of 20: still on sign
+        step(early, 1.0, 1.0, 1.0)
+    shorter = StepController(early.bindings, 12, 2, [].append)  # step 8 of 12: fp32's phase
+    shorter.load_state_dict(json.loads(json.dumps(early.state_dict())))
+    assert shorter.phase.name == "late" and not shorter.plain
+    assert step(shorter, 1.0, 10.0, 10.0).scales == {"*": pytest.approx(0.2)}

@@ -107,6 +107,12 @@ def test_a_miss_where_the_arms_move_apart_across_seeds_is_read_for_the_user() ->
         "pairing_note"] is None
     together = {i: _pair(f, f - (9 if i == 3 else 1)) for i, (f, _) in enumerate(V13_300_W2)}
     assert not aggregate(together)["passed"] and aggregate(together)["pairing_note"] is None
+    # the same spread shifted 12 examples down: the mean's whole interval past -0.02 is a
+    # loss the seeds agree on, and nothing suggests otherwise
+    lost = aggregate({10 + i: _pair(f, p - 12) for i, (f, p) in enumerate(V13_300_W2)})
+    assert lost["arms"]["profile"]["metric_delta"]["ci90"][1] < -0.02
+    assert lost["arms"]["profile"]["fp32_correlation"] == pytest.approx(
+        doc["arms"]["profile"]["fp32_correlation"]) and lost["pairing_note"] is None
     few = aggregate({10 + i: _pair(f, p) for i, (f, p) in enumerate(V13_300_W2[:4])})
     assert not few["passed"] and few["arms"]["profile"]["fp32_correlation"] is None
     assert few["pairing_note"] is None
