@@ -15,10 +15,10 @@ both drive one of these, so calibration predicts exactly what the runtime decide
   decision (neutralised when its reduced result is not finite).
 
 A scope whose route changes at a phase boundary is *ramped* (with the monitor acting): the
-update guard holds its update near the magnitude it had and lets it rise from there until it
-fits (`runtime/guard.py`), so a scheduled change from `sign` to fp32 cannot deliver the raw
-gradient at once. A plain phase entered with a ramp open runs judged, as a low-bit one, until
-the ramp ends.
+update guard holds its update near the magnitude it had and lets it rise from there until a
+window of steps caps nothing (`runtime/guard.py`), so a scheduled change from `sign` to fp32
+cannot deliver the raw gradient at once. A plain phase entered with a ramp open runs judged,
+as a low-bit one, until the ramp ends.
 
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
