@@ -131,10 +131,10 @@ class StepController:
         self.skipped_steps: list[int] = []
         self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down
         self._holding: set[str] = set()  # held scopes whose hold has been scaled down
-        # scopes whose route changed at the last phase boundaries, until updates fit (step
-        # the ramp began, the change in words, steps it capped, updates in a row that fit)
+        # scopes whose route changed at the last phase boundaries, until their ramp closes
+        # (step it began, the change in words, steps it capped, steps in a row it capped none)
         self._ramps: dict[str, list[Any]] = {}
-        self._ramp_fits = thresholds.window  # updates in a row that fit close a ramp
+        self._ramp_fits = thresholds.window  # steps in a row capping nothing close a ramp
         # per phase, the gate keys of the buckets with a low-bit route in its profile, as its
         # last step through the hook's worker laid them out
         self._priced: dict[str, tuple[tuple, ...]] = {}

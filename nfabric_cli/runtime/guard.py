@@ -20,11 +20,12 @@ decision):
 - a scope *ramped* (its route changed at a phase boundary, `StepController`) and not held is
   scaled down to ``update_cap * median`` the same way, and what it delivered joins its
   window: the cap rises with the delivered updates, at most doubling each half window; the
-  controller closes the ramp once `window` steps in a row capped nothing. Why: a model trained on `sign` and then sent
-  the raw fp32 gradient takes steps its weights are not shaped for. Simulated, `vision.v13`
-  on seeds 10-19 at 600 steps, two ranks: 15 steps of every parameter on fp32 (nothing
-  wrong) from step 200 cost up to 11.9 points, from step 300 up to 13.9, where the run with
-  no such steps kept its accuracy (docs/health.md, "Route changes ramp").
+  controller closes the ramp once `window` steps in a row capped nothing. Why: a model
+  trained on `sign` and then sent the raw fp32 gradient takes steps its weights are not
+  shaped for. Simulated, `vision.v13` on seeds 10-19 at 600 steps, two ranks, no monitor:
+  15 steps of every parameter on fp32 (nothing wrong) from step 200 cost up to 11.9 points,
+  from step 300 up to 13.9, against the same seeds without them (docs/health.md, "Route
+  changes ramp").
 
 Pure and deterministic like `HealthMonitor`; nothing here talks to a process group.
 """
