@@ -61,6 +61,9 @@ class Bindings:
     meta: dict[str, Any] = field(default_factory=dict)  # the profile's metadata
     find_unused_parameters: bool = False
     bucket_order: str = "reverse-registration"  # or "traced": how the ready order was known
+    #: the world size a bindings file was compiled for, when loaded for another (its bytes and
+    #: verdicts then worked out again: `load_bindings_or_profile`); not stored
+    compiled_world_size: int | None = None
 
     # -- lookups ---------------------------------------------------------------------------
     def phase(self, name: str) -> Phase:

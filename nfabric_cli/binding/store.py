@@ -148,28 +148,18 @@ def read_bindings(path: str | os.PathLike[str]) -> Bindings:
         raise InputError(f"{path}: bindings metadata is incomplete ({exc})") from None
 
 
-def compiled_world_size(source: Any) -> int | None:
-    """The world size a bindings file (a path) or `Bindings` was compiled for; None for a
-    profile (compiled for the run's own) or anything else. Reads the file's metadata only."""
-    if isinstance(source, Bindings):
-        return source.world_size
-    if isinstance(source, (str, os.PathLike)):
-        kind, meta = read_metadata(resolve_profile(source))
-        size = meta.get("world_size") if kind == "bindings" else None
-        return size if isinstance(size, int) else None  # (a malformed file: read_bindings')
-    return None
-
-
-def other_world_size(compiled: int | None, world_size: int, rebound: bool = True) -> list[str]:
-    """One sentence when bindings compiled for `compiled` ranks run on `world_size`: the
-    routes hold at any size, but the modelled bytes and capacity verdicts are per size;
-    `rebound`: worked out again for this run (a bindings file), else the stored bytes are
-    kept (a `Bindings`; the runtime's gate prices the run's own size either way)."""
-    if compiled is None or compiled == world_size:
+def other_world_size(bindings: Bindings, world_size: int) -> list[str]:
+    """One sentence when `bindings` were compiled for another world size than the run's: the
+    routes hold at any size, but the modelled bytes and capacity verdicts are per size. A
+    bindings file loaded for the run has them worked out again (`compiled_world_size`); a
+    `Bindings` object given as is keeps its stored bytes (the runtime's gate prices the run's
+    own size either way)."""
+    compiled = bindings.compiled_world_size or bindings.world_size
+    if compiled == world_size:
         return []
     what = (f"their modelled bytes and capacity verdicts are worked out again for {world_size}"
-            if rebound else f"their modelled bytes are those of {compiled} ranks (the capacity "
-            f"gate prices {world_size})")
+            if bindings.compiled_world_size else f"their modelled bytes are those of {compiled} "
+            f"ranks (the capacity gate prices {world_size})")
     return [f"these bindings were compiled for {compiled} ranks and run on {world_size}: "
             f"{what} (compile-profile --world-size {world_size} keeps a file of this run's "
             "own)"]
@@ -220,7 +210,9 @@ def load_bindings_or_profile(
     if ws is not None:
         if not isinstance(ws, int) or ws < 1:
             raise InputError(f"world size must be a positive integer, got {ws!r}")
-        replan = replan or ws != bindings.world_size
+        if ws != bindings.world_size:
+            replan = True
+            bindings.compiled_world_size = bindings.world_size
         bindings.world_size = ws
     if sub is not None:
         remember_substrate(bindings, sub)

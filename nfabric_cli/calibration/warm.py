@@ -45,6 +45,7 @@ class WarmStart:
     source: str
     config: Config
     notes: tuple[str, ...] = ()
+    model: str | None = None  # the profile's model fingerprint (None: it records none)
 
 
 def warm_start(spec: CalibrationSpec, profile: OperatingProfile, source: str) -> WarmStart:
@@ -94,7 +95,8 @@ def warm_start(spec: CalibrationSpec, profile: OperatingProfile, source: str) ->
         base.error_feedback if ef is None else ef,
         base.rounding if rounding is None else rounding,
         base.sign_mode if mode is None else mode)
-    return WarmStart(source, config, _differences(spec, config, profile))
+    return WarmStart(source, config, _differences(spec, config, profile),
+                     profile.meta.get("model_fingerprint"))
 
 
 Refuse = Callable[[str], InputError]

@@ -184,35 +184,28 @@ def calibrate_cmd(
 def _warm_starts(cal: Any, paths: list[Path], model: str) -> list[Any]:
     """Each --warm-start profile as a config of `cal`'s search (InputError where one does not
     fit), with a warning per option the trial trains otherwise than the profile says, and
-    when it was calibrated for another model (fingerprint `model` is this workload's)."""
+    when it was calibrated for another model (fingerprint `model` is this workload's): its
+    routes are read by region, whatever they were proven on."""
     found = []
     for given in paths:
-        w = _read_warm_start(cal, given, model)
-        for note in w.notes:
+        w = _read_warm_start(cal, given)
+        other = ((f"it was calibrated for another model (fingerprint {w.model}, this "
+                  f"workload's {model}): its routes are taken by region name",)
+                 if w.model and w.model != model else ())
+        for note in (*other, *w.notes):
             err_console.print(f"[yellow]warning[/]: --warm-start {w.source}: {note}",
                               highlight=False, soft_wrap=True)
         found.append(w)
     return found
 
 
-def _read_warm_start(cal: Any, given: Path, model: str) -> Any:
-    """A profile file, or a folder's newest, as a `WarmStart` of `cal`'s search; a note when
-    it was calibrated for another model than this workload's (fingerprint `model`): its
-    routes are read by region, whatever they were proven on."""
-    import dataclasses
-
+def _read_warm_start(cal: Any, given: Path) -> Any:
+    """A profile file, or a folder's newest, as a `WarmStart` of `cal`'s search."""
     from nfabric_cli.calibration.warm import warm_start
     from nfabric_cli.profile.store import read_profile, resolve_profile
 
     path = resolve_profile(given)
-    profile = read_profile(path)
-    w = warm_start(cal, profile, str(path))
-    theirs = profile.meta.get("model_fingerprint")
-    if theirs and theirs != model:
-        w = dataclasses.replace(w, notes=(
-            f"it was calibrated for another model (fingerprint {theirs}, this workload's "
-            f"{model}): its routes are taken by region name", *w.notes))
-    return w
+    return warm_start(cal, read_profile(path), str(path))
 
 
 def _hint_warm_start(cal: Any, folder: Path, model: str) -> None:
@@ -222,10 +215,10 @@ def _hint_warm_start(cal: Any, folder: Path, model: str) -> None:
     if not folder.is_dir():
         return
     try:
-        w = _read_warm_start(cal, folder, model)
+        w = _read_warm_start(cal, folder)
     except (InputError, OSError):  # none, several newest, unreadable, or unfit: no note
         return
-    if any(n.startswith("it was calibrated for another model") for n in w.notes):
+    if w.model and w.model != model:
         return
     path = w.source
     err_console.print(f"note: {path} exists; --warm-start {folder} would train its routes "

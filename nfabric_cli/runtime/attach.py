@@ -28,11 +28,7 @@ from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.binding.buckets import makes_sparse
 from nfabric_cli.binding.compile import check_total_steps, compile_profile, whole_number
 from nfabric_cli.binding.fingerprint import model_fingerprint, trainable_parameters
-from nfabric_cli.binding.store import (
-    compiled_world_size,
-    load_bindings_or_profile,
-    other_world_size,
-)
+from nfabric_cli.binding.store import load_bindings_or_profile, other_world_size
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.operating import OperatingProfile
 from nfabric_cli.profile.proven import outside_proven
@@ -151,7 +147,6 @@ def create_state(
     trainable = trainable_parameters(module)  # the all-gather goes on their device (NCCL)
     device = trainable[0].param.device if trainable else torch.device("cpu")
     try:
-        compiled = compiled_world_size(source)  # (before a bindings file is re-derived)
         bindings, steps, seed, sizes = _bind(ddp_model, source, total_steps, substrate, seed, monitor,
                                       gate, nonfinite, trace_dir, _rehook)
     except Exception:  # (any failure: the other ranks must not wait for this one)
@@ -162,7 +157,7 @@ def create_state(
                                        groups.name(reuse)), device)
     world_size = dist.get_world_size(pg)
     if dist.get_rank(pg) == 0:
-        notes = other_world_size(compiled, world_size, not isinstance(source, Bindings))
+        notes = other_world_size(bindings, world_size)
         if steps is not None:
             notes = outside_proven(bindings.meta, steps=steps, world_size=world_size) + notes
         for note in notes:

@@ -134,7 +134,6 @@ class StepController:
         # scopes whose route changed at the last phase boundaries, until their ramp closes
         # (step it began, the change in words, steps it capped, steps in a row it capped none)
         self._ramps: dict[str, list[Any]] = {}
-        self._ramp_fits = thresholds.window  # steps in a row capping nothing close a ramp
         # per phase, the gate keys of the buckets with a low-bit route in its profile, as its
         # last step through the hook's worker laid them out
         self._priced: dict[str, tuple[tuple, ...]] = {}
@@ -263,7 +262,7 @@ class StepController:
         blowups = [s for s, reason in why.items() if reason.startswith(BLOWUP)]
         held = self.guard.judge(norms, scopes, skipped, blowups, self._ramps)
         if not skipped:
-            self._ramp(step, {h.scope: h for h in held if h.scope not in scopes}, scopes, norms)
+            self._ramp(step, {h.scope: h for h in held if h.scope not in scopes})
         self._holding &= scopes  # a scope released by the monitor logs its next hold again
         for h in held:
             self.held.append((step, h.scope, h.factor))
@@ -279,8 +278,7 @@ class StepController:
                                     "every held step is scaled down likewise"})
         return held
 
-    def _ramp(self, step: int, capped: Mapping[str, Held], held: frozenset[str],
-              norms: Mapping[str, float]) -> None:
+    def _ramp(self, step: int, capped: Mapping[str, Held]) -> None:
         """Count this step in each open ramp: capped, or not (an update that fit, or a scope
         the monitor holds or that is absent this step: nothing to ramp then). A ramp closes
         after `window` steps in a row capped nothing (an update that fits can be followed by
@@ -288,6 +286,7 @@ class StepController:
         3 steps after it opened, and the loss went from 0.04 to 10 six steps later), or at
         once when its first step caps nothing. One event when a ramp first caps, one when a
         ramp that capped closes."""
+        window = self.monitor.thresholds.window
         for scope in list(self._ramps):
             ramp = self._ramps[scope]
             began, change, steps, fits = ramp
@@ -298,15 +297,15 @@ class StepController:
                               "reason": f"{change} from step {began}: update norm {h.norm:.3g} "
                                         f"held to {h.cap:.3g} ({h.multiple:g} x median of its "
                                         "recent updates), rising with what it delivers until "
-                                        f"{self._ramp_fits} steps in a row fit"})
+                                        f"{window} steps in a row fit"})
                 ramp[2:] = [steps + 1, 0]
             else:
                 ramp[3] = fits + 1
-                if not steps or fits + 1 >= self._ramp_fits:
+                if not steps or fits + 1 >= window:
                     del self._ramps[scope]
                     if steps:
                         self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
-                                  "reason": f"{self._ramp_fits} steps in a row capped nothing "
+                                  "reason": f"{window} steps in a row capped nothing "
                                             f"after {steps} ramped steps"})
 
     def advance(self, step: int) -> bool:
@@ -328,7 +327,7 @@ class StepController:
                 scope = b.regions[phase.name]
                 if was == now:
                     continue
-                if self._ramps.get(scope, [0, "", 0])[2]:  # one that capped: closed here
+                if scope in self._ramps and self._ramps[scope][2]:  # one that capped: closed
                     self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
                               "reason": f"the route changes again at phase {phase.name!r} "
                                         f"after {self._ramps[scope][2]} ramped steps"})

@@ -71,30 +71,24 @@ class UpdateGuard:
         ones. Returns one `Held` per scope scaled, in scope order."""
         if skipped:
             return []
-        held, blowups = set(held), set(blowups)
-        ramped = set(ramped) - held
+        held, blowups, ramped = set(held), set(blowups), set(ramped)
         out = []
         for scope, window in self._windows.items():
             norm = norms.get(scope)
             if norm is None or not math.isfinite(norm):
                 continue
-            if scope in ramped:
+            if scope in held or scope in ramped:
+                multiple = self.blowup_cap if scope in blowups else self.cap
+                h = None
                 if self.cap > 0 and len(window) >= self.min_history:
-                    cap = self.cap * statistics.median(window)
+                    cap = multiple * statistics.median(window)
                     if norm > cap > 0:
-                        out.append(Held(scope, cap / norm, norm, cap, self.cap))
-                        norm = cap
-                window.append(float(norm))
-                continue
-            if scope not in held:
-                window.append(float(norm))
-                continue
-            if self.cap <= 0 or len(window) < self.min_history:
-                continue
-            multiple = self.blowup_cap if scope in blowups else self.cap
-            cap = multiple * statistics.median(window)
-            if norm > cap > 0:
-                out.append(Held(scope, cap / norm, norm, cap, multiple))
+                        h = Held(scope, cap / norm, norm, cap, multiple)
+                        out.append(h)
+                if scope in held:  # a held update never enters the window; a ramped one's
+                    continue       # delivery does (so its cap rises)
+                norm = norm if h is None else h.cap
+            window.append(float(norm))
         return out
 
     def state_dict(self) -> dict[str, Any]:

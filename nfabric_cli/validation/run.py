@@ -49,14 +49,13 @@ class RunPlan:
     higher_is_better: bool
     profile_meta: dict[str, Any] = field(default_factory=dict)
     data_fingerprint: str | None = None  # the workload's data here
-    compiled_world_size: int | None = None  # a bindings file's (None: a profile)
+    world_size_notes: list[str] = field(default_factory=list)  # `other_world_size`'s
 
     def outside_proven(self, seeds: list[int]) -> list[str]:
         """Where these seeds, the run's length or world size leave the profile's proven range,
         whether its proof leaves room for the new seeds' worst, and whether the data or the
         CPU here is other than the one it was calibrated on; and whether a bindings file was
         compiled for another world size."""
-        from nfabric_cli.binding.store import other_world_size
         from nfabric_cli.profile.proven import other_data, other_host, outside_proven, thin_margin
         from nfabric_cli.profile.provenance import host
 
@@ -64,8 +63,7 @@ class RunPlan:
                               world_size=self.cfg.world_size) + thin_margin(
             self.profile_meta, seeds, self.cfg.tolerance) + other_data(
             self.profile_meta, self.data_fingerprint) + other_host(
-            self.profile_meta, host()) + other_world_size(self.compiled_world_size,
-                                                          self.cfg.world_size)
+            self.profile_meta, host()) + self.world_size_notes
 
 
 @dataclass
@@ -109,6 +107,7 @@ def default_steps(kind: str, meta: dict[str, Any], workload_steps: int) -> int:
 def plan(cfg: ValidateConfig) -> RunPlan:
     """Check `cfg` against the workload and the profile; fill steps, bucket cap, tolerance."""
     from nfabric_cli.binding import read_bindings
+    from nfabric_cli.binding.store import other_world_size
     from nfabric_cli.profile.parquet import read_metadata
     from nfabric_cli.profile.store import resolve_profile
     from nfabric_cli.validation.arms import profile_bindings
@@ -143,7 +142,7 @@ def plan(cfg: ValidateConfig) -> RunPlan:
     if cfg.record_trace is not None:
         check_writable(cfg.record_trace, "--record-trace", folder=True)
     return RunPlan(cfg, workload.name, higher, dict(bindings.meta), workload.data_fingerprint(),
-                   int(meta["world_size"]) if kind == "bindings" else None)
+                   other_world_size(bindings, cfg.world_size))
 
 
 def run_validation(
