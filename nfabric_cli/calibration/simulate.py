@@ -116,6 +116,7 @@ class SimulatedDDP:
         self._bytes_cache: dict[_PlanKey, StepBytes] = {}
         self._planned: dict[tuple[str, bool], StepBytes] = {}
         self._plans: dict[_PlanKey, StepRoutes] = {}
+        self._sent: dict[_PlanKey, frozenset[str]] = {}  # the regions a plan sends low-bit
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
@@ -189,6 +190,9 @@ class SimulatedDDP:
                 tuple(routes(n) for n in self.names),
                 plain=self.controller.plain,
             )
+            self._sent[key] = frozenset(r for r, spec in zip(self._plans[key].regions,
+                                                             self._plans[key].specs,
+                                                             strict=True) if spec.lowbit)
             self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes,
                                                 buckets)
         return self._plans[key], key
@@ -200,6 +204,7 @@ class SimulatedDDP:
         gated_off = self.controller.gated_off()
         plan, key = self._plan(gated_off)
         self.tally.add(self._bytes_cache[key])
+        self.controller.sent(step, self._sent[key])  # (the hook tells it before judging)
 
         def decide(done: RanksStep) -> StepDecision:
             finite_losses = [v for v in done.losses if math.isfinite(v)]
@@ -207,7 +212,9 @@ class SimulatedDDP:
             self.losses.append(loss_mean if finite_losses else math.nan)
             if gated_off:
                 finite = all(math.isfinite(n) for norms in done.norms for n in norms)
-                return self.controller.neutralise(step, finite)
+                updates = dict(zip(self.names, done.update_norms, strict=True)) if (
+                    done.update_norms is not None) else None
+                return self.controller.direct(step, finite, updates)
             # Health statistics, as the hook measures them before any encoding (norms are
             # taken before a rank's non-finite values are zeroed: a NaN norm never votes).
             norm2: dict[str, float] = {}
@@ -225,7 +232,8 @@ class SimulatedDDP:
 
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)
-        measure = self.controller.acting and not (self.controller.plain or gated_off)
+        measure = self.controller.acting and not self.controller.plain and (
+            not gated_off or self.controller.ramping)
         out = self.ranks.step(step, plan, decide, measure=measure,
                               last=step == self.total_steps - 1)
         if not self.bindings.find_unused_parameters:

@@ -11,14 +11,18 @@ both drive one of these, so calibration predicts exactly what the runtime decide
 - `advance(step)`: count the step and enter the next phase;
 - `gated_off()` / `priced(keys)`: whether the model gate refuses every bucket the phase's
   profile routes anything low-bit in (as the last step through the hook's worker laid them
-  out), so the step goes out as plain DDP's; `neutralise(step, finite)` is that step's whole
-  decision (neutralised when its reduced result is not finite).
+  out), so the step goes out as plain DDP's; `direct(step, finite, ...)` is that step's whole
+  decision (neutralised when its reduced result is not finite, ramped scopes held);
+- `sent(step, scopes)`: the scopes a step sends low-bit, after the gate (see below).
 
 A scope whose route changes at a phase boundary is *ramped* (with the monitor acting): the
 update guard holds its update near the magnitude it had and lets it rise from there until a
 window of steps caps nothing (`runtime/guard.py`), so a scheduled change from `sign` to fp32
 cannot deliver the raw gradient at once. A plain phase entered with a ramp open runs judged,
-as a low-bit one, until the ramp ends.
+as a low-bit one, until the ramp ends. The capacity gate's switches ramp too (`sent`): a step
+it sends on fp32 (the measured gate's fp32 probe steps and decisions, a model gate's refusal or
+revocation) after low-bit ones, and back; a step sent as plain DDP's then measures its update
+norms for `direct` while the ramp is open.
 
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
@@ -34,7 +38,7 @@ Events are dicts (step, scope, from, to, reason) handed to `log` in the order th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +138,9 @@ class StepController:
         # scopes whose route changed at the last phase boundaries, until their ramp closes
         # (step it began, the change in words, steps it capped, steps in a row it capped none)
         self._ramps: dict[str, list[Any]] = {}
+        # the last step's scopes routed low-bit (not held) and those of them the gate sent on
+        # fp32 (`sent`): a change opens a ramp; None before the first step
+        self._wire: tuple[frozenset[str], frozenset[str]] | None = None
         # per phase, the gate keys of the buckets with a low-bit route in its profile, as its
         # last step through the hook's worker laid them out
         self._priced: dict[str, tuple[tuple, ...]] = {}
@@ -236,20 +243,62 @@ class StepController:
         """Whether this step goes out as plain DDP's: the model gate refuses (a cached or
         revoked verdict) every bucket the phase's profile routes anything low-bit in, so
         nothing low-bit is sent and there is nothing to decide. The monitor sees no such step;
-        a non-finite one is still neutralised (`neutralise`). A bucket held on fp32 by the monitor
+        a non-finite one is still neutralised (`direct`). A bucket held on fp32 by the monitor
         counts too: one the gate has not priced (or admitted) keeps the steps on the worker,
         where the monitor can re-admit it."""
         keys = self._priced.get(self.phase.name)
         return bool(keys) and all(self.gate.refuses(k) for k in keys)
 
-    def neutralise(self, step: int, finite: bool) -> StepDecision:
+    @property
+    def ramping(self) -> bool:
+        """Whether a ramp is open (monitor acting): a step sent as plain DDP's in a low-bit
+        phase then measures its update norms for `direct` (none are taken otherwise)."""
+        return self.acting and bool(self._ramps)
+
+    def sent(self, step: int, lowbit: Iterable[str]) -> None:
+        """The scopes step `step` sends on a low-bit route (none on a step sent as plain
+        DDP's), told before the step is judged. A scope the phase routes low-bit, not held by
+        the monitor on this step or the last one, whose wire the capacity gate changed between
+        them (a measured gate's fp32 probe step or decision, a model gate's refusal or
+        revocation, and back) opens a ramp, as a phase boundary's route change does: seen on
+        real ranks, `vision.v13` at 1000 Mbit/s, seed 18, the measured gate's re-check probed
+        fp32 in 4-step blocks at step 134 and the loss spiked 33.5x at step 144."""
+        routed = self._lowbit_regions[self.phase.name] - self.forced()
+        gated = routed - frozenset(lowbit)
+        last, self._wire = self._wire, (routed, gated)
+        if last is None or not self.acting:
+            return
+        was_routed, was_gated = last
+        for scope in sorted((gated ^ was_gated) & routed & was_routed):
+            ramp = self._ramps.get(scope)
+            if ramp is not None and ramp[0] == step:  # a phase's route change this step
+                if scope in gated:
+                    ramp[1] += ", sent on fp32 by the capacity gate"
+                continue
+            change = ("low-bit -> fp32 (the capacity gate)" if scope in gated
+                      else "fp32 -> low-bit (the capacity gate admits it again)")
+            self._open_ramp(scope, step, change)
+
+    def direct(self, step: int, finite: bool,
+               update_norms: Mapping[str, float] | None = None) -> StepDecision:
         """A step sent as plain DDP's in a low-bit phase (gated off): neutralised on every rank
-        when its reduced gradients are not finite (a sum carries any rank's NaN or inf to every
-        rank); nothing else is judged. A non-finite loss with finite gradients passes, as the
-        hook sees no loss on these steps."""
+        when its reduced gradients (or update norms) are not finite (a sum carries any rank's
+        NaN or inf to every rank). While a ramp is open (`ramping`; the caller then passes the
+        update norms, by parameter) the ramped scopes are held as on the worker path, and the
+        monitor's held ones too; nothing else is judged: the monitor sees no loss on these
+        steps. A scope whose updates are all zero (no gradient this step) is not judged."""
+        finite = finite and all(math.isfinite(v) for v in (update_norms or {}).values())
         if not finite:
             self.record_skip(step)
-        return StepDecision(not finite)
+            return StepDecision(True)
+        if not update_norms or not self.ramping:
+            return StepDecision(False)
+        sums: dict[str, float] = {}
+        for name, v in update_norms.items():
+            sums[self.region(name)] = sums.get(self.region(name), 0.0) + v
+        updates = {n: v for n, v in update_norms.items() if sums[self.region(n)] > 0}
+        held = self._guard(step, updates, False, self.forced(), {})
+        return StepDecision(False, {h.scope: h.factor for h in held})
 
     def _guard(self, step: int, update_norms: Mapping[str, float], skipped: bool,
                scopes: frozenset[str], why: Mapping[str, str]) -> list[Held]:
@@ -327,16 +376,20 @@ class StepController:
                 scope = b.regions[phase.name]
                 if was == now:
                     continue
-                if scope in self._ramps and self._ramps[scope][2]:  # one that capped: closed
-                    self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
-                              "reason": f"the route changes again at phase {phase.name!r} "
-                                        f"after {self._ramps[scope][2]} ramped steps"})
-                self._ramps[scope] = [
-                    step, f"phase {phase.name!r}: {was.label()} -> {now.label()}", 0, 0]
+                self._open_ramp(scope, step, f"phase {phase.name!r}: {was.label()} -> "
+                                             f"{now.label()}")
         routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
         self.monitor.set_routes(routes)
         for ev in self.monitor.on_phase_change(phase.name, step):
             self.log(ev.to_dict())
+
+    def _open_ramp(self, scope: str, step: int, change: str) -> None:
+        """Open `scope`'s ramp at `step` for `change` (in words), replacing an open one."""
+        if scope in self._ramps and self._ramps[scope][2]:  # one that capped: closed
+            self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
+                      "reason": f"the route changes again ({change}) after "
+                                f"{self._ramps[scope][2]} ramped steps"})
+        self._ramps[scope] = [step, change, 0, 0]
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -346,6 +399,7 @@ class StepController:
                 "guard": self.guard.state_dict(), "held": [list(h) for h in self.held],
                 "holding": sorted(self._holding),
                 "ramps": {s: list(r) for s, r in self._ramps.items()},
+                "wire": None if self._wire is None else [sorted(w) for w in self._wire],
                 "priced": {ph: [list(names) for names, _ in keys]
                            for ph, keys in self._priced.items()}}
 
@@ -358,6 +412,8 @@ class StepController:
             self._holding = set(sd["holding"])
         # (states saved before ramps: none open)
         self._ramps = {s: list(r) for s, r in sd.get("ramps", {}).items()}
+        wire = sd.get("wire")  # (states saved before it: the next step opens no gate ramp)
+        self._wire = None if wire is None else (frozenset(wire[0]), frozenset(wire[1]))
         # (states saved before it: the first step resumed prices its buckets again)
         self._priced = {ph: tuple((tuple(names), ph) for names in rows)
                         for ph, rows in sd.get("priced", {}).items()}

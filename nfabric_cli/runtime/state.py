@@ -18,6 +18,7 @@ update, then complete the step's futures and advance the phase.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import math
 import numbers
 import threading
@@ -47,7 +48,7 @@ from nfabric_cli.runtime.accumulation import (
     StepWitness,
     accumulation_warning,
 )
-from nfabric_cli.runtime.agree import StatsRound
+from nfabric_cli.runtime.agree import StatsRound, host_read
 from nfabric_cli.runtime.bucket import BucketJob
 from nfabric_cli.runtime.controller import StepController
 from nfabric_cli.runtime.gate import CapacityGate
@@ -86,6 +87,7 @@ class _Routing(NamedTuple):
     priced: tuple[tuple[RouteSpec, int], ...]
     refused: tuple[BucketGroup, ...]
     planned: bool
+    sends: frozenset[str]  # the regions it sends low-bit when the gate admits it
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -203,11 +205,13 @@ class FabricState:
         self._issued: list[BucketJob] = []  # buckets issued on DDP's thread (`submit`)
         self._held_step = False  # nothing of this step low-bit (`controller.all_held`)
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
+        self._step_sent: set[str] = set()  # the regions this step sends low-bit (`controller.sent`)
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
-        # a gated-off step's buckets: (all-reduce future, buffer, DDP's future), completed
-        # together once the step is judged finite (`_neutralise_direct`)
-        self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future]] = []
+        # a gated-off step's buckets: (all-reduce future, buffer, DDP's future, (name, slice)
+        # per parameter), completed together once the step is judged (`_judge_direct`)
+        self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future,
+                                         list[tuple[str, torch.Tensor]]]] = []
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
         self._queued: concurrent.futures.Future | None = None  # the worker's last job
         # the state attached to this DDP model after this one closed (`hand_over`): DDP keeps
@@ -396,11 +400,8 @@ class FabricState:
         # a plain phase (every parameter on fp32: the controller's rule, which the simulator
         # drives too) or a gated-off step takes plain DDP's direct path
         if self._plain_direct() or self._direct_step:
-            return self._fp32_direct(buffer, is_last)
-        try:
-            names = [self._names[id(p)] for p in params]
-        except KeyError:
-            raise self._foreign(params) from None
+            return self._fp32_direct(buffer, params, is_last)
+        names = self._bucket_names(params)
         fut = _future(buffer)
         args = (buffer, names, [p.numel() for p in params], is_last, fut)
         if is_last:
@@ -420,6 +421,12 @@ class FabricState:
         self._queued = self._pool.submit(on_stream, stream, self._reduce_bucket, *args)
         self._queued.add_done_callback(lambda j: self._fail_step(j, fut))
         return fut
+
+    def _bucket_names(self, params: list[torch.Tensor]) -> list[str]:
+        try:
+            return [self._names[id(p)] for p in params]
+        except KeyError:
+            raise self._foreign(params) from None
 
     def _foreign(self, params: list[torch.Tensor]) -> InputError:
         """The one line for a bucket holding parameters without a route here."""
@@ -512,17 +519,19 @@ class FabricState:
         low, full = (agreed / self.world_size).tolist()
         return low, full
 
-    def _fp32_direct(self, buffer: torch.Tensor, is_last: bool) -> torch.futures.Future:
+    def _fp32_direct(self, buffer: torch.Tensor, params: list[torch.Tensor],
+                     is_last: bool) -> torch.futures.Future:
         """A phase with every parameter on fp32, or a step the gate sends all fp32
         (`_gated_off`): plain DDP's path (`ddp_mean_`, then an all-reduce), on the calling
         thread.
 
         In an all-fp32 phase nothing can fall back (the monitor only acts on low-bit scopes)
-        and the run is plain DDP's, NaN included. On a gated-off step of a low-bit phase a
-        non-finite step is still neutralised, as on the worker path (`_neutralise_direct`):
-        DDP's futures complete together after the last all-reduce, each all-reduce still
-        overlapping backward. Phases change only between steps, and the worker is idle on
-        these steps, so collective order stays identical.
+        and the run is plain DDP's, NaN included. A gated-off step of a low-bit phase is
+        judged once its last all-reduce lands (`_judge_direct`): neutralised when not finite,
+        as on the worker path, and its ramped scopes held (`StepController.direct`). DDP's
+        futures complete together after that, each all-reduce still overlapping backward.
+        Phases change only between steps, and the worker is idle on these steps, so
+        collective order stays identical.
         """
         step, phase = self.step, self.phase.name
         if self.injections:
@@ -536,38 +545,63 @@ class FabricState:
         if is_last:
             with self._lock:
                 self._loss, self._loss_fed = None, None  # no monitor on these steps
-            self._advance(step)
         if not guarded:
+            if is_last:
+                self.controller.sent(step, ())
+                self._advance(step)
             return work.get_future().then(lambda f: f.value()[0])
         fut = _future(buffer)
-        self._direct_pending.append((work.get_future(), buffer, fut))
+        names = self._bucket_names(params)
+        offsets = itertools.accumulate((p.numel() for p in params), initial=0)
+        parts = [(n, buffer[o:o + p.numel()]) for n, o, p in zip(names, offsets, params,
+                                                                  strict=False)]
+        self._direct_pending.append((work.get_future(), buffer, fut, parts))
         if is_last:
             pending, self._direct_pending = self._direct_pending, []
-            torch.futures.collect_all([w for w, _, _ in pending]).then(
-                lambda done: self._neutralise_direct(step, done, pending))
+            torch.futures.collect_all([w for w, *_ in pending]).then(
+                lambda done: self._judge_direct(step, done, pending))
         return fut
 
-    def _neutralise_direct(self, step: int, done: torch.futures.Future,
-                           pending: list[tuple[Any, torch.Tensor, torch.futures.Future]]) -> None:
-        """A gated-off step of a low-bit phase (plain DDP's path, no statistics round): once
-        its last all-reduce lands, zero the whole step on every rank if any result is not
-        finite, as the worker path does. A sum carries a NaN or inf of any rank to every rank,
-        so the ranks agree without a collective; one host read per step. Nothing else of the
-        monitor runs on these steps (the gate chose plain DDP for them)."""
+    def _judge_direct(self, step: int, done: torch.futures.Future,
+                      pending: list[tuple[Any, torch.Tensor, torch.futures.Future,
+                                          list[tuple[str, torch.Tensor]]]]) -> None:
+        """A gated-off step of a low-bit phase (plain DDP's path, no statistics round), once
+        its last all-reduce lands: zero the whole step on every rank if any result is not
+        finite, as the worker path does, and while a ramp is open hold its ramped scopes'
+        updates (`StepController.direct`); then close the step. A sum carries a NaN or inf of
+        any rank to every rank and the reduced updates are the same everywhere, so the ranks
+        agree without a collective; one host read per step. Nothing else of the monitor runs
+        on these steps (the gate chose plain DDP for them)."""
         try:
             for w in done.value():
                 # raises for a failed all-reduce; on a GPU also makes this thread's stream
                 # wait for it (`value()` would not), before the read and the zeroing below
                 w.wait()
-            bufs = [b for _, b, _ in pending]
-            if self.controller.neutralise(step, all_finite(bufs)).skip:
+            bufs = [b for _, b, _, _ in pending]
+            self.controller.sent(step, ())
+            updates = None
+            if self.controller.ramping:  # the update norms, read with the finiteness check
+                named = [(n, g) for *_, parts in pending for n, g in parts]
+                norms = _norms([g for _, g in named]).to(torch.float64)
+                ends = [v for t in bufs if t.numel() for v in torch.aminmax(t)]
+                read = host_read(torch.cat([norms, torch.stack(ends).to(torch.float64)])
+                                 if ends else norms)
+                finite = all(map(math.isfinite, read[len(named):]))
+                updates = dict(zip([n for n, _ in named], read, strict=False))
+            else:
+                finite = all_finite(bufs)
+            decision = self.controller.direct(step, finite, updates)
+            if decision.skip:
                 self._neutralise(bufs)
+            elif decision.scales:
+                self._scale([parts for *_, parts in pending], decision.scales)
+            self._advance(step)
         except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
             self._failed = True
-            for _, _, f in pending:
+            for _, _, f, _ in pending:
                 f.set_exception(exc)
             return
-        for _, b, f in pending:
+        for _, b, f, _ in pending:
             f.set_result(b)
 
     # -- per bucket (worker thread; the last on DDP's) -----------------------------------------
@@ -600,6 +634,8 @@ class FabricState:
             # Priced per reduce the job issues, as compile-profile and calibration price it.
             if not self.gate.verdict(key, routing.priced).admit:
                 groups = routing.refused
+            else:
+                self._step_sent |= routing.sends
         if is_last and self._inflight is not None:  # landed first: its time is in the statistics
             self._land(self._inflight)
             self._inflight = None
@@ -650,7 +686,8 @@ class FabricState:
             found = self._routings[key] = _Routing(
                 names_t, regions, groups, tuple(spec_numels(groups)) if lowbit else (),
                 tuple(bucket_groups(regions, [FP32] * len(specs), numels)) if lowbit else groups,
-                self.bindings.lowbit_in(names_t, phase))
+                self.bindings.lowbit_in(names_t, phase),
+                frozenset(r for r, spec in zip(regions, specs, strict=True) if spec.lowbit))
         return found
 
     def _land(self, job: BucketJob) -> None:
@@ -692,6 +729,7 @@ class FabricState:
         whole = _agreement({r: st[WHOLE] for r, st in self._step_stats.items() if WHOLE in st})
         agreed = stats.result(self._update_norms, whole)
         self.meter.add(step, self.phase.name, "control", self.comm.take())
+        self.controller.sent(step, self._step_sent)
         decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
                                           agreed.agreement, agreed.update_norms)
         for (key, _), seconds in zip(timed, agreed.bucket_seconds, strict=True):
@@ -701,13 +739,7 @@ class FabricState:
         if decision.skip:
             self._neutralise([buf for _, buf, _ in self._pending])
         elif decision.scales:
-            for _, _, parts in self._pending:
-                for name, g in parts:
-                    factor = decision.scales.get(self.controller.region(name))
-                    if factor is not None:
-                        g.mul_(factor)
-                        self.ef.reset(name)  # its residual holds what was held back
-                        # (a spike's, ~1000x: docs/health.md, "Error feedback leaked ...")
+            self._scale([parts for _, _, parts in self._pending], decision.scales)
         self.controller.priced(self._step_keys)
         self._clear_step_stats()
         self._advance(step)
@@ -715,6 +747,17 @@ class FabricState:
         pending, self._pending = self._pending, []
         for fut, buf, _ in pending:
             fut.set_result(buf)
+
+    def _scale(self, buckets: list[list[tuple[str, torch.Tensor]]],
+               scales: dict[str, float]) -> None:
+        """Scale each (name, reduced slice) of the step's buckets by its scope's factor."""
+        for parts in buckets:
+            for name, g in parts:
+                factor = scales.get(self.controller.region(name))
+                if factor is not None:
+                    g.mul_(factor)
+                    self.ef.reset(name)  # its residual holds what was held back
+                    # (a spike's, ~1000x: docs/health.md, "Error feedback leaked ...")
 
     def _neutralise(self, buffers: list[torch.Tensor]) -> None:
         """A skipped (non-finite) step's results, on every rank alike: zeroed, or for a loss
@@ -760,6 +803,7 @@ class FabricState:
     def _clear_step_stats(self) -> None:
         """Forget the step's statistics: norms, agreement sums, the buckets it priced."""
         self._grad_norms, self._update_norms, self._step_stats, self._step_keys = [], [], {}, []
+        self._step_sent = set()
 
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's

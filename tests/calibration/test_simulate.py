@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nfabric_cli.binding import compile_profile, on_route, static_profile
+from nfabric_cli.calibration.cpus import one_thread
 from nfabric_cli.calibration.reduces import ddp_layouts
 from nfabric_cli.calibration.simulate import SimulatedDDP, simulate_run
 from nfabric_cli.calibration.space import Config, config_profile
@@ -28,11 +29,12 @@ STEPS, SEED = 4, 3
 
 
 def _bindings(model, world: int, health: dict | None = None, norms: str = "type:GroupNorm",
-              fp32: bool = False, substrate: dict | None = None, ramp: bool = False):
+              fp32: bool = False, substrate: dict | None = None, ramp: bool | str = False):
     """warmup (first step): int8+EF head, fp32 rest; then head int8+EF, norms ternary+EF, rest
     sign+EF; int8 with stochastic rounding (the hook and the simulator draw the same noise).
     `fp32`: the same profile with every route fp32 (plain DDP's path in the hook). `ramp`:
-    every route sign for two steps, then fp32 (a plain phase, entered with a ramp open)."""
+    every route sign for two steps, then fp32 (a plain phase, entered with a ramp open);
+    "gate": then int8, which `SIGN_ONLY` refuses (sent as plain DDP's, ramped)."""
     spec = tiny_spec(world_size=world, steps=STEPS, eval_every=2, health=health or {},
                      regions=[
                          {"name": "head", "selector": "head.*", "routes": ["fp32", "int8"]},
@@ -43,7 +45,8 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
     config = Config((("int8", "fp32", "fp32"), ("int8", "ternary", "sign")), (0.25,), 0.4, True,
                     rounding="stochastic")
     if ramp:
-        config = Config((("sign",) * 3, ("fp32",) * 3), (0.5,), 0.4, False)
+        then = "int8" if ramp == "gate" else "fp32"
+        config = Config((("sign",) * 3, (then,) * 3), (0.5,), 0.4, False)
     profile = config_profile(spec, config, {"world_size": world, "health": spec.health})
     if fp32:
         profile = on_route(profile, "fp32")
@@ -56,12 +59,14 @@ def _bindings(model, world: int, health: dict | None = None, norms: str = "type:
 #: `grad_blowup_trips` the scope also falls back to fp32.
 GUARDED = {"window": 4, "min_history": 2}
 SPIKE = (Injection("spike", 2, 1),)
+#: the ramp tests' health: a short window, and updates held to their median (so they cap)
+RAMPED = {"window": 4, "min_history": 2, "update_cap": 1.0}
 NAN = (Injection("nan", 2, 1),)
 
 
 def _real_worker(rank: int, world: int, health: dict | None = None,
                  injections: tuple = (), fp32: bool = False, direct: bool = True,
-                 substrate: dict | None = None, ramp: bool = False) -> dict:
+                 substrate: dict | None = None, ramp: bool | str = False) -> dict:
     wl = get_workload("vision")
     model = wl.build_model(SEED)
     ddp = DDP(model)
@@ -76,6 +81,7 @@ def _real_worker(rank: int, world: int, health: dict | None = None,
         "fraction": state.meter.fraction(include_control=False),
         "events": agreed(state.events),
         "metric": wl.evaluate(model),
+        "held": state.controller.held,
     }
 
 
@@ -93,7 +99,7 @@ def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | Non
     direct = not str(guarded).endswith("worker")
     ramp = guarded == "ramp"
     if ramp:
-        health = {"window": 4, "min_history": 2, "update_cap": 1.0}
+        health = RAMPED
     elif str(guarded).startswith("fp32-nan"):  # plain DDP sums the NaN into every update: so must we
         injections = NAN
     elif guarded == "nan":  # skipped on every rank, error feedback forgotten, in both
@@ -131,6 +137,8 @@ def test_simulated_workers_equal_real_ddp_with_the_hook(guarded: int | str | Non
     assert sim.steps_run == STEPS and sim.curve == [(STEPS, real[0]["metric"])]
 
 
+#: A slow link where the model gate admits `sign` and refuses `int8` (its codec calls: 1 s).
+SIGN_ONLY = {"link_gbps": 0.1, "latency_us": 10.0, "codec_call_us": {"int8": 1e6}}
 #: A link so fast, and codec calls so slow, that the model gate refuses every low-bit bucket.
 LOWBIT_LOSES = {"link_gbps": 100.0, "latency_us": 1.0,
                 "codec_call_us": {"sign": 6000.0, "int8": 6000.0, "ternary": 6000.0}}
@@ -323,6 +331,39 @@ def _glyphs_worker(rank: int, world: int, steps: int, case: str) -> dict:
             "fraction": state.meter.fraction(include_control=False),
             "verdicts": {len(names): v.admit for (names, _), v in state.gate.decided().items()},
             "events": agreed(state.events)}
+
+
+def _gate_ramp_worker(rank: int, world: int) -> dict:
+    return _real_worker(rank, world, RAMPED, (), False, True, SIGN_ONLY, "gate")
+
+
+def test_a_route_the_gate_sends_on_fp32_ramps_on_plain_ddps_path_too() -> None:
+    """sign for two steps, then int8, which the model gate refuses: the boundary step goes
+    out on fp32 from the worker (its ramp opened by the phase change, capped), and the step
+    after it as plain DDP's (`_fp32_direct`, gated off): still ramped there, its update norms
+    measured and held on every rank (`StepController.direct`), as the simulator holds them."""
+    world = 2
+    real = run_ranks(_gate_ramp_worker, world)
+    wl = get_workload("vision")
+    model = wl.build_model(SEED)
+    bindings = _bindings(model, world, RAMPED, substrate=SIGN_ONLY, ramp="gate")
+    sim = SimulatedDDP(wl, bindings, world, STEPS, SEED)
+    gated_off = []
+    with torch.random.fork_rng(devices=[]), one_thread():  # as simulate_run trains
+        torch.manual_seed(SEED)
+        for _ in range(STEPS):
+            gated_off.append(sim.controller.gated_off())
+            sim.train_step()
+    sim.close()
+    assert gated_off == [False, False, False, True]  # step 3 goes out as plain DDP's
+    held = {(step, scope) for step, scope, _ in sim.controller.held}
+    assert {s for s, _ in held} == {2, 3} and (3, "*") in held  # the direct step held too
+    assert [(e["step"], e["to"]) for e in sim.events] == [(2, "ramped")] * 3
+    assert "sent on fp32 by the capacity gate" in sim.events[0]["reason"]
+    assert sim.controller.held == real[0]["held"]
+    for n, p in sim.model.named_parameters():
+        torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)
+    assert sim.events == real[0]["events"]
 
 
 @pytest.mark.parametrize("case", list(GATE_CASES))

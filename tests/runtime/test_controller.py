@@ -354,8 +354,8 @@ def test_steps_the_model_gate_refuses_are_plain_and_the_rule_survives_a_checkpoi
     assert all(routes(n).name == "fp32" for n in c.bindings.params)
     c.priced(keys)
     assert c.gated_off()
-    assert c.neutralise(7, finite=True).skip is False and log == []
-    assert c.neutralise(8, finite=False).skip is True
+    assert c.direct(7, finite=True).skip is False and log == []
+    assert c.direct(8, finite=False).skip is True
     assert c.skipped_steps == [8] and [e["to"] for e in log] == ["skipped"]
     resumed = StepController(c.bindings, 100, 2, log.append)
     resumed.load_state_dict(json.loads(json.dumps(c.state_dict())))  # as a checkpoint keeps it
@@ -451,3 +451,55 @@ def test_a_route_change_that_keeps_the_magnitude_closes_its_ramp_at_once_and_res
     shorter.load_state_dict(json.loads(json.dumps(early.state_dict())))
     assert shorter.phase.name == "late" and not shorter.plain
     assert step(shorter, 1.0, 10.0, 10.0).scales == {"*": pytest.approx(0.2)}
+
+
+def _gate_step(c: StepController, lowbit: bool, update: float):
+    """One step the capacity gate sends low-bit (judged on the worker) or on fp32 as plain
+    DDP's (`direct`, its update norms passed while a ramp is open, as the hook reads them)."""
+    s, names = c.step, list(c.bindings.params)
+    c.sent(s, {"*"} if lowbit else ())
+    norms = {n: update / 2 for n in names}
+    if lowbit:
+        d = c.decide(s, 1.0, False, {"*": 1.0}, {}, norms)
+    else:
+        d = c.direct(s, True, norms if c.ramping else None)
+    c.advance(s)
+    return d
+
+
+def test_the_gates_switch_to_fp32_and_back_ramps_the_update_on_plain_ddps_path():
+    """sign (updates of norm 1), then the gate sends steps on fp32 as plain DDP's (a measured
+    gate's probe block; raw updates 10x): held to 2 x the median of what the scope delivered,
+    rising, as a phase's route change is; back on sign a ramp opens the other way and closes
+    at its first update that fits. Only an open ramp asks for update norms on a direct step;
+    the last step's wire survives a checkpoint; with the monitor off nothing ramps."""
+    c, log = controller(update_cap=2.0)
+    for _ in range(10):
+        assert _gate_step(c, True, 1.0).scales == {}
+    saved = json.loads(json.dumps(c.state_dict()))
+    assert not c.ramping
+    outs = [10.0 * _gate_step(c, False, 10.0).scales["*"] for _ in range(4)]
+    assert outs[0] == pytest.approx(2.0) and outs == sorted(outs) and outs[-1] < 10.0
+    assert [(e["step"], e["from"], e["to"]) for e in log] == [(10, "update", "ramped")]
+    assert log[0]["reason"].startswith("low-bit -> fp32 (the capacity gate) from step 10: "
+                                       "update norm 10 held to 2 (2 x median")
+    assert _gate_step(c, True, 1.0).scales == {}  # sign again: fits, its ramp closes at once
+    assert not c.ramping and [(e["step"], e["from"], e["to"]) for e in log[1:]] == [
+        (14, "ramped", "update")]
+    assert "the route changes again (fp32 -> low-bit" in log[1]["reason"]
+    resumed, resumed_log = controller(update_cap=2.0)
+    resumed.load_state_dict(saved)
+    assert _gate_step(resumed, False, 10.0).scales["*"] == pytest.approx(0.2)
+    assert resumed_log[0]["step"] == 10 and resumed_log[0]["to"] == "ramped"
+    # a run that goes on as plain DDP's: once the ramp closes no norms are asked for
+    steady, _ = controller(update_cap=2.0, window=4)
+    for _ in range(10):
+        _gate_step(steady, True, 1.0)
+    for _ in range(4):
+        _gate_step(steady, False, 1.5)  # fits: closes at once
+    assert not steady.ramping
+    off, off_log = controller(update_cap=2.0)
+    off.monitor_enabled = False
+    for lowbit in [True] * 10 + [False] * 3:
+        assert _gate_step(off, lowbit, 10.0 if not lowbit else 1.0).scales == {}
+    assert off_log == [] and not off.ramping
