@@ -59,7 +59,7 @@ from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_t
 from nfabric_cli.calibration.reduces import ReduceOrders
 from nfabric_cli.errors import PluginError, user_frame
 from nfabric_cli.ranks.loop import RankRng
-from nfabric_cli.runtime.controller import StepDecision
+from nfabric_cli.runtime.controller import StepDecision, clip_
 from nfabric_cli.runtime.inject import Injection, apply_injection
 
 __all__ = ["PER_PARAMETER", "Decide", "RanksStep", "SimulatedRanks", "default_processes",
@@ -250,8 +250,12 @@ class SimulatedRanks:
                 self.out_views[i].zero_()
                 for agg in self.aggregators:  # as the hook: nothing of the step is kept
                     agg.reset_feedback(i)
-            elif plan.regions[i] in scales:
-                self.out_views[i].mul_(scales[plan.regions[i]])
+            elif plan.regions[i] in scales or plan.regions[i] in decision.clips:
+                k, factor = decision.clips.get(plan.regions[i]), scales.get(plan.regions[i])
+                if k is not None:  # as the hook: clipped, then scaled
+                    clip_(self.out_views[i], k)
+                if factor is not None:
+                    self.out_views[i].mul_(factor)
                 for agg in self.aggregators:  # as the hook: the residual goes with the update
                     agg.reset_feedback(i)
         if self.optimizer is None:

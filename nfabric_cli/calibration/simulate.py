@@ -116,7 +116,7 @@ class SimulatedDDP:
         self._bytes_cache: dict[_PlanKey, StepBytes] = {}
         self._planned: dict[tuple[str, bool], StepBytes] = {}
         self._plans: dict[_PlanKey, StepRoutes] = {}
-        self._sent: dict[_PlanKey, frozenset[str]] = {}  # the regions a plan sends low-bit
+        self._refused: dict[_PlanKey, frozenset[str]] = {}  # regions a plan's gate refused
         self.names = [n for n, _ in self.params]
         groups = [tuple(sorted((ph, b.regions[ph], b.routes[ph].label()) for ph in b.routes))
                   for b in (bindings.params[n] for n in self.names)]
@@ -190,9 +190,9 @@ class SimulatedDDP:
                 tuple(routes(n) for n in self.names),
                 plain=self.controller.plain,
             )
-            self._sent[key] = frozenset(r for r, spec in zip(self._plans[key].regions,
-                                                             self._plans[key].specs,
-                                                             strict=True) if spec.lowbit)
+            self._refused[key] = frozenset(  # routed low-bit, sent fp32 (the gate refused)
+                self.bindings.params[n].regions[phase] for n in self.names
+                if by_name[n].lowbit and not routes(n).lowbit)
             self._bytes_cache[key] = step_bytes(self.bindings, self.world_size, phase, routes,
                                                 buckets)
         return self._plans[key], key
@@ -204,7 +204,8 @@ class SimulatedDDP:
         gated_off = self.controller.gated_off()
         plan, key = self._plan(gated_off)
         self.tally.add(self._bytes_cache[key])
-        self.controller.sent(step, self._sent[key])  # (the hook tells it before judging)
+        # (the hook tells it before judging the step)
+        self.controller.refused(step, None if gated_off else self._refused[key])
 
         def decide(done: RanksStep) -> StepDecision:
             finite_losses = [v for v in done.losses if math.isfinite(v)]
@@ -233,7 +234,7 @@ class SimulatedDDP:
         # gradients, aggregate, decision, optimizer step (the aggregate's norms only feed the
         # update guard, so a run without the monitor does not measure them)
         measure = self.controller.acting and not self.controller.plain and (
-            not gated_off or self.controller.ramping)
+            not gated_off or self.controller.guarding)
         out = self.ranks.step(step, plan, decide, measure=measure,
                               last=step == self.total_steps - 1)
         if not self.bindings.find_unused_parameters:

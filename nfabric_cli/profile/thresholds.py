@@ -81,6 +81,13 @@ class HealthThresholds:
     # the blow-up's step is held at update_cap like any held step, the rule of profiles
     # calibrated before it
     blowup_cap: float = 1.0
+    # A ramp to a full-precision wire (a phase's route change from low-bit to fp32/bf16/fp16,
+    # the capacity gate's fp32 steps) also clips each element of the update to ramp_clip x
+    # its parameter's mean |update|, doubling every half window, for `window` steps at least:
+    # the gate's probe blocks (4 fp32 steps among `sign` ones) within the norm cap still broke
+    # vision.v13 (loss spikes 5-45x on the next step, 6 of 10 seeds), clipped at 3 they did
+    # not (docs/health.md, "The gate's switches ramp"). 0: no clip
+    ramp_clip: float = 3.0
     # Non-finite steps within `window` steps that trip "all" to fp32; fewer are only skipped
     # (zeroed on every rank, as AMP's GradScaler skips an overflowing step). A lone NaN says
     # nothing about the routes (they never encode one), and falling back for it cost up to
@@ -124,6 +131,7 @@ class HealthThresholds:
             ("max_trips", self.max_trips >= 1, ">= 1"),
             ("update_cap", self.update_cap >= 0, ">= 0 (0 turns the update guard off)"),
             ("blowup_cap", self.blowup_cap >= 0, ">= 0 (0: held at update_cap)"),
+            ("ramp_clip", self.ramp_clip == 0 or self.ramp_clip >= 1, "0 (off) or >= 1"),
             ("nonfinite_repeat", self.nonfinite_repeat >= 1, ">= 1"),
             ("loss_spike_repeat", self.loss_spike_repeat >= 1, ">= 1"),
         ]

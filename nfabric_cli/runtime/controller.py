@@ -13,16 +13,16 @@ both drive one of these, so calibration predicts exactly what the runtime decide
   profile routes anything low-bit in (as the last step through the hook's worker laid them
   out), so the step goes out as plain DDP's; `direct(step, finite, ...)` is that step's whole
   decision (neutralised when its reduced result is not finite, ramped scopes held);
-- `sent(step, scopes)`: the scopes a step sends low-bit, after the gate (see below).
+- `refused(step, scopes)`: the scopes the capacity gate sent on fp32 this step (see below).
 
 A scope whose route changes at a phase boundary is *ramped* (with the monitor acting): the
 update guard holds its update near the magnitude it had and lets it rise from there until a
 window of steps caps nothing (`runtime/guard.py`), so a scheduled change from `sign` to fp32
 cannot deliver the raw gradient at once. A plain phase entered with a ramp open runs judged,
-as a low-bit one, until the ramp ends. The capacity gate's switches ramp too (`sent`): a step
+as a low-bit one, until the ramp ends. The capacity gate's switches ramp too (`refused`): a step
 it sends on fp32 (the measured gate's fp32 probe steps and decisions, a model gate's refusal or
 revocation) after low-bit ones, and back; a step sent as plain DDP's then measures its update
-norms for `direct` while the ramp is open.
+norms for `direct` while the guard has something to hold (`guarding`).
 
 A phase that routes every parameter on fp32 is plain DDP (`plain_phases`): nothing is judged,
 held or skipped on its steps, whichever path the hook sends them by (`FabricState._fp32_direct`,
@@ -41,6 +41,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from nfabric_cli.binding.bindings import Bindings
 from nfabric_cli.errors import InputError
@@ -79,6 +81,16 @@ class StepDecision:
 
     skip: bool  # neutralise it on every rank (non-finite): zeroed, or not finite for a scaler
     scales: dict[str, float] = field(default_factory=dict)  # scope -> factor (< 1)
+    # scope -> k: each element of a parameter's update clipped to k x its mean |update|, before
+    # the scale (a ramp to a full-precision wire: `StepController._ramp`; `clip_`)
+    clips: dict[str, float] = field(default_factory=dict)
+
+
+def clip_(update: torch.Tensor, k: float) -> None:
+    """Clip each element of `update` to `k` x its mean |element|, in place and on its device
+    (no host read): the hook and the simulator take the same bits."""
+    bound = update.abs().mean() * k
+    update.clamp_(min=-bound, max=bound)
 
 
 def check_options(monitor: Any, gate: Any, nonfinite: Any) -> None:
@@ -139,7 +151,7 @@ class StepController:
         # (step it began, the change in words, steps it capped, steps in a row it capped none)
         self._ramps: dict[str, list[Any]] = {}
         # the last step's scopes routed low-bit (not held) and those of them the gate sent on
-        # fp32 (`sent`): a change opens a ramp; None before the first step
+        # fp32 (`refused`): a change opens a ramp; None before the first step
         self._wire: tuple[frozenset[str], frozenset[str]] | None = None
         # per phase, the gate keys of the buckets with a low-bit route in its profile, as its
         # last step through the hook's worker laid them out
@@ -219,14 +231,14 @@ class StepController:
                 why = {**dict.fromkeys(self.scopes, why.pop(ALL)), **why}
             absent = absent_scopes(grad_norms)  # not judged, and nothing to hold
             updates = {n: v for n, v in update_norms.items() if self.region(n) not in absent}
-            held = [] if self.passive else self._guard(
+            held, clips = ([], {}) if self.passive else self._guard(
                 step, updates, nonfinite, routed_fp32 | self.forced() | set(why), why)
         else:
-            held = []
+            held, clips = [], {}
         skip = nonfinite and not self.passive
         if skip:
             self.record_skip(step)
-        return StepDecision(skip, {h.scope: h.factor for h in held})
+        return StepDecision(skip, {h.scope: h.factor for h in held}, clips)
 
     def record_skip(self, step: int) -> None:
         """Step `step`'s update is neutralised on every rank (non-finite)."""
@@ -250,21 +262,23 @@ class StepController:
         return bool(keys) and all(self.gate.refuses(k) for k in keys)
 
     @property
-    def ramping(self) -> bool:
-        """Whether a ramp is open (monitor acting): a step sent as plain DDP's in a low-bit
-        phase then measures its update norms for `direct` (none are taken otherwise)."""
-        return self.acting and bool(self._ramps)
+    def guarding(self) -> bool:
+        """Whether the update guard has something to hold (monitor acting): a ramp is open or
+        the monitor holds a scope. A step sent as plain DDP's in a low-bit phase then reads
+        its update norms for `direct` (none are taken otherwise)."""
+        return self.acting and bool(self._ramps or self.forced())
 
-    def sent(self, step: int, lowbit: Iterable[str]) -> None:
-        """The scopes step `step` sends on a low-bit route (none on a step sent as plain
-        DDP's), told before the step is judged. A scope the phase routes low-bit, not held by
-        the monitor on this step or the last one, whose wire the capacity gate changed between
-        them (a measured gate's fp32 probe step or decision, a model gate's refusal or
-        revocation, and back) opens a ramp, as a phase boundary's route change does: seen on
-        real ranks, `vision.v13` at 1000 Mbit/s, seed 18, the measured gate's re-check probed
-        fp32 in 4-step blocks at step 134 and the loss spiked 33.5x at step 144."""
+    def refused(self, step: int, scopes: Iterable[str] | None = None) -> None:
+        """The scopes routed low-bit that step `step` sent on fp32 in some bucket the capacity
+        gate refused (None: the whole step, sent as plain DDP's), told before the step is
+        judged. A scope the phase routes low-bit, not held by the monitor on this step or the
+        last one, whose wire the gate changed between them (a measured gate's fp32 probe step
+        or decision, a model gate's refusal or revocation, and back) opens a ramp, as a phase
+        boundary's route change does: seen on real ranks, `vision.v13` at 1000 Mbit/s, seed
+        18, the measured gate's re-check probed fp32 in 4-step blocks at step 134 and the
+        loss spiked 33.5x at step 144."""
         routed = self._lowbit_regions[self.phase.name] - self.forced()
-        gated = routed - frozenset(lowbit)
+        gated = routed if scopes is None else routed & frozenset(scopes)
         last, self._wire = self._wire, (routed, gated)
         if last is None or not self.acting:
             return
@@ -277,31 +291,34 @@ class StepController:
                 continue
             change = ("low-bit -> fp32 (the capacity gate)" if scope in gated
                       else "fp32 -> low-bit (the capacity gate admits it again)")
-            self._open_ramp(scope, step, change)
+            self._open_ramp(scope, step, change, scope in gated)
 
     def direct(self, step: int, finite: bool,
                update_norms: Mapping[str, float] | None = None) -> StepDecision:
         """A step sent as plain DDP's in a low-bit phase (gated off): neutralised on every rank
         when its reduced gradients (or update norms) are not finite (a sum carries any rank's
         NaN or inf to every rank). While a ramp is open (`ramping`; the caller then passes the
-        update norms, by parameter) the ramped scopes are held as on the worker path, and the
-        monitor's held ones too; nothing else is judged: the monitor sees no loss on these
-        steps. A scope whose updates are all zero (no gradient this step) is not judged."""
+        update norms, by parameter, while `guarding`) the ramped scopes and the monitor's held
+        ones are held as on the worker path; nothing else is judged: the monitor sees no loss
+        on these steps. A scope whose updates are all zero (no gradient this step) is not
+        judged."""
         finite = finite and all(math.isfinite(v) for v in (update_norms or {}).values())
         if not finite:
             self.record_skip(step)
             return StepDecision(True)
-        if not update_norms or not self.ramping:
+        if not update_norms or not self.guarding:
             return StepDecision(False)
         sums: dict[str, float] = {}
         for name, v in update_norms.items():
             sums[self.region(name)] = sums.get(self.region(name), 0.0) + v
         updates = {n: v for n, v in update_norms.items() if sums[self.region(n)] > 0}
-        held = self._guard(step, updates, False, self.forced(), {})
-        return StepDecision(False, {h.scope: h.factor for h in held})
+        held, clips = self._guard(step, updates, False, self.forced(), {})
+        return StepDecision(False, {h.scope: h.factor for h in held}, clips)
 
     def _guard(self, step: int, update_norms: Mapping[str, float], skipped: bool,
-               scopes: frozenset[str], why: Mapping[str, str]) -> list[Held]:
+               scopes: frozenset[str], why: Mapping[str, str],
+               ) -> tuple[list[Held], dict[str, float]]:
+        """The step's scale-downs (held and ramped scopes) and its ramps' clips."""
         sums: dict[str, float] = {}
         for name in self.bindings.params:  # a fixed order: the same float sums everywhere
             if name in update_norms:
@@ -310,8 +327,10 @@ class StepController:
         norms = {s: math.sqrt(v) for s, v in sums.items()}
         blowups = [s for s, reason in why.items() if reason.startswith(BLOWUP)]
         held = self.guard.judge(norms, scopes, skipped, blowups, self._ramps)
+        clips: dict[str, float] = {}
         if not skipped:
-            self._ramp(step, {h.scope: h for h in held if h.scope not in scopes})
+            clips = self._clips(step)
+            self._ramp(step, {h.scope: h for h in held if h.scope not in scopes}, clips)
         self._holding &= scopes  # a scope released by the monitor logs its next hold again
         for h in held:
             self.held.append((step, h.scope, h.factor))
@@ -325,37 +344,50 @@ class StepController:
                           "reason": f"update norm {h.norm:.3g} held to {h.cap:.3g} "
                                     f"({h.multiple:g} x median of healthy updates){cause}; "
                                     "every held step is scaled down likewise"})
-        return held
+        return held, clips
 
-    def _ramp(self, step: int, capped: Mapping[str, Held]) -> None:
+    def _clips(self, step: int) -> dict[str, float]:
+        """Per scope whose ramp clips (to a full-precision wire), this step's multiple: the
+        `ramp_clip` threshold, doubling every half window from the ramp's first step."""
+        t = self.monitor.thresholds
+        return {scope: t.ramp_clip * 2 ** (2 * (step - r[0]) / t.window)
+                for scope, r in self._ramps.items() if r[4]}
+
+    def _ramp(self, step: int, capped: Mapping[str, Held], clips: Mapping[str, float]) -> None:
         """Count this step in each open ramp: capped, or not (an update that fit, or a scope
         the monitor holds or that is absent this step: nothing to ramp then). A ramp closes
         after `window` steps in a row capped nothing (an update that fits can be followed by
         the blow-up it was held from: `vision.v13`, seed 18, a ramp closed at its first fit,
         3 steps after it opened, and the loss went from 0.04 to 10 six steps later), or at
-        once when its first step caps nothing. One event when a ramp first caps, one when a
-        ramp that capped closes."""
+        once when its first step caps nothing, unless it clips (`clips`: it lasts `window`
+        steps at least). One event when a ramp first acts (caps or clips), one when it closes
+        after acting."""
         window = self.monitor.thresholds.window
         for scope in list(self._ramps):
             ramp = self._ramps[scope]
-            began, change, steps, fits = ramp
+            began, change, steps, fits, clip, logged = ramp
             h = capped.get(scope)
+            if not logged and (h is not None or clip):
+                held = (f"update norm {h.norm:.3g} held to {h.cap:.3g} ({h.multiple:g} x "
+                        "median of its recent updates)" if h is not None else "")
+                clipped = (f"each element clipped to {clips[scope]:.3g} x its parameter's mean "
+                           f"|update|, doubling every {window / 2:g} steps" if clip else "")
+                self.log({"step": step, "scope": scope, "from": "update", "to": "ramped",
+                          "reason": f"{change} from step {began}: "
+                                    f"{'; '.join(x for x in (clipped, held) if x)}; the norm "
+                                    "rising with what it delivers until "
+                                    f"{window} steps in a row fit"})
+                ramp[5] = True
             if h is not None:
-                if not steps:
-                    self.log({"step": step, "scope": scope, "from": "update", "to": "ramped",
-                              "reason": f"{change} from step {began}: update norm {h.norm:.3g} "
-                                        f"held to {h.cap:.3g} ({h.multiple:g} x median of its "
-                                        "recent updates), rising with what it delivers until "
-                                        f"{window} steps in a row fit"})
-                ramp[2:] = [steps + 1, 0]
+                ramp[2:4] = [steps + 1, 0]
             else:
                 ramp[3] = fits + 1
-                if not steps or fits + 1 >= window:
+                if (not steps and not clip) or fits + 1 >= window:
                     del self._ramps[scope]
-                    if steps:
+                    if ramp[5]:
                         self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
                                   "reason": f"{window} steps in a row capped nothing "
-                                            f"after {steps} ramped steps"})
+                                            f"after {steps} capped steps"})
 
     def advance(self, step: int) -> bool:
         """Close step `step`; enter the next phase if it changes (True when it did)."""
@@ -377,19 +409,26 @@ class StepController:
                 if was == now:
                     continue
                 self._open_ramp(scope, step, f"phase {phase.name!r}: {was.label()} -> "
-                                             f"{now.label()}")
+                                             f"{now.label()}", was.lowbit and not now.lowbit)
         routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
         self.monitor.set_routes(routes)
         for ev in self.monitor.on_phase_change(phase.name, step):
             self.log(ev.to_dict())
 
-    def _open_ramp(self, scope: str, step: int, change: str) -> None:
-        """Open `scope`'s ramp at `step` for `change` (in words), replacing an open one."""
-        if scope in self._ramps and self._ramps[scope][2]:  # one that capped: closed
+    def _open_ramp(self, scope: str, step: int, change: str, full: bool) -> None:
+        """Open `scope`'s ramp at `step` for `change` (in words), replacing an open one;
+        `full`: to a full-precision wire from a low-bit one, so it clips (`_clips`: a heavy
+        tailed update of the norm a `sign` one had still breaks a model trained on `sign`),
+        unless `ramp_clip` is 0. Its parameters' changes at one step open one ramp."""
+        old = self._ramps.get(scope)
+        if old is not None and old[0] == step:
+            full = full or old[4]
+        elif old is not None and old[5]:  # one that acted: closed
             self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
                       "reason": f"the route changes again ({change}) after "
-                                f"{self._ramps[scope][2]} ramped steps"})
-        self._ramps[scope] = [step, change, 0, 0]
+                                f"{step - old[0]} ramped steps"})
+        clip = full and self.monitor.thresholds.ramp_clip > 0
+        self._ramps[scope] = [step, change, 0, 0, clip, False]
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -411,7 +450,9 @@ class StepController:
             self.held = [tuple(h) for h in sd["held"]]  # type: ignore[misc]
             self._holding = set(sd["holding"])
         # (states saved before ramps: none open)
-        self._ramps = {s: list(r) for s, r in sd.get("ramps", {}).items()}
+        # (ramps saved before clips: [began, change, steps, fits], none clipping)
+        self._ramps = {s: [*r[:4], *(r[4:] or [False, r[2] > 0])]
+                       for s, r in sd.get("ramps", {}).items()}
         wire = sd.get("wire")  # (states saved before it: the next step opens no gate ramp)
         self._wire = None if wire is None else (frozenset(wire[0]), frozenset(wire[1]))
         # (states saved before it: the first step resumed prices its buckets again)

@@ -50,7 +50,7 @@ from nfabric_cli.runtime.accumulation import (
 )
 from nfabric_cli.runtime.agree import StatsRound, host_read
 from nfabric_cli.runtime.bucket import BucketJob
-from nfabric_cli.runtime.controller import StepController
+from nfabric_cli.runtime.controller import StepController, StepDecision, clip_
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor
 from nfabric_cli.runtime.inject import Injection, apply_injection
@@ -87,7 +87,7 @@ class _Routing(NamedTuple):
     priced: tuple[tuple[RouteSpec, int], ...]
     refused: tuple[BucketGroup, ...]
     planned: bool
-    sends: frozenset[str]  # the regions it sends low-bit when the gate admits it
+    sends: frozenset[str]  # the regions it sends low-bit unless the gate refuses it
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -205,7 +205,8 @@ class FabricState:
         self._issued: list[BucketJob] = []  # buckets issued on DDP's thread (`submit`)
         self._held_step = False  # nothing of this step low-bit (`controller.all_held`)
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
-        self._step_sent: set[str] = set()  # the regions this step sends low-bit (`controller.sent`)
+        # the regions routed low-bit this step sent on fp32 in a bucket the gate refused
+        self._step_refused: set[str] = set()
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
         # a gated-off step's buckets: (all-reduce future, buffer, DDP's future, (name, slice)
@@ -534,6 +535,9 @@ class FabricState:
         collective order stays identical.
         """
         step, phase = self.step, self.phase.name
+        guarded = self._direct_step and phase in self._lowbit_phases
+        # (checked before anything is issued: a foreign parameter raises with nothing pending)
+        names = self._bucket_names(params) if guarded else []
         if self.injections:
             apply_injection(self.injections, step, self.rank, [buffer])
         ddp_mean_(buffer, self.world_size)
@@ -541,21 +545,17 @@ class FabricState:
         self.meter.add(step, phase, "fp32", wb)
         self.meter.add_fp32_reference(step, wb, buffer.dtype)
         work = dist.all_reduce(buffer, group=self.comm.group, async_op=True)
-        guarded = self._direct_step and phase in self._lowbit_phases
         if is_last:
             with self._lock:
                 self._loss, self._loss_fed = None, None  # no monitor on these steps
         if not guarded:
             if is_last:
-                self.controller.sent(step, ())
+                self.controller.refused(step)
                 self._advance(step)
             return work.get_future().then(lambda f: f.value()[0])
         fut = _future(buffer)
-        names = self._bucket_names(params)
-        offsets = itertools.accumulate((p.numel() for p in params), initial=0)
-        parts = [(n, buffer[o:o + p.numel()]) for n, o, p in zip(names, offsets, params,
-                                                                  strict=False)]
-        self._direct_pending.append((work.get_future(), buffer, fut, parts))
+        self._direct_pending.append((work.get_future(), buffer, fut, names,
+                                     [p.numel() for p in params]))
         if is_last:
             pending, self._direct_pending = self._direct_pending, []
             torch.futures.collect_all([w for w, *_ in pending]).then(
@@ -564,44 +564,48 @@ class FabricState:
 
     def _judge_direct(self, step: int, done: torch.futures.Future,
                       pending: list[tuple[Any, torch.Tensor, torch.futures.Future,
-                                          list[tuple[str, torch.Tensor]]]]) -> None:
+                                          list[str], list[int]]]) -> None:
         """A gated-off step of a low-bit phase (plain DDP's path, no statistics round), once
         its last all-reduce lands: zero the whole step on every rank if any result is not
-        finite, as the worker path does, and while a ramp is open hold its ramped scopes'
-        updates (`StepController.direct`); then close the step. A sum carries a NaN or inf of
-        any rank to every rank and the reduced updates are the same everywhere, so the ranks
-        agree without a collective; one host read per step. Nothing else of the monitor runs
-        on these steps (the gate chose plain DDP for them)."""
+        finite, as the worker path does, and while the update guard has something to hold
+        (a ramp, a monitor hold) hold those scopes' updates (`StepController.direct`); then
+        close the step (a failed one too: the next step starts clean). A sum carries a NaN or
+        inf of any rank to every rank and the reduced updates are the same everywhere, so the
+        ranks agree without a collective; one host read per step. The monitor's detectors
+        do not run on these steps (the gate chose plain DDP for them)."""
         try:
             for w in done.value():
                 # raises for a failed all-reduce; on a GPU also makes this thread's stream
                 # wait for it (`value()` would not), before the read and the zeroing below
                 w.wait()
-            bufs = [b for _, b, _, _ in pending]
-            self.controller.sent(step, ())
-            updates = None
-            if self.controller.ramping:  # the update norms, read with the finiteness check
-                named = [(n, g) for *_, parts in pending for n, g in parts]
-                norms = _norms([g for _, g in named]).to(torch.float64)
-                ends = [v for t in bufs if t.numel() for v in torch.aminmax(t)]
-                read = host_read(torch.cat([norms, torch.stack(ends).to(torch.float64)])
-                                 if ends else norms)
+            bufs = [b for _, b, *_ in pending]
+            self.controller.refused(step)
+            updates, buckets = None, []
+            if self.controller.guarding:  # the update norms, in the finiteness check's read
+                buckets = [list(zip(names, _slices(b, numels), strict=True))
+                           for _, b, _, names, numels in pending]
+                # per bucket: a half-precision bucket's norms in float32 (`_norms`)
+                norms = [_norms([g for _, g in parts]).to(torch.float64) for parts in buckets]
+                ends = [v.to(torch.float64) for t in bufs if t.numel() for v in torch.aminmax(t)]
+                read = host_read(torch.cat(norms + ([torch.stack(ends)] if ends else [])))
+                named = [n for parts in buckets for n, _ in parts]
                 finite = all(map(math.isfinite, read[len(named):]))
-                updates = dict(zip([n for n, _ in named], read, strict=False))
+                updates = dict(zip(named, read, strict=False))
             else:
                 finite = all_finite(bufs)
             decision = self.controller.direct(step, finite, updates)
             if decision.skip:
                 self._neutralise(bufs)
-            elif decision.scales:
-                self._scale([parts for *_, parts in pending], decision.scales)
-            self._advance(step)
+            elif decision.scales or decision.clips:
+                self._scale(buckets, decision)
         except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
             self._failed = True
-            for _, _, f, _ in pending:
+            self._advance(step)
+            for _, _, f, *_ in pending:
                 f.set_exception(exc)
             return
-        for _, b, f, _ in pending:
+        self._advance(step)
+        for _, b, f, *_ in pending:
             f.set_result(b)
 
     # -- per bucket (worker thread; the last on DDP's) -----------------------------------------
@@ -620,7 +624,7 @@ class FabricState:
         offsets = [0]
         for n in numels[:-1]:
             offsets.append(offsets[-1] + n)
-        slices = [buffer[o : o + n] for o, n in zip(offsets, numels, strict=True)]
+        slices = _slices(buffer, numels)
         if self.injections:
             apply_injection(self.injections, step, self.rank, slices)
         routing = self._routing(names, numels)
@@ -634,8 +638,7 @@ class FabricState:
             # Priced per reduce the job issues, as compile-profile and calibration price it.
             if not self.gate.verdict(key, routing.priced).admit:
                 groups = routing.refused
-            else:
-                self._step_sent |= routing.sends
+                self._step_refused |= routing.sends
         if is_last and self._inflight is not None:  # landed first: its time is in the statistics
             self._land(self._inflight)
             self._inflight = None
@@ -729,7 +732,7 @@ class FabricState:
         whole = _agreement({r: st[WHOLE] for r, st in self._step_stats.items() if WHOLE in st})
         agreed = stats.result(self._update_norms, whole)
         self.meter.add(step, self.phase.name, "control", self.comm.take())
-        self.controller.sent(step, self._step_sent)
+        self.controller.refused(step, self._step_refused)
         decision = self.controller.decide(step, agreed.loss, agreed.nonfinite, agreed.grad_norms,
                                           agreed.agreement, agreed.update_norms)
         for (key, _), seconds in zip(timed, agreed.bucket_seconds, strict=True):
@@ -738,8 +741,8 @@ class FabricState:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
         if decision.skip:
             self._neutralise([buf for _, buf, _ in self._pending])
-        elif decision.scales:
-            self._scale([parts for _, _, parts in self._pending], decision.scales)
+        elif decision.scales or decision.clips:
+            self._scale([parts for _, _, parts in self._pending], decision)
         self.controller.priced(self._step_keys)
         self._clear_step_stats()
         self._advance(step)
@@ -749,13 +752,18 @@ class FabricState:
             fut.set_result(buf)
 
     def _scale(self, buckets: list[list[tuple[str, torch.Tensor]]],
-               scales: dict[str, float]) -> None:
-        """Scale each (name, reduced slice) of the step's buckets by its scope's factor."""
+               decision: StepDecision) -> None:
+        """Clip, then scale, each (name, reduced slice) of the step's buckets as its scope's
+        ramp and hold say (`StepDecision`)."""
         for parts in buckets:
             for name, g in parts:
-                factor = scales.get(self.controller.region(name))
+                scope = self.controller.region(name)
+                k, factor = decision.clips.get(scope), decision.scales.get(scope)
+                if k is not None:
+                    clip_(g, k)
                 if factor is not None:
                     g.mul_(factor)
+                if k is not None or factor is not None:
                     self.ef.reset(name)  # its residual holds what was held back
                     # (a spike's, ~1000x: docs/health.md, "Error feedback leaked ...")
 
@@ -803,7 +811,7 @@ class FabricState:
     def _clear_step_stats(self) -> None:
         """Forget the step's statistics: norms, agreement sums, the buckets it priced."""
         self._grad_norms, self._update_norms, self._step_stats, self._step_keys = [], [], {}, []
-        self._step_sent = set()
+        self._step_refused = set()
 
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's
@@ -834,6 +842,12 @@ def _backward_witness(loss: torch.Tensor) -> Any:
             break
         node = inputs[0]
     return node
+
+
+def _slices(buffer: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
+    """A bucket's views, one per parameter of `numels` elements, in order."""
+    offsets = itertools.accumulate(numels, initial=0)
+    return [buffer[o:o + n] for o, n in zip(offsets, numels, strict=False)]
 
 
 def _future(buffer: torch.Tensor) -> torch.futures.Future:

@@ -398,22 +398,28 @@ def test_a_route_change_at_a_phase_boundary_ramps_the_update_until_a_window_of_i
     for _ in range(10):
         assert step(c, 1.0, 1.0, 1.0).scales == {}
     assert c.phase.name == "late" and not c.plain  # a ramp is open: judged, not plain DDP's
-    delivered, window = [], [1.0] * 8
+    delivered, window, clips = [], [1.0] * 8, []
     while not c.plain:
         d = step(c, 1.0, 10.0, 10.0)
         out = 10.0 * d.scales.get("*", 1.0)
         assert out <= 2.0 * statistics.median(window) * (1 + 1e-12)  # never a step change
         delivered.append(out)
+        clips.append(d.clips.get("*"))
         window = (window + [out])[-8:]
         assert len(delivered) < 40
+    # to a full-precision wire: every element clipped too, at 3 x its mean |update| doubling
+    # every half window (4 steps), while the ramp is open
+    assert clips == [pytest.approx(3.0 * 2 ** (i / 4)) for i in range(len(delivered))]
     capped = [x for x in delivered if x < 10.0]
     assert delivered[0] == pytest.approx(2.0) and capped == sorted(capped)  # rising
     assert delivered[len(capped):] == [10.0] * 8  # closed after 8 that fit
     ramped = [e for e in log if "ramped" in (e["to"], e["from"])]
     assert [(e["from"], e["to"], e["step"]) for e in ramped] == [
         ("update", "ramped", 10), ("ramped", "update", 9 + len(delivered))]
-    assert ramped[0]["reason"].startswith("phase 'late': sign/sharded -> fp32 from step 10: "
-                                          "update norm 10 held to 2 (2 x median of its recent")
+    assert ramped[0]["reason"].startswith(
+        "phase 'late': sign/sharded -> fp32 from step 10: each element clipped to 3 x its "
+        "parameter's mean |update|, doubling every 4 steps; update norm 10 held to 2 (2 x "
+        "median of its recent")
     assert not [e for e in log if e["to"] == "held"]  # a ramp is no monitor hold
     assert step(c, 1.0, 10.0, 50.0).scales == {}  # plain DDP's again: nothing judged
     off, off_log = _phased("sign", "fp32", monitor=False)
@@ -457,12 +463,12 @@ def _gate_step(c: StepController, lowbit: bool, update: float):
     """One step the capacity gate sends low-bit (judged on the worker) or on fp32 as plain
     DDP's (`direct`, its update norms passed while a ramp is open, as the hook reads them)."""
     s, names = c.step, list(c.bindings.params)
-    c.sent(s, {"*"} if lowbit else ())
+    c.refused(s, () if lowbit else None)
     norms = {n: update / 2 for n in names}
     if lowbit:
         d = c.decide(s, 1.0, False, {"*": 1.0}, {}, norms)
     else:
-        d = c.direct(s, True, norms if c.ramping else None)
+        d = c.direct(s, True, norms if c.guarding else None)
     c.advance(s)
     return d
 
@@ -477,14 +483,19 @@ def test_the_gates_switch_to_fp32_and_back_ramps_the_update_on_plain_ddps_path()
     for _ in range(10):
         assert _gate_step(c, True, 1.0).scales == {}
     saved = json.loads(json.dumps(c.state_dict()))
-    assert not c.ramping
-    outs = [10.0 * _gate_step(c, False, 10.0).scales["*"] for _ in range(4)]
+    assert not c.guarding
+    decisions = [_gate_step(c, False, 10.0) for _ in range(4)]
+    outs = [10.0 * d.scales["*"] for d in decisions]
     assert outs[0] == pytest.approx(2.0) and outs == sorted(outs) and outs[-1] < 10.0
+    # to fp32: each element clipped too, 3 x its mean |update| doubling every half window
+    assert [d.clips["*"] for d in decisions] == [pytest.approx(3 * 2 ** (i / 4)) for i in range(4)]
     assert [(e["step"], e["from"], e["to"]) for e in log] == [(10, "update", "ramped")]
-    assert log[0]["reason"].startswith("low-bit -> fp32 (the capacity gate) from step 10: "
-                                       "update norm 10 held to 2 (2 x median")
-    assert _gate_step(c, True, 1.0).scales == {}  # sign again: fits, its ramp closes at once
-    assert not c.ramping and [(e["step"], e["from"], e["to"]) for e in log[1:]] == [
+    assert log[0]["reason"].startswith(
+        "low-bit -> fp32 (the capacity gate) from step 10: each element clipped to 3 x its "
+        "parameter's mean |update|, doubling every 4 steps; update norm 10 held to 2 (2 x median")
+    back = _gate_step(c, True, 1.0)  # sign again: fits, its ramp (no clip) closes at once
+    assert back.scales == {} and back.clips == {}
+    assert not c.guarding and [(e["step"], e["from"], e["to"]) for e in log[1:]] == [
         (14, "ramped", "update")]
     assert "the route changes again (fp32 -> low-bit" in log[1]["reason"]
     resumed, resumed_log = controller(update_cap=2.0)
@@ -497,9 +508,9 @@ def test_the_gates_switch_to_fp32_and_back_ramps_the_update_on_plain_ddps_path()
         _gate_step(steady, True, 1.0)
     for _ in range(4):
         _gate_step(steady, False, 1.5)  # fits: closes at once
-    assert not steady.ramping
+    assert not steady.guarding
     off, off_log = controller(update_cap=2.0)
     off.monitor_enabled = False
     for lowbit in [True] * 10 + [False] * 3:
         assert _gate_step(off, lowbit, 10.0 if not lowbit else 1.0).scales == {}
-    assert off_log == [] and not off.ramping
+    assert off_log == [] and not off.guarding
