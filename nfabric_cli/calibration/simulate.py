@@ -200,7 +200,8 @@ class SimulatedDDP:
     def train_step(self) -> None:
         step = self.step
         # a step the model gate sends all fp32, as the hook sends it (plain DDP's path, no
-        # statistics): nothing judged, zeroed when the summed gradients are not finite
+        # statistics): zeroed when the summed gradients are not finite, its ramped and held
+        # scopes held while the guard has any (`controller.direct`), nothing else judged
         gated_off = self.controller.gated_off()
         plan, key = self._plan(gated_off)
         self.tally.add(self._bytes_cache[key])

@@ -17,15 +17,19 @@ decision):
   scope, to ``blowup_cap * median`` instead (1: about one healthy update; 0: ``update_cap``);
 - otherwise the step's update norm joins the scope's window (a skipped, non-finite step's
   never does), so the median is always that of healthy, profile-routed updates.
-- a scope *ramped* (its route changed at a phase boundary, `StepController`) and not held is
-  scaled down to ``update_cap * median`` the same way, and what it delivered joins its
+- a scope *ramped* (its route changed at a phase boundary, or the capacity gate switched its
+  wire: `StepController`) and not held is scaled down to ``update_cap * median`` the same
+  way, and what it delivered joins its
   window: the cap rises with the delivered updates, at most doubling each half window; the
   controller closes the ramp once `window` steps in a row capped nothing. Why: a model
   trained on `sign` and then sent the raw fp32 gradient takes steps its weights are not
   shaped for. Simulated, `vision.v13` on seeds 10-19 at 600 steps, two ranks, no monitor:
   15 steps of every parameter on fp32 (nothing wrong) from step 200 cost up to 11.9 points,
   from step 300 up to 13.9, against the same seeds without them (docs/health.md, "Route
-  changes ramp").
+  changes ramp"). A ramp to a full-precision wire also clips each element of the update
+  (`StepController._clips`; not here: the guard sees norms only), since a norm within the cap
+  still broke that model when its elements were heavy-tailed (docs/health.md, "The gate's
+  switches ramp").
 
 Pure and deterministic like `HealthMonitor`; nothing here talks to a process group.
 """

@@ -123,7 +123,9 @@ class FabricState:
 
     Thread safety: `observe` may be called from any thread; the reduction runs on the state's
     own worker thread (the step's last bucket on DDP's thread, after the worker's; every
-    bucket of a step with nothing on a low-bit route, the monitor holding it all, on DDP's);
+    bucket of a step with nothing on a low-bit route, the monitor holding it all, on DDP's;
+    a step the gate sends as plain DDP's is judged and closed where its last all-reduce
+    completes, before DDP's futures are set: `_judge_direct`);
     `state_dict` / `load_state_dict` / `close` / `hand_over` belong between steps."""
 
     def __init__(

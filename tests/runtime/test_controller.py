@@ -476,9 +476,11 @@ def _gate_step(c: StepController, lowbit: bool, update: float):
 def test_the_gates_switch_to_fp32_and_back_ramps_the_update_on_plain_ddps_path():
     """sign (updates of norm 1), then the gate sends steps on fp32 as plain DDP's (a measured
     gate's probe block; raw updates 10x): held to 2 x the median of what the scope delivered,
-    rising, as a phase's route change is; back on sign a ramp opens the other way and closes
-    at its first update that fits. Only an open ramp asks for update norms on a direct step;
-    the last step's wire survives a checkpoint; with the monitor off nothing ramps."""
+    rising, and each element clipped, as a phase's route change to fp32 is; back on sign a
+    ramp opens the other way, clips nothing and closes at its first update that fits. A
+    clipping ramp lasts a window however small the updates. Only an open ramp asks for
+    update norms on a direct step; the last step's wire survives a checkpoint; with the
+    monitor off nothing ramps."""
     c, log = controller(update_cap=2.0)
     for _ in range(10):
         assert _gate_step(c, True, 1.0).scales == {}
@@ -506,8 +508,10 @@ def test_the_gates_switch_to_fp32_and_back_ramps_the_update_on_plain_ddps_path()
     steady, _ = controller(update_cap=2.0, window=4)
     for _ in range(10):
         _gate_step(steady, True, 1.0)
-    for _ in range(4):
-        _gate_step(steady, False, 1.5)  # fits: closes at once
+    for _ in range(3):
+        _gate_step(steady, False, 1.5)  # fits, but a ramp to fp32 clips for a window (4)
+    assert steady.guarding
+    _gate_step(steady, False, 1.5)
     assert not steady.guarding
     off, off_log = controller(update_cap=2.0)
     off.monitor_enabled = False
