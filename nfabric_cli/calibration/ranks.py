@@ -250,9 +250,12 @@ class SimulatedRanks:
                 self.out_views[i].zero_()
                 for agg in self.aggregators:  # as the hook: nothing of the step is kept
                     agg.reset_feedback(i)
-            elif plan.regions[i] in scales or plan.regions[i] in decision.clips:
-                k, factor = decision.clips.get(plan.regions[i]), scales.get(plan.regions[i])
-                if k is not None:  # as the hook: clipped, then scaled
+            elif plan.regions[i] in scales or (plan.regions[i] in decision.clips
+                                               and not plan.specs[i].lowbit):
+                # as the hook: clipped (on a full-precision wire), then scaled
+                k = None if plan.specs[i].lowbit else decision.clips.get(plan.regions[i])
+                factor = scales.get(plan.regions[i])
+                if k is not None:
                     clip_(self.out_views[i], k)
                 if factor is not None:
                     self.out_views[i].mul_(factor)

@@ -167,6 +167,9 @@ class HealthThresholds:
 
 
 #: Thresholds added after profiles were calibrated, at the value that keeps the older rule.
+#: (Not `ramp_clip`: ramps came a session before it, with no switch to turn them off, so no
+#: calibrated profile was proven under a norm ramp without the clip but by accident; and that
+#: mix is the one the probe blocks broke: docs/health.md, "The gate's switches ramp".)
 PREDATED: dict[str, Any] = {"grad_blowup_per_loss": 0, "blowup_cap": 0}
 
 

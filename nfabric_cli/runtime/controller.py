@@ -286,8 +286,9 @@ class StepController:
         for scope in sorted((gated ^ was_gated) & routed & was_routed):
             ramp = self._ramps.get(scope)
             if ramp is not None and ramp[0] == step:  # a phase's route change this step
-                if scope in gated:
+                if scope in gated:  # to a full-precision wire after all: it clips
                     ramp[1] += ", sent on fp32 by the capacity gate"
+                    ramp[4] = ramp[4] or self._clipping()
                 continue
             change = ("low-bit -> fp32 (the capacity gate)" if scope in gated
                       else "fp32 -> low-bit (the capacity gate admits it again)")
@@ -297,9 +298,9 @@ class StepController:
                update_norms: Mapping[str, float] | None = None) -> StepDecision:
         """A step sent as plain DDP's in a low-bit phase (gated off): neutralised on every rank
         when its reduced gradients (or update norms) are not finite (a sum carries any rank's
-        NaN or inf to every rank). While a ramp is open (`ramping`; the caller then passes the
-        update norms, by parameter, while `guarding`) the ramped scopes and the monitor's held
-        ones are held as on the worker path; nothing else is judged: the monitor sees no loss
+        NaN or inf to every rank). While the guard has something to hold (`guarding`: the
+        caller then passes the update norms, by parameter) the ramped scopes and the
+        monitor's held ones are held, and ramps to fp32 clipped, as on the worker path; nothing else is judged: the monitor sees no loss
         on these steps. A scope whose updates are all zero (no gradient this step) is not
         judged."""
         finite = finite and all(math.isfinite(v) for v in (update_norms or {}).values())
@@ -348,10 +349,12 @@ class StepController:
 
     def _clips(self, step: int) -> dict[str, float]:
         """Per scope whose ramp clips (to a full-precision wire), this step's multiple: the
-        `ramp_clip` threshold, doubling every half window from the ramp's first step."""
+        `ramp_clip` threshold, doubling every half window from the ramp's first step; none
+        past 2^20 x it (a ramp the norm cap keeps open that long clips nothing any more, and
+        the multiple would overflow)."""
         t = self.monitor.thresholds
-        return {scope: t.ramp_clip * 2 ** (2 * (step - r[0]) / t.window)
-                for scope, r in self._ramps.items() if r[4]}
+        doublings = {s: 2 * (step - r[0]) / t.window for s, r in self._ramps.items() if r[4]}
+        return {s: t.ramp_clip * 2 ** d for s, d in doublings.items() if d <= 20}
 
     def _ramp(self, step: int, capped: Mapping[str, Held], clips: Mapping[str, float]) -> None:
         """Count this step in each open ramp: capped, or not (an update that fit, or a scope
@@ -385,9 +388,10 @@ class StepController:
                 if (not steps and not clip) or fits + 1 >= window:
                     del self._ramps[scope]
                     if ramp[5]:
+                        clipped = f", {step - began + 1} clipped" if clip else ""
                         self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
                                   "reason": f"{window} steps in a row capped nothing "
-                                            f"after {steps} capped steps"})
+                                            f"after {steps} capped steps{clipped}"})
 
     def advance(self, step: int) -> bool:
         """Close step `step`; enter the next phase if it changes (True when it did)."""
@@ -427,8 +431,13 @@ class StepController:
             self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
                       "reason": f"the route changes again ({change}) after "
                                 f"{step - old[0]} ramped steps"})
-        clip = full and self.monitor.thresholds.ramp_clip > 0
-        self._ramps[scope] = [step, change, 0, 0, clip, False]
+        self._ramps[scope] = [step, change, 0, 0, full and self._clipping(), False]
+
+    def _clipping(self) -> bool:
+        """Whether a ramp to a full-precision wire clips: `ramp_clip` on, and the update
+        guard on (`update_cap` 0 turns every part of it off)."""
+        t = self.monitor.thresholds
+        return t.ramp_clip > 0 and t.update_cap > 0
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

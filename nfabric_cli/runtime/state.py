@@ -24,7 +24,7 @@ import numbers
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -88,6 +88,7 @@ class _Routing(NamedTuple):
     refused: tuple[BucketGroup, ...]
     planned: bool
     sends: frozenset[str]  # the regions it sends low-bit unless the gate refuses it
+    lowbit_names: frozenset[str]  # and the parameters
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -209,6 +210,7 @@ class FabricState:
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
         # the regions routed low-bit this step sent on fp32 in a bucket the gate refused
         self._step_refused: set[str] = set()
+        self._step_lowbit_names: set[str] = set()  # the parameters it sent low-bit
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
         # a gated-off step's buckets: (all-reduce future, buffer, DDP's future, (name, slice)
@@ -599,16 +601,21 @@ class FabricState:
             if decision.skip:
                 self._neutralise(bufs)
             elif decision.scales or decision.clips:
-                self._scale(buckets, decision)
+                self._scale(buckets, decision, frozenset())
         except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
+            failed: Exception | None = exc
             self._failed = True
+        else:
+            failed = None
+        try:  # closed either way: the next step starts clean
             self._advance(step)
-            for _, _, f, *_ in pending:
-                f.set_exception(exc)
-            return
-        self._advance(step)
-        for _, b, f, *_ in pending:
-            f.set_result(b)
+        except Exception as exc:  # noqa: BLE001 - (a warning raised as an error, say)
+            failed = failed or exc
+        for _, b, f, *_ in pending:  # DDP waits on these: always completed
+            if failed is not None:
+                f.set_exception(failed)
+            else:
+                f.set_result(b)
 
     # -- per bucket (worker thread; the last on DDP's) -----------------------------------------
     def _effective(self, name: str) -> RouteSpec:
@@ -641,6 +648,8 @@ class FabricState:
             if not self.gate.verdict(key, routing.priced).admit:
                 groups = routing.refused
                 self._step_refused |= routing.sends
+            else:
+                self._step_lowbit_names |= routing.lowbit_names
         if is_last and self._inflight is not None:  # landed first: its time is in the statistics
             self._land(self._inflight)
             self._inflight = None
@@ -692,7 +701,8 @@ class FabricState:
                 names_t, regions, groups, tuple(spec_numels(groups)) if lowbit else (),
                 tuple(bucket_groups(regions, [FP32] * len(specs), numels)) if lowbit else groups,
                 self.bindings.lowbit_in(names_t, phase),
-                frozenset(r for r, spec in zip(regions, specs, strict=True) if spec.lowbit))
+                frozenset(r for r, spec in zip(regions, specs, strict=True) if spec.lowbit),
+                frozenset(n for n, spec in zip(names_t, specs, strict=True) if spec.lowbit))
         return found
 
     def _land(self, job: BucketJob) -> None:
@@ -744,7 +754,8 @@ class FabricState:
         if decision.skip:
             self._neutralise([buf for _, buf, _ in self._pending])
         elif decision.scales or decision.clips:
-            self._scale([parts for _, _, parts in self._pending], decision)
+            sent_low = self._step_lowbit_names
+            self._scale([parts for _, _, parts in self._pending], decision, sent_low)
         self.controller.priced(self._step_keys)
         self._clear_step_stats()
         self._advance(step)
@@ -754,13 +765,15 @@ class FabricState:
             fut.set_result(buf)
 
     def _scale(self, buckets: list[list[tuple[str, torch.Tensor]]],
-               decision: StepDecision) -> None:
+               decision: StepDecision, lowbit: Set[str]) -> None:
         """Clip, then scale, each (name, reduced slice) of the step's buckets as its scope's
-        ramp and hold say (`StepDecision`)."""
+        ramp and hold say (`StepDecision`); a ramp's clip only where the parameter went on a
+        full-precision wire this step (`lowbit`: the names it sent low-bit)."""
         for parts in buckets:
             for name, g in parts:
                 scope = self.controller.region(name)
-                k, factor = decision.clips.get(scope), decision.scales.get(scope)
+                k = decision.clips.get(scope) if name not in lowbit else None
+                factor = decision.scales.get(scope)
                 if k is not None:
                     clip_(g, k)
                 if factor is not None:
@@ -813,7 +826,7 @@ class FabricState:
     def _clear_step_stats(self) -> None:
         """Forget the step's statistics: norms, agreement sums, the buckets it priced."""
         self._grad_norms, self._update_norms, self._step_stats, self._step_keys = [], [], {}, []
-        self._step_refused = set()
+        self._step_refused, self._step_lowbit_names = set(), set()
 
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's

@@ -339,9 +339,10 @@ def _gate_ramp_worker(rank: int, world: int) -> dict:
 
 def test_a_route_the_gate_sends_on_fp32_ramps_on_plain_ddps_path_too() -> None:
     """sign for two steps, then int8, which the model gate refuses: the boundary step goes
-    out on fp32 from the worker (its ramp opened by the phase change, capped), and the step
-    after it as plain DDP's (`_fp32_direct`, gated off): still ramped there, its update norms
-    measured and held on every rank (`StepController.direct`), as the simulator holds them."""
+    out on fp32 from the worker (its ramp opened by the phase change, capped and clipped),
+    and the step after it as plain DDP's (`_fp32_direct`, gated off): still ramped there, its
+    update norms measured, held and clipped on every rank (`StepController.direct`), as the
+    simulator does."""
     world = 2
     real = run_ranks(_gate_ramp_worker, world)
     wl = get_workload("vision")
@@ -359,7 +360,9 @@ def test_a_route_the_gate_sends_on_fp32_ramps_on_plain_ddps_path_too() -> None:
     held = {(step, scope) for step, scope, _ in sim.controller.held}
     assert {s for s, _ in held} == {2, 3} and (3, "*") in held  # the direct step held too
     assert [(e["step"], e["to"]) for e in sim.events] == [(2, "ramped")] * 3
-    assert "sent on fp32 by the capacity gate" in sim.events[0]["reason"]
+    # int8 is low-bit, but the gate sends it on fp32: a full-precision wire, so it clips too
+    assert "sent on fp32 by the capacity gate from step 2: each element clipped to 3 x" in (
+        sim.events[0]["reason"])
     assert sim.controller.held == real[0]["held"]
     for n, p in sim.model.named_parameters():
         torch.testing.assert_close(p.detach(), real[0]["params"][n], rtol=0, atol=0)

@@ -518,3 +518,27 @@ def test_the_gates_switch_to_fp32_and_back_ramps_the_update_on_plain_ddps_path()
     for lowbit in [True] * 10 + [False] * 3:
         assert _gate_step(off, lowbit, 10.0 if not lowbit else 1.0).scales == {}
     assert off_log == [] and not off.guarding
+
+
+def test_ramp_clip_is_validated_and_zero_or_the_guard_off_clips_nothing():
+    """`ramp_clip` 0 (or `update_cap` 0, the guard off) keeps the norm ramp and clips nothing;
+    a value between 0 and 1 fails in one line. A checkpoint saved before clips (ramps of four
+    fields) resumes with a ramp that does not clip."""
+    with pytest.raises(InputError, match="ramp_clip must be 0 \\(off\\) or >= 1, got 0.5"):
+        HealthThresholds(ramp_clip=0.5)
+    for health in ({"ramp_clip": 0.0}, {"update_cap": 0.0}):
+        c, _ = controller(**health)
+        for _ in range(10):
+            _gate_step(c, True, 1.0)
+        d = _gate_step(c, False, 10.0)
+        assert d.clips == {} and (d.scales != {}) == (health.get("update_cap") != 0.0)
+    c, _ = controller(update_cap=2.0)
+    for _ in range(10):
+        _gate_step(c, True, 1.0)
+    saved = json.loads(json.dumps(c.state_dict()))
+    saved["ramps"] = {"*": [10, "low-bit -> fp32 (the capacity gate)", 1, 0]}  # before clips
+    old, _ = controller(update_cap=2.0)
+    old.load_state_dict(saved)
+    assert old._ramps["*"][4:] == [False, True]  # no clip; its cap logged already
+    d = old.direct(10, True, {n: 5.0 for n in old.bindings.params})
+    assert d.clips == {} and d.scales["*"] == pytest.approx(0.2)
