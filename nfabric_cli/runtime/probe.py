@@ -85,6 +85,12 @@ norms, and its reduce no longer overlaps backward as fp32's all-reduce does. On 
 unshaped loopback the bucket timings said low-bit 3.4 ms against fp32 5.8 ms while the step was
 1.24x slower on low-bit (`python -m bench.validate_link`, docs/capacity.md).
 
+The steps a probe or a decision sends on fp32 after low-bit ones are ramped, and back
+(`StepController.refused`): on a model trained on `sign`, a 4-step fp32 block broke the run on
+the next step in 6 of 10 seeds (vision.v13, 1000 Mbit/s) until each element of those updates
+was clipped (docs/health.md, "The gate's switches ramp"). A ramp's norms and clip add a few
+passes over the update to an fp32 step's period, slightly against fp32 in a close call.
+
 Opt-in, not the default: a decision from wall-clock times differs from run to run, so
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
 simulator stay bit-reproducible without it). Probing costs 1 to `steps` steps on the slower
