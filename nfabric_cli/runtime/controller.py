@@ -147,8 +147,9 @@ class StepController:
         self.skipped_steps: list[int] = []
         self.held: list[tuple[int, str, float]] = []  # (step, scope, factor) per scale-down
         self._holding: set[str] = set()  # held scopes whose hold has been scaled down
-        # scopes whose route changed at the last phase boundaries, until their ramp closes
-        # (step it began, the change in words, steps it capped, steps in a row it capped none)
+        # scopes whose route (or the gate's wire) changed, until their ramp closes: [step it
+        # began, the change in words, steps it capped, steps in a row it capped none, whether
+        # it clips (to a full-precision wire), whether its first event was logged]
         self._ramps: dict[str, list[Any]] = {}
         # the last step's scopes routed low-bit (not held) and those of them the gate sent on
         # fp32 (`refused`): a change opens a ramp; None before the first step
@@ -300,9 +301,9 @@ class StepController:
         when its reduced gradients (or update norms) are not finite (a sum carries any rank's
         NaN or inf to every rank). While the guard has something to hold (`guarding`: the
         caller then passes the update norms, by parameter) the ramped scopes and the
-        monitor's held ones are held, and ramps to fp32 clipped, as on the worker path; nothing else is judged: the monitor sees no loss
-        on these steps. A scope whose updates are all zero (no gradient this step) is not
-        judged."""
+        monitor's held ones are held, and ramps to fp32 clipped, as on the worker path;
+        nothing else is judged: the monitor sees no loss on these steps. A scope whose updates
+        are all zero (no gradient this step) is not judged."""
         finite = finite and all(math.isfinite(v) for v in (update_norms or {}).values())
         if not finite:
             self.record_skip(step)
@@ -373,8 +374,9 @@ class StepController:
             if not logged and (h is not None or clip):
                 held = (f"update norm {h.norm:.3g} held to {h.cap:.3g} ({h.multiple:g} x "
                         "median of its recent updates)" if h is not None else "")
-                clipped = (f"each element clipped to {clips[scope]:.3g} x its parameter's mean "
-                           f"|update|, doubling every {window / 2:g} steps" if clip else "")
+                k = clips.get(scope)
+                clipped = (f"each element clipped to {k:.3g} x its parameter's mean |update|, "
+                           f"doubling every {window / 2:g} steps" if k is not None else "")
                 self.log({"step": step, "scope": scope, "from": "update", "to": "ramped",
                           "reason": f"{change} from step {began}: "
                                     f"{'; '.join(x for x in (clipped, held) if x)}; the norm "
