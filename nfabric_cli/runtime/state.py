@@ -213,10 +213,10 @@ class FabricState:
         self._step_lowbit_names: set[str] = set()  # the parameters it sent low-bit
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
-        # a gated-off step's buckets: (all-reduce future, buffer, DDP's future, (name, slice)
-        # per parameter), completed together once the step is judged (`_judge_direct`)
-        self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future,
-                                         list[tuple[str, torch.Tensor]]]] = []
+        # a gated-off step's buckets: (all-reduce future, buffer, DDP's future, its parameters'
+        # names and sizes), completed together once the step is judged (`_judge_direct`)
+        self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future, list[str],
+                                         list[int]]] = []
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
         self._queued: concurrent.futures.Future | None = None  # the worker's last job
         # the state attached to this DDP model after this one closed (`hand_over`): DDP keeps
