@@ -85,7 +85,7 @@ class HealthThresholds:
     # the capacity gate's fp32 steps) also clips each element of the update to ramp_clip x
     # its parameter's mean |update|, doubling every half window, for `window` steps at least:
     # the gate's probe blocks (4 fp32 steps among `sign` ones) within the norm cap still broke
-    # vision.v13 (loss spikes 5-45x on the next step, 6 of 10 seeds), clipped at 3 they did
+    # vision.v13 (the monitor tripped on the step after a block in 7 of 10 seeds), clipped at 3 they did
     # not (docs/health.md, "The gate's switches ramp"). 0: no clip
     ramp_clip: float = 3.0
     # Non-finite steps within `window` steps that trip "all" to fp32; fewer are only skipped

@@ -86,10 +86,11 @@ unshaped loopback the bucket timings said low-bit 3.4 ms against fp32 5.8 ms whi
 1.24x slower on low-bit (`python -m bench.validate_link`, docs/capacity.md).
 
 The steps a probe or a decision sends on fp32 after low-bit ones are ramped, and back
-(`StepController.refused`): on a model trained on `sign`, a 4-step fp32 block broke the run on
-the next step in 6 of 10 seeds (vision.v13, the probe blocks simulated) until each element of those updates
-was clipped (docs/health.md, "The gate's switches ramp"). A ramp's norms and clip add a few
-passes over the update to an fp32 step's period, slightly against fp32 in a close call.
+(`StepController.refused`): on a model trained on `sign`, 4-step fp32 blocks tripped the
+monitor on the step after a block in 7 of 10 seeds (vision.v13, the probe blocks simulated)
+until each element of those updates was clipped (docs/health.md, "The gate's switches ramp").
+A ramp's norms and clip add a few passes over the update to an fp32 step's period, slightly
+against fp32 in a close call.
 
 Opt-in, not the default: a decision from wall-clock times differs from run to run, so
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
