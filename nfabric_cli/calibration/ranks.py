@@ -59,7 +59,7 @@ from nfabric_cli.calibration.cpus import PER_PARAMETER, default_processes, one_t
 from nfabric_cli.calibration.reduces import ReduceOrders
 from nfabric_cli.errors import PluginError, user_frame
 from nfabric_cli.ranks.loop import RankRng
-from nfabric_cli.runtime.controller import StepDecision, clip_
+from nfabric_cli.runtime.controller import StepDecision
 from nfabric_cli.runtime.inject import Injection, apply_injection
 
 __all__ = ["PER_PARAMETER", "Decide", "RanksStep", "SimulatedRanks", "default_processes",
@@ -244,21 +244,12 @@ class SimulatedRanks:
         """The optimizer (and scheduler) step on the parameters `owned`, from the aggregate
         scaled by the decision's `scales` (per scope); a skipped step updates from zero
         gradients, as every real rank then does."""
-        scales = decision.scales
         for i in owned:
             if decision.skip:
                 self.out_views[i].zero_()
                 for agg in self.aggregators:  # as the hook: nothing of the step is kept
                     agg.reset_feedback(i)
-            elif plan.regions[i] in scales or (plan.regions[i] in decision.clips
-                                               and not plan.specs[i].lowbit):
-                # as the hook: clipped (on a full-precision wire), then scaled
-                k = None if plan.specs[i].lowbit else decision.clips.get(plan.regions[i])
-                factor = scales.get(plan.regions[i])
-                if k is not None:
-                    clip_(self.out_views[i], k)
-                if factor is not None:
-                    self.out_views[i].mul_(factor)
+            elif decision.apply_(plan.regions[i], self.out_views[i], not plan.specs[i].lowbit):
                 for agg in self.aggregators:  # as the hook: the residual goes with the update
                     agg.reset_feedback(i)
         if self.optimizer is None:

@@ -82,15 +82,22 @@ class StepDecision:
     skip: bool  # neutralise it on every rank (non-finite): zeroed, or not finite for a scaler
     scales: dict[str, float] = field(default_factory=dict)  # scope -> factor (< 1)
     # scope -> k: each element of a parameter's update clipped to k x its mean |update|, before
-    # the scale (a ramp to a full-precision wire: `StepController._ramp`; `clip_`)
+    # the scale (a ramp to a full-precision wire: `StepController._ramp`)
     clips: dict[str, float] = field(default_factory=dict)
 
-
-def clip_(update: torch.Tensor, k: float) -> None:
-    """Clip each element of `update` to `k` x its mean |element|, in place and on its device
-    (no host read): the hook and the simulator take the same bits."""
-    bound = update.abs().mean() * k
-    update.clamp_(min=-bound, max=bound)
+    def apply_(self, scope: str, update: torch.Tensor, full: bool) -> bool:
+        """Clip (where the parameter went on a full-precision wire this step: `full`), then
+        scale, one parameter's reduced `update` of `scope` in place, as its ramp and hold say;
+        whether anything was done (its error-feedback residual then goes). On the update's
+        device, no host read: the hook and the simulator take the same bits."""
+        k = self.clips.get(scope) if full else None
+        factor = self.scales.get(scope)
+        if k is not None:
+            bound = update.abs().mean() * k
+            update.clamp_(min=-bound, max=bound)
+        if factor is not None:
+            update.mul_(factor)
+        return k is not None or factor is not None
 
 
 def check_options(monitor: Any, gate: Any, nonfinite: Any) -> None:
@@ -278,18 +285,20 @@ class StepController:
         boundary's route change does: seen on real ranks, `vision.v13` at 1000 Mbit/s, seed
         18, the measured gate's re-check probed fp32 in 4-step blocks at step 134 and the
         loss spiked 33.5x at step 144."""
+        if not self.acting:  # (nothing ramps)
+            return
         routed = self._lowbit_regions[self.phase.name] - self.forced()
         gated = routed if scopes is None else routed & frozenset(scopes)
         last, self._wire = self._wire, (routed, gated)
-        if last is None or not self.acting:
+        if last is None:
             return
         was_routed, was_gated = last
         for scope in sorted((gated ^ was_gated) & routed & was_routed):
             ramp = self._ramps.get(scope)
             if ramp is not None and ramp[0] == step:  # a phase's route change this step
                 if scope in gated:  # to a full-precision wire after all: it clips
-                    ramp[1] += ", sent on fp32 by the capacity gate"
-                    ramp[4] = ramp[4] or self._clipping()
+                    self._open_ramp(scope, step, f"{ramp[1]}, sent on fp32 by the capacity "
+                                                 "gate", True)
                 continue
             change = ("low-bit -> fp32 (the capacity gate)" if scope in gated
                       else "fp32 -> low-bit (the capacity gate admits it again)")
@@ -310,10 +319,8 @@ class StepController:
             return StepDecision(True)
         if not update_norms or not self.guarding:
             return StepDecision(False)
-        sums: dict[str, float] = {}
-        for name, v in update_norms.items():
-            sums[self.region(name)] = sums.get(self.region(name), 0.0) + v
-        updates = {n: v for n, v in update_norms.items() if sums[self.region(n)] > 0}
+        live = {self.region(n) for n, v in update_norms.items() if v > 0}
+        updates = {n: v for n, v in update_norms.items() if self.region(n) in live}
         held, clips = self._guard(step, updates, False, self.forced(), {})
         return StepDecision(False, {h.scope: h.factor for h in held}, clips)
 
@@ -409,13 +416,16 @@ class StepController:
         routes, and each scope whose route changes opens a ramp (replacing an open one)."""
         old, self.phase = old or getattr(self, "phase", phase), phase
         if old.name != phase.name and self.acting:
+            changes: dict[str, tuple[str, bool]] = {}  # per scope: its (last) change, to full?
             for b in self.bindings.params.values():
                 was, now = b.routes[old.name], b.routes[phase.name]
-                scope = b.regions[phase.name]
-                if was == now:
-                    continue
-                self._open_ramp(scope, step, f"phase {phase.name!r}: {was.label()} -> "
-                                             f"{now.label()}", was.lowbit and not now.lowbit)
+                if was != now:
+                    scope = b.regions[phase.name]
+                    full = was.lowbit and not now.lowbit or changes.get(scope, ("", False))[1]
+                    changes[scope] = (f"phase {phase.name!r}: {was.label()} -> {now.label()}",
+                                      full)
+            for scope, (change, full) in changes.items():
+                self._open_ramp(scope, step, change, full)
         routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
         self.monitor.set_routes(routes)
         for ev in self.monitor.on_phase_change(phase.name, step):
@@ -425,11 +435,9 @@ class StepController:
         """Open `scope`'s ramp at `step` for `change` (in words), replacing an open one;
         `full`: to a full-precision wire from a low-bit one, so it clips (`_clips`: a heavy
         tailed update of the norm a `sign` one had still breaks a model trained on `sign`),
-        unless `ramp_clip` is 0. Its parameters' changes at one step open one ramp."""
+        unless `ramp_clip` is 0."""
         old = self._ramps.get(scope)
-        if old is not None and old[0] == step:
-            full = full or old[4]
-        elif old is not None and old[5]:  # one that acted: closed
+        if old is not None and old[5]:  # one that acted: closed
             self.log({"step": step, "scope": scope, "from": "ramped", "to": "update",
                       "reason": f"the route changes again ({change}) after "
                                 f"{step - old[0]} ramped steps"})

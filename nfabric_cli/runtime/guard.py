@@ -19,9 +19,9 @@ decision):
   never does), so the median is always that of healthy, profile-routed updates.
 - a scope *ramped* (its route changed at a phase boundary, or the capacity gate switched its
   wire: `StepController`) and not held is scaled down to ``update_cap * median`` the same
-  way, and what it delivered joins its
-  window: the cap rises with the delivered updates, at most doubling each half window; the
-  controller closes the ramp once `window` steps in a row capped nothing. Why: a model
+  way, and what it delivered joins its window: the cap rises with the delivered updates, at
+  most doubling each half window; the controller closes the ramp once `window` steps in a
+  row capped nothing. Why: a model
   trained on `sign` and then sent the raw fp32 gradient takes steps its weights are not
   shaped for. Simulated, `vision.v13` on seeds 10-19 at 600 steps, two ranks, no monitor:
   15 steps of every parameter on fp32 (nothing wrong) from step 200 cost up to 11.9 points,

@@ -24,7 +24,7 @@ import numbers
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -50,7 +50,7 @@ from nfabric_cli.runtime.accumulation import (
 )
 from nfabric_cli.runtime.agree import StatsRound, host_read
 from nfabric_cli.runtime.bucket import BucketJob
-from nfabric_cli.runtime.controller import StepController, StepDecision, clip_
+from nfabric_cli.runtime.controller import StepController, StepDecision
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.health import HealthMonitor
 from nfabric_cli.runtime.inject import Injection, apply_injection
@@ -114,8 +114,13 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     min and max, which a NaN or an infinity anywhere reaches (torch's min/max propagate NaN):
     one pass and no allocation, where `isfinite(t).all()` made three temporaries (0.5 ms per
     200k floats here, against 0.03 ms: 1.3 ms of a 4 ms plain-DDP step of a 0.4M model)."""
-    ends = [v for t in tensors if t.numel() for v in torch.aminmax(t)]
+    ends = _ends(tensors)
     return not ends or bool(torch.isfinite(torch.stack(ends)).all())
+
+
+def _ends(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each non-empty tensor's min and max (a NaN or an infinity anywhere reaches them)."""
+    return [v for t in tensors if t.numel() for v in torch.aminmax(t)]
 
 
 class FabricState:
@@ -187,7 +192,9 @@ class FabricState:
         self._late_warned = False
         self._witness: Any = None  # the hook `observe` set on the loss's graph (a handle)
         # per bucket of the step: its future, its buffer, and (name, slice) per parameter
-        self._pending: list[tuple[torch.futures.Future, torch.Tensor, list[tuple[str, torch.Tensor]]]] = []
+        # (and the names it sent low-bit: a ramp's clip spares them, `StepDecision.apply_`)
+        self._pending: list[tuple[torch.futures.Future, torch.Tensor,
+                                  list[tuple[str, torch.Tensor]], frozenset[str]]] = []
         # the step's statistics, kept as tensors until the step's one host read (agree.py):
         # per bucket, its parameters' scopes and gradient norms, and names and update norms
         self._grad_norms: list[tuple[Sequence[str], torch.Tensor]] = []
@@ -210,13 +217,12 @@ class FabricState:
         self._step_keys: list[tuple] = []  # this step's planned low-bit buckets (`controller.priced`)
         # the regions routed low-bit this step sent on fp32 in a bucket the gate refused
         self._step_refused: set[str] = set()
-        self._step_lowbit_names: set[str] = set()  # the parameters it sent low-bit
         self._direct_step = False
         self._scaler_warned = False  # `_neutralise`'s hint, said once
-        # a gated-off step's buckets: (all-reduce future, buffer, DDP's future, its parameters'
-        # names and sizes), completed together once the step is judged (`_judge_direct`)
-        self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future, list[str],
-                                         list[int]]] = []
+        # a gated-off step's buckets: (all-reduce future, buffer, DDP's future, its
+        # parameters), completed together once the step is judged (`_judge_direct`)
+        self._direct_pending: list[tuple[Any, torch.Tensor, torch.futures.Future,
+                                         list[torch.Tensor]]] = []
         self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="nfabric")
         self._queued: concurrent.futures.Future | None = None  # the worker's last job
         # the state attached to this DDP model after this one closed (`hand_over`): DDP keeps
@@ -540,8 +546,6 @@ class FabricState:
         """
         step, phase = self.step, self.phase.name
         guarded = self._direct_step and phase in self._lowbit_phases
-        # (checked before anything is issued: a foreign parameter raises with nothing pending)
-        names = self._bucket_names(params) if guarded else []
         if self.injections:
             apply_injection(self.injections, step, self.rank, [buffer])
         ddp_mean_(buffer, self.world_size)
@@ -558,8 +562,7 @@ class FabricState:
                 self._advance(step)
             return work.get_future().then(lambda f: f.value()[0])
         fut = _future(buffer)
-        self._direct_pending.append((work.get_future(), buffer, fut, names,
-                                     [p.numel() for p in params]))
+        self._direct_pending.append((work.get_future(), buffer, fut, params))
         if is_last:
             pending, self._direct_pending = self._direct_pending, []
             torch.futures.collect_all([w for w, *_ in pending]).then(
@@ -568,7 +571,7 @@ class FabricState:
 
     def _judge_direct(self, step: int, done: torch.futures.Future,
                       pending: list[tuple[Any, torch.Tensor, torch.futures.Future,
-                                          list[str], list[int]]]) -> None:
+                                          list[torch.Tensor]]]) -> None:
         """A gated-off step of a low-bit phase (plain DDP's path, no statistics round), once
         its last all-reduce lands: zero the whole step on every rank if any result is not
         finite, as the worker path does, and while the update guard has something to hold
@@ -586,11 +589,12 @@ class FabricState:
             self.controller.refused(step)
             updates, buckets = None, []
             if self.controller.guarding:  # the update norms, in the finiteness check's read
-                buckets = [list(zip(names, _slices(b, numels), strict=True))
-                           for _, b, _, names, numels in pending]
+                buckets = [list(zip(self._bucket_names(params),
+                                    _views(b, [p.numel() for p in params])[1], strict=True))
+                           for _, b, _, params in pending]
                 # per bucket: a half-precision bucket's norms in float32 (`_norms`)
                 norms = [_norms([g for _, g in parts]).to(torch.float64) for parts in buckets]
-                ends = [v.to(torch.float64) for t in bufs if t.numel() for v in torch.aminmax(t)]
+                ends = [v.to(torch.float64) for v in _ends(bufs)]
                 read = host_read(torch.cat(norms + ([torch.stack(ends)] if ends else [])))
                 named = [n for parts in buckets for n, _ in parts]
                 finite = all(map(math.isfinite, read[len(named):]))
@@ -601,7 +605,7 @@ class FabricState:
             if decision.skip:
                 self._neutralise(bufs)
             elif decision.scales or decision.clips:
-                self._scale(buckets, decision, frozenset())
+                self._scale([(parts, frozenset()) for parts in buckets], decision)
         except Exception as exc:  # noqa: BLE001 - surfaced in DDP's thread, not swallowed
             failed: Exception | None = exc
             self._failed = True
@@ -630,10 +634,7 @@ class FabricState:
         (`runtime/bucket.py`). `inline`: a bucket of a step with nothing low-bit, issued on
         DDP's thread (`submit`) and landed with the step's last bucket."""
         step, phase = self.step, self.phase.name
-        offsets = [0]
-        for n in numels[:-1]:
-            offsets.append(offsets[-1] + n)
-        slices = _slices(buffer, numels)
+        offsets, slices = _views(buffer, numels)
         if self.injections:
             apply_injection(self.injections, step, self.rank, slices)
         routing = self._routing(names, numels)
@@ -648,8 +649,6 @@ class FabricState:
             if not self.gate.verdict(key, routing.priced).admit:
                 groups = routing.refused
                 self._step_refused |= routing.sends
-            else:
-                self._step_lowbit_names |= routing.lowbit_names
         if is_last and self._inflight is not None:  # landed first: its time is in the statistics
             self._land(self._inflight)
             self._inflight = None
@@ -662,7 +661,8 @@ class FabricState:
             self.meter.add(step, phase, "control", self.comm.take())
         job = BucketJob(self, buffer, names, slices, offsets, groups, step, phase,
                         index=len(self._pending), rider=stats)
-        self._pending.append((fut, buffer, list(zip(names, slices, strict=True))))
+        sent_low = routing.lowbit_names if groups is routing.groups else frozenset()
+        self._pending.append((fut, buffer, list(zip(names, slices, strict=True)), sent_low))
         job.start()
         if inline:  # (`submit`) lands with the step's last bucket
             self._issued.append(job)
@@ -752,33 +752,24 @@ class FabricState:
             if reason:
                 self._log({"step": step, "scope": f"bucket[{len(key[0])} params]", "from": "low-bit", "to": "fp32", "reason": reason})
         if decision.skip:
-            self._neutralise([buf for _, buf, _ in self._pending])
+            self._neutralise([buf for _, buf, *_ in self._pending])
         elif decision.scales or decision.clips:
-            sent_low = self._step_lowbit_names
-            self._scale([parts for _, _, parts in self._pending], decision, sent_low)
+            self._scale([(parts, low) for *_, parts, low in self._pending], decision)
         self.controller.priced(self._step_keys)
         self._clear_step_stats()
         self._advance(step)
         # only now: a raise above still finds the futures in `_pending` (`_fail_pending`)
         pending, self._pending = self._pending, []
-        for fut, buf, _ in pending:
+        for fut, buf, *_ in pending:
             fut.set_result(buf)
 
-    def _scale(self, buckets: list[list[tuple[str, torch.Tensor]]],
-               decision: StepDecision, lowbit: Set[str]) -> None:
-        """Clip, then scale, each (name, reduced slice) of the step's buckets as its scope's
-        ramp and hold say (`StepDecision`); a ramp's clip only where the parameter went on a
-        full-precision wire this step (`lowbit`: the names it sent low-bit)."""
-        for parts in buckets:
+    def _scale(self, buckets: list[tuple[list[tuple[str, torch.Tensor]], frozenset[str]]],
+               decision: StepDecision) -> None:
+        """Clip and scale each (name, reduced slice) of the step's buckets as `decision` says,
+        each bucket with the names it sent low-bit (`StepDecision.apply_`)."""
+        for parts, low in buckets:
             for name, g in parts:
-                scope = self.controller.region(name)
-                k = decision.clips.get(scope) if name not in lowbit else None
-                factor = decision.scales.get(scope)
-                if k is not None:
-                    clip_(g, k)
-                if factor is not None:
-                    g.mul_(factor)
-                if k is not None or factor is not None:
+                if decision.apply_(self.controller.region(name), g, name not in low):
                     self.ef.reset(name)  # its residual holds what was held back
                     # (a spike's, ~1000x: docs/health.md, "Error feedback leaked ...")
 
@@ -826,7 +817,7 @@ class FabricState:
     def _clear_step_stats(self) -> None:
         """Forget the step's statistics: norms, agreement sums, the buckets it priced."""
         self._grad_norms, self._update_norms, self._step_stats, self._step_keys = [], [], {}, []
-        self._step_refused, self._step_lowbit_names = set(), set()
+        self._step_refused = set()
 
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's
@@ -835,7 +826,7 @@ class FabricState:
         pending, self._pending, self._inflight, self._issued = self._pending, [], None, []
         self._clear_step_stats()
         self._bucket_times = []
-        for f in [p for p, _, _ in pending] + [fut]:
+        for f in [p for p, *_ in pending] + [fut]:
             if not f.done():
                 f.set_exception(exc)
 
@@ -859,10 +850,10 @@ def _backward_witness(loss: torch.Tensor) -> Any:
     return node
 
 
-def _slices(buffer: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
-    """A bucket's views, one per parameter of `numels` elements, in order."""
-    offsets = itertools.accumulate(numels, initial=0)
-    return [buffer[o:o + n] for o, n in zip(offsets, numels, strict=False)]
+def _views(buffer: torch.Tensor, numels: Sequence[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """A bucket's parameters' offsets and views (`numels` elements each), in order."""
+    offsets = list(itertools.accumulate(numels[:-1], initial=0)) if numels else []
+    return offsets, [buffer[o:o + n] for o, n in zip(offsets, numels, strict=True)]
 
 
 def _future(buffer: torch.Tensor) -> torch.futures.Future:
