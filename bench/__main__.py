@@ -17,6 +17,7 @@ QUICK = [
     ("routes: one route's reduce / the fp32 all-reduce of 9.4M elements, W=2 (goal sign <= 0.35, int8 <= 0.6)", [sys.executable, "-m", "bench.reduce_path", "--world-sizes", "2"]),
     ("collectives: gloo's all-gathers vs the fabric's posted sends, 9.4M x 2 B gathered", [sys.executable, "-m", "bench.collectives", "--world-sizes", "2"]),
     ("calibration: simulated 4 workers vs real 4-rank DDP (goal <= 0.5x)", [sys.executable, "-m", "bench.calibrate_sim_vs_ddp"]),
+    ("health: a ramp's element clip on a 47M-parameter update / the model's compute, and / the first formula", [sys.executable, "-m", "bench.ramp_cost"]),
     ("checkpoints: host memory of the fabric state per rank, gathered to all / to rank 0 / per rank", [sys.executable, "-m", "bench.checkpoint_memory"]),
 ]
 LONG = [

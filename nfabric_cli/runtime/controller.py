@@ -93,11 +93,30 @@ class StepDecision:
         k = self.clips.get(scope) if full else None
         factor = self.scales.get(scope)
         if k is not None:
-            bound = update.abs().mean() * k
-            update.clamp_(min=-bound, max=bound)
+            bound = mean_abs(update) * k
+            update.clamp_min_(-bound).clamp_max_(bound)  # (clamp_ with tensor ends: 1.5x slower)
         if factor is not None:
             update.mul_(factor)
         return k is not None or factor is not None
+
+
+#: `mean_abs`'s chunk on CPU (elements): a reused buffer that stays in cache
+ABS_CHUNK = 1 << 16
+
+
+def mean_abs(x: torch.Tensor) -> torch.Tensor:
+    """Mean |x| as a 0-d float32 tensor on x's device, no host read. On CPU in chunks through
+    one small buffer: ``x.abs()`` allocates (and faults in) a full-size temporary; with it, and
+    ``clamp_`` with tensor ends, a ramp's clip took 2.3x as long on a 47M-parameter model
+    (`bench.ramp_cost`: 198 against 85 ms, 0.73x against 0.30x the model's compute)."""
+    flat = x.reshape(-1)
+    if x.device.type != "cpu" or flat.numel() <= ABS_CHUNK:
+        return flat.abs().sum(dtype=torch.float32) / max(flat.numel(), 1)
+    buf = torch.empty(ABS_CHUNK, dtype=x.dtype)
+    total = torch.zeros((), dtype=torch.float32)
+    for part in flat.split(ABS_CHUNK):
+        total += torch.abs(part, out=buf[: part.numel()]).sum(dtype=torch.float32)
+    return total / flat.numel()
 
 
 def check_options(monitor: Any, gate: Any, nonfinite: Any) -> None:

@@ -7,13 +7,14 @@ import math
 import statistics
 
 import pytest
+import torch
 from torch import nn
 
 from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.profile.thresholds import HealthThresholds
-from nfabric_cli.runtime.controller import StepController
+from nfabric_cli.runtime.controller import ABS_CHUNK, StepController, StepDecision, mean_abs
 from nfabric_cli.runtime.guard import UpdateGuard
 from nfabric_cli.runtime.health import HealthMonitor, StepStats
 
@@ -542,3 +543,25 @@ def test_ramp_clip_is_validated_and_zero_or_the_guard_off_clips_nothing():
     assert old._ramps["*"][4:] == [False, True]  # no clip; its cap logged already
     d = old.direct(10, True, {n: 5.0 for n in old.bindings.params})
     assert d.clips == {} and d.scales["*"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_clip_bounds_each_element_by_k_times_the_mean_absolute_update(dtype: torch.dtype):
+    # past one chunk, so the CPU path sums through its small buffer
+    g = torch.Generator().manual_seed(0)
+    update = (torch.randn(ABS_CHUNK * 3 + 17, generator=g) ** 3).to(dtype)
+    expected = update.double().abs().mean()
+    assert math.isclose(float(mean_abs(update)), float(expected), rel_tol=1e-5)
+    assert float(mean_abs(update[:5])) == pytest.approx(float(update[:5].double().abs().mean()),
+                                                        rel=1e-2)
+    assert float(mean_abs(torch.empty(0))) == 0.0
+    bound = float(mean_abs(update)) * 3
+    reference = update.clone().clamp_(-bound, bound)
+    clipped, kept = update.clone(), update.clone()
+    d = StepDecision(False, {"body": 0.5}, {"body": 3.0})
+    assert d.apply_("body", clipped, True) and d.apply_("body", kept, False)
+    assert clipped.dtype == dtype
+    assert torch.equal(clipped, (reference * 0.5).to(dtype))  # clipped, then scaled
+    assert torch.equal(kept, update * 0.5)  # sent low-bit: scaled, not clipped
+    assert (update.abs() > bound).sum() > 100  # there was something to clip
+    assert not StepDecision(False).apply_("body", update.clone(), True)
