@@ -766,12 +766,19 @@ class FabricState:
     def _scale(self, buckets: list[tuple[list[tuple[str, torch.Tensor]], frozenset[str]]],
                decision: StepDecision) -> None:
         """Clip and scale each (name, reduced slice) of the step's buckets as `decision` says,
-        each bucket with the names it sent low-bit (`StepDecision.apply_`)."""
+        each bucket with the names it sent low-bit (`StepDecision.apply_`). A ramp's clip is
+        the switch's cost, not the path's: its time is left out of a measured gate's probe
+        period (on a 47M-parameter model it was 0.3x the step's compute, `bench.ramp_cost`,
+        and every fp32 probe step clips), so a close call is not tilted towards low-bit. The
+        host's time: on a GPU the clip's kernels may still run into the period."""
+        started = time.perf_counter() if decision.clips else None
         for parts, low in buckets:
             for name, g in parts:
                 if decision.apply_(self.controller.region(name), g, name not in low):
                     self.ef.reset(name)  # its residual holds what was held back
                     # (a spike's, ~1000x: docs/health.md, "Error feedback leaked ...")
+        if started is not None and self._timing is not None:  # (the step's period is timed)
+            self._period_start += time.perf_counter() - started
 
     def _neutralise(self, buffers: list[torch.Tensor]) -> None:
         """A skipped (non-finite) step's results, on every rank alike: zeroed, or for a loss

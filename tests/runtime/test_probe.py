@@ -15,6 +15,7 @@ from nfabric_cli.binding import compile_profile, static_profile
 from nfabric_cli.errors import InputError
 from nfabric_cli.profile.phases import Phase
 from nfabric_cli.runtime.attach import attach_with
+from nfabric_cli.runtime.controller import StepDecision
 from nfabric_cli.runtime.gate import CapacityGate
 from nfabric_cli.runtime.inject import Injection
 from nfabric_cli.runtime.probe import FP32, LOWBIT, PROBE_ON, WARMUP, MeasuredAdmission, ProbeStep
@@ -481,3 +482,32 @@ def test_a_block_starts_at_a_round_and_its_steps_run_on() -> None:
         # holds a round's second
         assert len(times[LOWBIT]) == len(times[FP32]) == 1 and not times[WARMUP]
         assert max(times[LOWBIT] + times[FP32]) < 0.5, times
+
+
+def _clipping_slowly(rank: int, world: int) -> dict:
+    """`_probe_periods` where every clipped parameter takes a tenth of a second more."""
+    apply_ = StepDecision.apply_
+    clipped: list[int] = []
+
+    def slow(self, scope, update, full):  # noqa: ANN001, ANN202
+        if full and scope in self.clips:
+            clipped.append(1)
+            time.sleep(0.1)
+        return apply_(self, scope, update, full)
+
+    StepDecision.apply_ = slow
+    try:
+        times = _probe_periods(rank, world)
+    finally:
+        StepDecision.apply_ = apply_
+    return {**times, "clipped": len(clipped)}
+
+
+def test_a_ramps_clip_is_left_out_of_the_probes_fp32_periods() -> None:
+    """Every fp32 probe step after a low-bit one opens a ramp that clips (docs/health.md, "The
+    gate's switches ramp"): the switch's cost, not the fp32 path's, so the period leaves it
+    out (else a close call leans towards low-bit: 0.3x a 47M-parameter model's compute)."""
+    for times in run_ranks(_clipping_slowly, 2):
+        assert times["clipped"] >= 3 * 2  # parameters of the fp32 steps 2, 4 and 6
+        assert len(times[FP32]) == 3
+        assert max(times[WARMUP] + times[LOWBIT] + times[FP32]) < 0.5, times
