@@ -9,6 +9,7 @@ both a cost to the run and a bias against fp32 in a close call.
 On issue 16's model (5 x Linear(3072, 3072), 47.2M parameters, one intra-op thread), each
 round times, interleaved: `clip` (every parameter clipped as a ramped step does, the code in
 use), `clip-abs` (the first formula: ``abs().mean()`` and ``clamp_`` with tensor ends),
+`clip-bf16` (the code in use on the same updates in bfloat16, a bf16 bucket's),
 `norms` (the update norms a guarded step reads anyway), `copy` (one read and write pass over
 the update: the memory reference) and `compute` (the model's forward, backward and SGD step
 on a batch of 8: the step's floor). Ratios are medians over rounds of the same round's
@@ -30,7 +31,7 @@ from torch import nn
 from nfabric_cli.runtime.controller import StepDecision
 
 RATIOS = (("clip", "clip-abs"), ("clip", "copy"), ("clip", "compute"), ("clip-abs", "compute"),
-          ("norms", "compute"))
+          ("clip-bf16", "compute"), ("norms", "compute"))
 
 
 def _timed(fn) -> float:  # noqa: ANN001
@@ -45,11 +46,16 @@ def run(width: int = 3072, layers: int = 5, rounds: int = 9) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = torch.randn(8, width), torch.randn(8, width)
     updates = [torch.randn_like(p) for p in model.parameters()]
+    halves = [u.bfloat16() for u in updates]  # a bf16 bucket's updates
     spare = [torch.empty_like(u) for u in updates]
     decision = StepDecision(False, {}, {"s": 3.0})
 
     def clip() -> None:
         for u in updates:
+            decision.apply_("s", u, True)
+
+    def clip_bf16() -> None:
+        for u in halves:
             decision.apply_("s", u, True)
 
     def clip_abs() -> None:
@@ -69,7 +75,7 @@ def run(width: int = 3072, layers: int = 5, rounds: int = 9) -> dict:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
-    arms = {"clip": clip, "clip-abs": clip_abs, "norms": norms, "copy": copy, "compute": compute}
+    arms = {"clip": clip, "clip-abs": clip_abs, "clip-bf16": clip_bf16, "norms": norms, "copy": copy, "compute": compute}
     for fn in arms.values():  # warm: allocations, the first backward
         fn()
     times: dict[str, list[float]] = {a: [] for a in arms}

@@ -100,23 +100,30 @@ class StepDecision:
         return k is not None or factor is not None
 
 
-#: `mean_abs`'s chunk on CPU (elements): a reused buffer that stays in cache
-ABS_CHUNK = 1 << 16
+#: `mean_abs`'s chunk on CPU (elements): a reused float32 buffer that stays in cache, and
+#: no larger than ATen's parallel grain (32768), so each chunk's sum is serial: the same bits
+#: at any intra-op thread count (the hook's, the simulator's one)
+ABS_CHUNK = 1 << 15
 
 
 def mean_abs(x: torch.Tensor) -> torch.Tensor:
     """Mean |x| as a 0-d float32 tensor on x's device, no host read. On CPU in chunks through
-    one small buffer: ``x.abs()`` allocates (and faults in) a full-size temporary; with it, and
-    ``clamp_`` with tensor ends, a ramp's clip took 2.3x as long on a 47M-parameter model
-    (`bench.ramp_cost`: 198 against 85 ms, 0.73x against 0.30x the model's compute)."""
+    one small float32 buffer (a half-precision update summed in float32 too): ``x.abs()``
+    allocates (and faults in) a full-size temporary; with it, and ``clamp_`` with tensor ends,
+    a ramp's clip took 2-3x as long on a 47M-parameter model (`bench.ramp_cost`)."""
     flat = x.reshape(-1)
-    if x.device.type != "cpu" or flat.numel() <= ABS_CHUNK:
+    if x.device.type != "cpu":
         return flat.abs().sum(dtype=torch.float32) / max(flat.numel(), 1)
-    buf = torch.empty(ABS_CHUNK, dtype=x.dtype)
-    total = torch.zeros((), dtype=torch.float32)
+    buf = torch.empty(min(flat.numel(), ABS_CHUNK), dtype=torch.float32, device=x.device)
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
     for part in flat.split(ABS_CHUNK):
-        total += torch.abs(part, out=buf[: part.numel()]).sum(dtype=torch.float32)
-    return total / flat.numel()
+        chunk = buf[: part.numel()]
+        if part.dtype == torch.float32:
+            torch.abs(part, out=chunk)
+        else:  # (abs cannot write a half tensor's result to a float32 one)
+            chunk.copy_(part).abs_()
+        total += chunk.sum()
+    return total / max(flat.numel(), 1)
 
 
 def check_options(monitor: Any, gate: Any, nonfinite: Any) -> None:

@@ -767,10 +767,11 @@ class FabricState:
                decision: StepDecision) -> None:
         """Clip and scale each (name, reduced slice) of the step's buckets as `decision` says,
         each bucket with the names it sent low-bit (`StepDecision.apply_`). A ramp's clip is
-        the switch's cost, not the path's: its time is left out of a measured gate's probe
-        period (on a 47M-parameter model it was 0.3x the step's compute, `bench.ramp_cost`,
-        and every fp32 probe step clips), so a close call is not tilted towards low-bit. The
-        host's time: on a GPU the clip's kernels may still run into the period."""
+        the switch's cost, not the path's: the time of a clipping step's clip-and-scale pass
+        is left out of a measured gate's probe period (the clip was 0.3x a 47M-parameter
+        model's compute, `bench.ramp_cost`, and every fp32 probe step after a low-bit one
+        clips), so a close call is not tilted towards low-bit. The host's time: on a GPU the
+        clip's kernels may still run into the period."""
         started = time.perf_counter() if decision.clips else None
         for parts, low in buckets:
             for name, g in parts:
