@@ -432,14 +432,14 @@ class _NeverDecides(MeasuredAdmission):
 
 
 def _probe_periods(rank: int, world: int, probe: MeasuredAdmission | None = None,
-                   steps: int = 9) -> dict:
+                   steps: int = 9, round_s: float = 1.0) -> dict:
     _, ddp, state = _measured(world, steps)
     probe = state.gate.measured = probe or _NeverDecides(steps=10, recheck_every=100, warmup=1)
     rounds, probe_round = [], state._probe_round
 
     def slow_round(times: tuple[float, float]) -> tuple[float, float]:
         rounds.append((state.step, times != (0.0, 0.0)))
-        time.sleep(1.0)  # a barrier can take this long when one rank arrives late
+        time.sleep(round_s)  # a barrier can take this long when one rank arrives late
         return probe_round(times)
 
     state._probe_round = slow_round
@@ -497,7 +497,7 @@ def _clipping_slowly(rank: int, world: int) -> dict:
 
     StepDecision.apply_ = slow
     try:
-        times = _probe_periods(rank, world)
+        times = _probe_periods(rank, world, round_s=0.0)
     finally:
         StepDecision.apply_ = apply_
     return {**times, "clipped": len(clipped)}
