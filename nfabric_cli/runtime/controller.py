@@ -111,9 +111,9 @@ def mean_abs(x: torch.Tensor) -> torch.Tensor:
     one small float32 buffer (a half-precision update summed in float32 too): ``x.abs()``
     allocates (and faults in) a full-size temporary; with it, and ``clamp_`` with tensor ends,
     a ramp's clip took 2-3x as long on a 47M-parameter model (`bench.ramp_cost`)."""
-    flat = x.reshape(-1)
+    flat, n = x.reshape(-1), max(x.numel(), 1)
     if x.device.type != "cpu":
-        return flat.abs().sum(dtype=torch.float32) / max(flat.numel(), 1)
+        return flat.abs().sum(dtype=torch.float32) / n
     buf = torch.empty(min(flat.numel(), ABS_CHUNK), dtype=torch.float32, device=x.device)
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for part in flat.split(ABS_CHUNK):
@@ -123,7 +123,7 @@ def mean_abs(x: torch.Tensor) -> torch.Tensor:
         else:  # (abs cannot write a half tensor's result to a float32 one)
             chunk.copy_(part).abs_()
         total += chunk.sum()
-    return total / max(flat.numel(), 1)
+    return total / n
 
 
 def check_options(monitor: Any, gate: Any, nonfinite: Any) -> None:

@@ -89,8 +89,9 @@ The steps a probe or a decision sends on fp32 after low-bit ones are ramped, and
 (`StepController.refused`): on a model trained on `sign`, 4-step fp32 blocks tripped the
 monitor on the step after a block in 7 of 10 seeds (vision.v13, the probe blocks simulated)
 until each element of those updates was clipped (docs/health.md, "The gate's switches ramp").
-A ramp's norms and clip add a few passes over the update to an fp32 step's period, slightly
-against fp32 in a close call.
+The clip's time is left out of the step's period (`FabricState._scale`: 0.3x a 47M-parameter
+model's compute, `bench.ramp_cost`); the update norms a ramped plain-DDP step reads stay in it
+(they share its finiteness check's host read), slightly against fp32 in a close call.
 
 Opt-in, not the default: a decision from wall-clock times differs from run to run, so
 calibration cannot predict it and one seed no longer fixes a run (`validate` and the
