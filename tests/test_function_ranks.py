@@ -17,6 +17,8 @@ KERNELS = "nfabric_cli.routes.kernels"  # (imported in the ranks only: see `_whe
 
 def _where(rank: int, world: int) -> dict:
     preloaded = KERNELS in sys.modules  # this module does not import it: the fork server did
+    # what torch's optimizers import when the first is built (~1.5 s a rank, `preload.py`)
+    dynamo = "torch._dynamo" in sys.modules
     from threadpoolctl import threadpool_info
 
     from nfabric_cli.routes import kernels
@@ -25,7 +27,7 @@ def _where(rank: int, world: int) -> dict:
     torch.distributed.all_reduce(t)
     return {"env": os.environ.get("NFABRIC_TEST_MARK"), "cwd": os.getcwd(), "sum": t,
             "threads": torch.get_num_threads(), "kernels": kernels.status(), "preloaded": preloaded,
-            "pools": sorted({p["num_threads"] for p in threadpool_info()})}
+            "dynamo": dynamo, "pools": sorted({p["num_threads"] for p in threadpool_info()})}
 
 
 def test_ranks_take_the_callers_environment_and_directory_at_each_call(
@@ -45,6 +47,7 @@ def test_ranks_take_the_callers_environment_and_directory_at_each_call(
     # imported in the fork server, the native kernels still follow the caller's setting
     assert [(r["preloaded"], r["kernels"]) for r in results] == [
         (True, f"torch fallback: {DISABLE_ENV}=1")] * 2
+    assert [r["dynamo"] for r in results] == [True, True]
 
 
 def test_ranks_run_the_preloaded_thread_pools_on_one_thread() -> None:
