@@ -385,7 +385,10 @@ class StepController:
         """Per scope whose ramp clips (to a full-precision wire), this step's multiple: the
         `ramp_clip` threshold, doubling every half window from the ramp's first step; none
         past 2^20 x it (a ramp the norm cap keeps open that long clips nothing any more, and
-        the multiple would overflow)."""
+        the multiple would overflow). None while `ramp_clip` or the guard is off now: a ramp
+        restored from a run that clipped, resumed with either at 0, would clip to 0 x |update|."""
+        if not self._clipping():
+            return {}
         t = self.monitor.thresholds
         doublings = {s: 2 * (step - r[0]) / t.window for s, r in self._ramps.items() if r[4]}
         return {s: t.ramp_clip * 2 ** d for s, d in doublings.items() if d <= 20}
@@ -442,16 +445,25 @@ class StepController:
         routes, and each scope whose route changes opens a ramp (replacing an open one)."""
         old, self.phase = old or getattr(self, "phase", phase), phase
         if old.name != phase.name and self.acting:
-            changes: dict[str, tuple[str, bool]] = {}  # per scope: its (last) change, to full?
+            # The scopes the last step sent low-bit (`refused`; None before any step). One the
+            # capacity gate sent on fp32, or the monitor held, changes no wire at a low-bit ->
+            # fp32 boundary: it does not clip, and a ramp open on it (the gate's switch to
+            # fp32) goes on as it was, where a new one would restart its clip's doubling.
+            sent = None if self._wire is None else self._wire[0] - self._wire[1]
+            # per scope: its (last) change, to a full-precision wire?, its wire unchanged?
+            changes: dict[str, tuple[str, bool, bool]] = {}
             for b in self.bindings.params.values():
                 was, now = b.routes[old.name], b.routes[phase.name]
                 if was != now:
                     scope = b.regions[phase.name]
-                    full = was.lowbit and not now.lowbit or changes.get(scope, ("", False))[1]
+                    _, full, kept = changes.get(scope, ("", False, True))
+                    to_fp32 = was.lowbit and not now.lowbit
+                    unwired = to_fp32 and sent is not None and b.regions[old.name] not in sent
                     changes[scope] = (f"phase {phase.name!r}: {was.label()} -> {now.label()}",
-                                      full)
-            for scope, (change, full) in changes.items():
-                self._open_ramp(scope, step, change, full)
+                                      full or to_fp32 and not unwired, kept and unwired)
+            for scope, (change, full, kept) in changes.items():
+                if not (kept and scope in self._ramps):
+                    self._open_ramp(scope, step, change, full)
         routes = {b.regions[phase.name]: b.routes[phase.name].name for b in self.bindings.params.values()}
         self.monitor.set_routes(routes)
         for ev in self.monitor.on_phase_change(phase.name, step):
@@ -496,8 +508,10 @@ class StepController:
             self._holding = set(sd["holding"])
         # (states saved before ramps: none open)
         # (ramps saved before clips: [began, change, steps, fits], none clipping)
+        # A run whose monitor does not act opens none and would never close a restored one
+        # (it would keep an all-fp32 phase off plain DDP's path): dropped
         self._ramps = {s: [*r[:4], *(r[4:] or [False, r[2] > 0])]
-                       for s, r in sd.get("ramps", {}).items()}
+                       for s, r in sd.get("ramps", {}).items()} if self.acting else {}
         wire = sd.get("wire")  # (states saved before it: the next step opens no gate ramp)
         self._wire = None if wire is None else (frozenset(wire[0]), frozenset(wire[1]))
         # (states saved before it: the first step resumed prices its buckets again)

@@ -371,7 +371,8 @@ def test_steps_the_model_gate_refuses_are_plain_and_the_rule_survives_a_checkpoi
     assert not again.gated_off()
 
 
-def _phased(first: str, then: str, monitor: bool = True) -> tuple[StepController, list[dict]]:
+def _phased(first: str, then: str, monitor: bool = True,
+            **health) -> tuple[StepController, list[dict]]:
     """Steps 0-9 on route `first`, 10-19 on `then` (20 steps, every parameter alike)."""
     import dataclasses
 
@@ -383,7 +384,7 @@ def _phased(first: str, then: str, monitor: bool = True) -> tuple[StepController
     rows = [dataclasses.replace(r, route=then) if r.phase == "late" else r for r in profile.rows]
     bindings = compile_profile(OperatingProfile(rows, profile.meta), model, world_size=2,
                                total_steps=20)
-    bindings.meta["health"] = {**HEALTH, "update_cap": 2.0}
+    bindings.meta["health"] = {**HEALTH, "update_cap": 2.0, **health}
     log: list[dict] = []
     return StepController(bindings, 20, 2, log.append, monitor=monitor), log
 
@@ -458,6 +459,51 @@ def test_a_route_change_that_keeps_the_magnitude_closes_its_ramp_at_once_and_res
     shorter.load_state_dict(json.loads(json.dumps(early.state_dict())))
     assert shorter.phase.name == "late" and not shorter.plain
     assert step(shorter, 1.0, 10.0, 10.0).scales == {"*": pytest.approx(0.2)}
+
+
+def test_a_restored_ramp_follows_the_resumed_runs_clip_and_monitor():
+    """A ramp saved while it clips, resumed with `ramp_clip` 0 or the guard off, clips nothing
+    (it once clipped to 0 x the mean |update|: every element zeroed; the guard off, it clipped
+    on); resumed with the monitor off it is dropped: the fp32 phase is plain DDP's at once
+    (a ramp only the monitor closes kept it off that path for good)."""
+    a, _ = _phased("sign", "fp32")
+    for _ in range(10):
+        step(a, 1.0, 1.0, 1.0)
+    assert step(a, 1.0, 10.0, 10.0).clips == {"*": pytest.approx(3.0)}
+    saved = json.loads(json.dumps(a.state_dict()))
+    for health, held in (({"ramp_clip": 0.0}, True), ({"update_cap": 0.0}, False)):
+        b, _ = _phased("sign", "fp32", **health)
+        b.load_state_dict(saved)
+        d = step(b, 1.0, 10.0, 10.0)
+        assert d.clips == {} and (d.scales != {}) == held
+    off, off_log = _phased("sign", "fp32", monitor=False)
+    off.load_state_dict(saved)
+    assert off.plain and not off._ramps and not off.guarding
+    d = step(off, 1.0, 10.0, 10.0)
+    assert (d.scales, d.clips, off_log) == ({}, {}, [])
+
+
+def test_a_boundary_to_fp32_clips_only_a_scope_the_last_step_sent_low_bit():
+    """At a sign -> fp32 boundary, a scope the capacity gate already sends on fp32 changes no
+    wire: the clipping ramp its switch to fp32 opened goes on as it was (its multiple
+    doubling from that switch), not replaced by one that starts the clip again; with no ramp
+    open, the boundary's ramp holds the norm and clips nothing. Sent low-bit up to the
+    boundary, the scope clips from it (the first test)."""
+    c, log = _phased("sign", "fp32")
+    for lowbit in [True] * 8 + [False] * 2:  # the gate sends steps 8 and 9 on fp32
+        _gate_step(c, lowbit, 1.0 if lowbit else 10.0)
+    assert c.phase.name == "late" and c._ramps["*"][0] == 8
+    d = step(c, 1.0, 10.0, 10.0)  # step 10: the switch's third clipped step
+    assert d.clips == {"*": pytest.approx(3.0 * 2 ** (2 / 4))}
+    assert [(e["step"], e["from"], e["to"]) for e in log] == [(8, "update", "ramped")]
+    quiet, quiet_log = _phased("sign", "fp32", window=2, min_history=2)
+    for lowbit in [True] * 8 + [False] * 2:  # a window of 2: the switch's ramp closed at 9
+        _gate_step(quiet, lowbit, 1.0)
+    assert [(e["step"], e["from"], e["to"]) for e in quiet_log] == [
+        (8, "update", "ramped"), (9, "ramped", "update")]
+    assert quiet._ramps["*"][0] == 10 and quiet._ramps["*"][4] is False  # (no clip)
+    d = step(quiet, 1.0, 1.0, 1.0)
+    assert (d.scales, d.clips, quiet._ramps) == ({}, {}, {})  # fits: closed at once
 
 
 def _gate_step(c: StepController, lowbit: bool, update: float):
