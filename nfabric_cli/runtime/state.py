@@ -18,6 +18,7 @@ update, then complete the step's futures and advance the phase.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import numbers
@@ -458,15 +459,18 @@ class FabricState:
         an earlier bucket of a step with nothing low-bit (`submit`): the worker has none."""
         queued, self._queued = (None, None) if inline else (self._queued, None)
         failed = queued.exception() if queued is not None else None  # waits for it
-        if failed is not None:  # (its done-callback may not have run yet: idempotent)
-            self._fail_pending(failed, args[-1])
-            return
-        try:
-            self._reduce_bucket(*args, inline)
-        except BaseException as exc:  # handed to DDP's futures, as the worker's are
-            self._fail_pending(exc, args[-1])
-            if not isinstance(exc, Exception):  # Ctrl-C on DDP's thread: still stop the run
-                raise
+        if failed is None:
+            try:
+                self._reduce_bucket(*args, inline)
+                return
+            except BaseException as exc:  # handed to DDP's futures, as the worker's are
+                failed = exc
+                if not isinstance(exc, Exception):  # Ctrl-C on DDP's thread: still stop the run
+                    self._fail_pending(exc, args[-1])
+                    raise
+        self._fail_pending(failed, args[-1])  # (a worker's: its callback may not have run yet)
+        if not inline:  # the step's last bucket: the failed step is over, not counted, and a
+            self._step_started = None  # run that catches the error starts its next as a step
 
     def _plain_direct(self) -> bool:
         """Whether this step is a plain phase's sent by `_fp32_direct` (not traced)."""
@@ -829,9 +833,15 @@ class FabricState:
 
     def _fail_pending(self, exc: BaseException, fut: torch.futures.Future) -> None:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's
-        statistics so that a run that catches the error starts its next step clean."""
+        statistics so that a run that catches the error starts its next step clean. The
+        buckets still on the wire are landed first (their results dropped with the step): left
+        in flight, a later step's collectives met theirs and a run that went on hung."""
         self._failed = True
+        abandoned = [j for j in (self._inflight, *self._issued) if j is not None]
         pending, self._pending, self._inflight, self._issued = self._pending, [], None, []
+        for job in abandoned:
+            with contextlib.suppress(Exception):  # (what failed is `exc`'s to say)
+                job.finish()
         self._clear_step_stats()
         self._bucket_times = []
         for f in [p for p, *_ in pending] + [fut]:

@@ -139,6 +139,7 @@ def _failure_worker(rank: int, world: int, which: str) -> str:
     def failing_close(step: int) -> None:  # after the step's last reduce, before DDP resumes
         raise RuntimeError("closing the step broke")
 
+    advance = state.controller.advance
     if which == "close":
         state.controller.advance = failing_close
     else:
@@ -149,13 +150,24 @@ def _failure_worker(rank: int, world: int, which: str) -> str:
     watchdog.daemon = True
     watchdog.start()
     try:
+        try:
+            F.cross_entropy(ddp(x), y).backward()
+        except RuntimeError as exc:
+            failed = f"{len(seen)} buckets: {exc}"
+        else:
+            return "no error"
+        if which == "close":  # (the monitor judged the step its close then failed to count)
+            return failed
+        # a run that catches it and trains on: the next step starts as a step (its first
+        # bucket decides the step's path), not as the rest of the failed one
+        left_open, at = state._step_started is not None, state.step
+        state._reduce_bucket, state.controller.advance = reduce_bucket, advance
+        ddp.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
-    except RuntimeError as exc:
-        return f"{len(seen)} buckets: {exc}"
+        return f"{failed}; left open {left_open}; then steps {at} -> {state.step}"
     finally:
         watchdog.cancel()
         state.close()
-    return "no error"
 
 
 def test_a_failing_bucket_surfaces_in_backward_on_every_rank(two_ranks: list[dict]) -> None:
@@ -164,6 +176,10 @@ def test_a_failing_bucket_surfaces_in_backward_on_every_rank(two_ranks: list[dic
         assert "first bucket broke" in first
         assert "last bucket broke" in last
         assert int(last.split()[0]) >= 3  # the buckets before it ran on the worker
+        # caught, the run trains on: a failed last bucket's step is over and not counted
+        # (the next is step 1 again); a failed first bucket's step was closed by its last
+        assert first.endswith("left open False; then steps 2 -> 3")
+        assert last.endswith("left open False; then steps 1 -> 2")
         assert "closing the step broke" in close  # every bucket's future failed, none left
 
 
