@@ -338,7 +338,10 @@ class FabricState:
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Restore a `state_dict()` (after `attach`, before the resumed run's first step); at
-        the same world size the resumed run is bit-identical to an uninterrupted one. Refuses,
+        the same world size the resumed run is bit-identical to an uninterrupted one, except
+        under the measured gate (`gate="measure"`), whose decisions follow wall-clock times
+        and which resumes its probe at the last whole sample (the period in progress and a
+        block's partial steps are not saved). Refuses,
         with one line, a state from other bindings, and (strict) one from another world size
         or without this rank's part; `strict=False` resumes those without this rank's
         residuals, with a warning (`runtime/checkpoint.py`)."""
