@@ -340,8 +340,8 @@ class FabricState:
         """Restore a `state_dict()` (after `attach`, before the resumed run's first step); at
         the same world size the resumed run is bit-identical to an uninterrupted one, except
         under the measured gate (`gate="measure"`), whose decisions follow wall-clock times
-        and which resumes its probe at the last whole sample (the period in progress and a
-        block's partial steps are not saved). Refuses,
+        and whose probe does not save the period in progress, a block's steps so far or the
+        fp32 time a phase's first cycle carries over (`probe.py`). Refuses,
         with one line, a state from other bindings, and (strict) one from another world size
         or without this rank's part; `strict=False` resumes those without this rank's
         residuals, with a warning (`runtime/checkpoint.py`)."""
