@@ -5,7 +5,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
-# test processes: two fill two cores (2026-12-07: 509 s with two; three saturated them too)
+# test processes: two fill two cores (2026-12-07: 509 s with two; three saturated them too;
+# 2026-12-08, torch._dynamo preloaded for the ranks: 394 s)
 TEST_JOBS ?= 2
 
 .PHONY: demo test bench lint venv clean
