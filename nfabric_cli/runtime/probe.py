@@ -186,6 +186,13 @@ class MeasuredAdmission:
         c.start, c.times, c.decision, c.reason = c.seen, _no_times(), None, ""
         c.blocks_from, c.block = (self.warmup if c.close_calls else None), []
 
+    def probing(self, phase: str) -> bool:
+        """Whether `phase`'s next step would be a probe's (no decision yet, or its re-check
+        due): a step the caller cannot time as the path it names waits instead (`FabricState`
+        while the monitor holds every low-bit scope), leaving the cycle where it is."""
+        c = self._cycles.get(phase)
+        return c is None or c.decision is None or c.seen - c.decided_at >= self._recheck(c)
+
     def path(self, phase: str) -> ProbeStep:
         """This step's path and how it is timed (one call per step of the phase)."""
         c = self._cycles.get(phase)

@@ -515,6 +515,12 @@ class FabricState:
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
             return LOWBIT_PATH
         cycle = self._probe_cycle[phase]
+        if self.controller.all_held() and probe.probing(cycle):
+            # The monitor holds every low-bit scope: a "low-bit" step would time the held path
+            # (fp32 and the statistics round), not low-bit's, and decide between two fp32s.
+            # The probe waits, its position and samples as they were; holds are agreed, so
+            # every rank waits alike.
+            return LOWBIT_PATH
         due = probe.due(cycle)
         if due is not None:
             low, full = self._probe_round(due)

@@ -406,6 +406,36 @@ def test_a_nan_on_a_plain_ddp_step_of_a_lowbit_phase_is_neutralised() -> None:
     assert all(not torch.equal(a["weights"][i + 1], a["weights"][i]) for i in range(5))
 
 
+def _held_run(rank: int, world: int) -> dict:
+    """`_measured_run`'s gate with the monitor holding every scope for steps 0-4, released
+    from step 5 on: what the probe decided, and when."""
+    from nfabric_cli.benchmarks.runtime import hold_everything
+
+    model, ddp, state = _measured(world, 10)
+    state.gate.measured = probe = _LowBitSlower(steps=2, recheck_every=100, warmup=1)
+    free = state.monitor.state_dict()
+    hold_everything(state)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    train_steps(ddp, opt, state, rank, 0, 5)
+    waiting = probe.probing("main") and not probe._cycles
+    state.monitor.load_state_dict(free)  # the hold ends
+    train_steps(ddp, opt, state, rank, 5, 10)
+    state.close()
+    return {"waiting": waiting, "events": agreed(e for e in state.events
+                                                 if e.get("from") == "probe")}
+
+
+def test_the_probe_waits_while_the_monitor_holds_every_scope() -> None:
+    """Held, a "low-bit" step is the held path (fp32 and the statistics round): timed as
+    low-bit, the gate compared two fp32 paths and kept fp32 at step 3. The probe waits for
+    the hold to end and then runs its cycle, deciding three steps later as the unheld run
+    does at step 3 (`test_every_rank_decides_alike_and_an_fp32_step_is_plain_ddp`)."""
+    a, b = run_ranks(_held_run, 2)
+    assert a == b and a["waiting"]
+    (event,) = a["events"]
+    assert event["step"] == 8 and event["to"] == "fp32"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_all_finite_finds_any_nan_or_infinity_anywhere(dtype: torch.dtype) -> None:
     # the gated-off step's check (`all_finite`: min and max per buffer): every position of a
