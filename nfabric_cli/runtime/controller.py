@@ -187,6 +187,9 @@ class StepController:
         # the last step's scopes routed low-bit (not held) and those of them the gate sent on
         # fp32 (`refused`): a change opens a ramp; None before the first step
         self._wire: tuple[frozenset[str], frozenset[str]] | None = None
+        # whether the last step went out whole on fp32 (plain DDP's path): its scopes routed
+        # low-bit sent nothing low-bit (with some buckets refused, a scope may have sent part)
+        self._wire_whole = False
         # per phase, the gate keys of the buckets with a low-bit route in its profile, as its
         # last step through the hook's worker laid them out
         self._priced: dict[str, tuple[tuple, ...]] = {}
@@ -316,6 +319,7 @@ class StepController:
         routed = self._lowbit_regions[self.phase.name] - self.forced()
         gated = routed if scopes is None else routed & frozenset(scopes)
         last, self._wire = self._wire, (routed, gated)
+        self._wire_whole = scopes is None
         if last is None:
             return
         was_routed, was_gated = last
@@ -385,10 +389,7 @@ class StepController:
         """Per scope whose ramp clips (to a full-precision wire), this step's multiple: the
         `ramp_clip` threshold, doubling every half window from the ramp's first step; none
         past 2^20 x it (a ramp the norm cap keeps open that long clips nothing any more, and
-        the multiple would overflow). None while `ramp_clip` or the guard is off now: a ramp
-        restored from a run that clipped, resumed with either at 0, would clip to 0 x |update|."""
-        if not self._clipping():
-            return {}
+        the multiple would overflow)."""
         t = self.monitor.thresholds
         doublings = {s: 2 * (step - r[0]) / t.window for s, r in self._ramps.items() if r[4]}
         return {s: t.ramp_clip * 2 ** d for s, d in doublings.items() if d <= 20}
@@ -445,11 +446,14 @@ class StepController:
         routes, and each scope whose route changes opens a ramp (replacing an open one)."""
         old, self.phase = old or getattr(self, "phase", phase), phase
         if old.name != phase.name and self.acting:
-            # The scopes the last step sent low-bit (`refused`; None before any step). One the
-            # capacity gate sent on fp32, or the monitor held, changes no wire at a low-bit ->
-            # fp32 boundary: it does not clip, and a ramp open on it (the gate's switch to
-            # fp32) goes on as it was, where a new one would restart its clip's doubling.
-            sent = None if self._wire is None else self._wire[0] - self._wire[1]
+            # The scopes the last step may have sent low-bit (`refused`; None before any
+            # step): routed low-bit, unless the step went out whole on fp32. One the monitor
+            # held, or a step the gate sent as plain DDP's, changes no wire at a low-bit -> fp32
+            # boundary: it does not clip, and a ramp open on it (the gate's switch to fp32)
+            # goes on as it was, where a new one would restart its clip's doubling. (A scope
+            # some of whose buckets the model gate refused counts as sent: it clips.)
+            sent = (None if self._wire is None
+                    else frozenset() if self._wire_whole else self._wire[0])
             # per scope: its (last) change, to a full-precision wire?, its wire unchanged?
             changes: dict[str, tuple[str, bool, bool]] = {}
             for b in self.bindings.params.values():
@@ -495,7 +499,8 @@ class StepController:
                 "guard": self.guard.state_dict(), "held": [list(h) for h in self.held],
                 "holding": sorted(self._holding),
                 "ramps": {s: list(r) for s, r in self._ramps.items()},
-                "wire": None if self._wire is None else [sorted(w) for w in self._wire],
+                "wire": None if self._wire is None else [*(sorted(w) for w in self._wire),
+                                                         self._wire_whole],
                 "priced": {ph: [list(names) for names, _ in keys]
                            for ph, keys in self._priced.items()}}
 
@@ -509,11 +514,16 @@ class StepController:
         # (states saved before ramps: none open)
         # (ramps saved before clips: [began, change, steps, fits], none clipping)
         # A run whose monitor does not act opens none and would never close a restored one
-        # (it would keep an all-fp32 phase off plain DDP's path): dropped
-        self._ramps = {s: [*r[:4], *(r[4:] or [False, r[2] > 0])]
+        # (it would keep an all-fp32 phase off plain DDP's path): dropped. A ramp saved while
+        # it clipped clips on only while `ramp_clip` and the guard are on here (resumed with
+        # `ramp_clip` 0 it clipped each element to 0 x the mean |update|)
+        clipping = self._clipping()
+        self._ramps = {s: [*r[:4], bool(r[4:5] and r[4]) and clipping,
+                           r[5] if len(r) > 5 else r[2] > 0]
                        for s, r in sd.get("ramps", {}).items()} if self.acting else {}
         wire = sd.get("wire")  # (states saved before it: the next step opens no gate ramp)
         self._wire = None if wire is None else (frozenset(wire[0]), frozenset(wire[1]))
+        self._wire_whole = wire is not None and len(wire) > 2 and bool(wire[2])  # (saved since)
         # (states saved before it: the first step resumed prices its buckets again)
         self._priced = {ph: tuple((tuple(names), ph) for names in rows)
                         for ph, rows in sd.get("priced", {}).items()}

@@ -844,10 +844,12 @@ class FabricState:
         """Fail the step's pending futures and `fut` with `exc`, and drop the step's
         statistics so that a run that catches the error starts its next step clean. The
         buckets still on the wire are landed first (their results dropped with the step): left
-        in flight, a later step's collectives met theirs and a run that went on hung."""
+        in flight, a later step's collectives met theirs and a run that went on hung. (Not a
+        bucket that failed while it was being issued: what it sent is left in flight.)"""
         self._failed = True
-        abandoned = [j for j in (self._inflight, *self._issued) if j is not None]
-        pending, self._pending, self._inflight, self._issued = self._pending, [], None, []
+        with self._lock:  # (the worker's done-callback and DDP's thread may both get here)
+            abandoned = [j for j in (self._inflight, *self._issued) if j is not None]
+            pending, self._pending, self._inflight, self._issued = self._pending, [], None, []
         for job in abandoned:
             with contextlib.suppress(Exception):  # (what failed is `exc`'s to say)
                 job.finish()

@@ -474,6 +474,7 @@ def test_a_restored_ramp_follows_the_resumed_runs_clip_and_monitor():
     for health, held in (({"ramp_clip": 0.0}, True), ({"update_cap": 0.0}, False)):
         b, _ = _phased("sign", "fp32", **health)
         b.load_state_dict(saved)
+        assert b._ramps["*"][4] is False  # a norm ramp now: no window of clips to sit out
         d = step(b, 1.0, 10.0, 10.0)
         assert d.clips == {} and (d.scales != {}) == held
     off, off_log = _phased("sign", "fp32", monitor=False)
@@ -484,8 +485,8 @@ def test_a_restored_ramp_follows_the_resumed_runs_clip_and_monitor():
 
 
 def test_a_boundary_to_fp32_clips_only_a_scope_the_last_step_sent_low_bit():
-    """At a sign -> fp32 boundary, a scope the capacity gate already sends on fp32 changes no
-    wire: the clipping ramp its switch to fp32 opened goes on as it was (its multiple
+    """At a sign -> fp32 boundary, a scope the capacity gate already sends on fp32 (the whole
+    step as plain DDP's) changes no wire: the clipping ramp its switch to fp32 opened goes on as it was (its multiple
     doubling from that switch), not replaced by one that starts the clip again; with no ramp
     open, the boundary's ramp holds the norm and clips nothing. Sent low-bit up to the
     boundary, the scope clips from it (the first test)."""
@@ -504,6 +505,15 @@ def test_a_boundary_to_fp32_clips_only_a_scope_the_last_step_sent_low_bit():
     assert quiet._ramps["*"][0] == 10 and quiet._ramps["*"][4] is False  # (no clip)
     d = step(quiet, 1.0, 1.0, 1.0)
     assert (d.scales, d.clips, quiet._ramps) == ({}, {}, {})  # fits: closed at once
+    # some of the scope's buckets refused by a model gate (its regions named, not the whole
+    # step): part of it may have gone low-bit, so the boundary clips, from 3x again
+    part, _ = _phased("sign", "fp32")
+    for s in range(10):
+        part.refused(s, {"*"} if s >= 8 else ())
+        part.decide(s, 1.0, False, {"*": 1.0}, {}, {n: 0.5 for n in part.bindings.params})
+        part.advance(s)
+    assert part._ramps["*"][0] == 10 and step(part, 1.0, 10.0, 10.0).clips == {
+        "*": pytest.approx(3.0)}
 
 
 def _gate_step(c: StepController, lowbit: bool, update: float):
