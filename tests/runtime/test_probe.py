@@ -208,13 +208,18 @@ def test_a_decisive_pair_ends_the_probe_early() -> None:
     """On a slow link one fp32 step is many low-bit ones: one pair decides (2x apart); one
     pair 1.6x apart, within a fast step's jitter, does not."""
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=2)
+    assert m.probing(PHASE)  # (a phase not seen yet: its cycle starts at its first step)
     steps, decided = _cycle(m, low=0.029, fp32=0.233)
     assert steps == [L] * 2 + [L, F]
     assert decided[0] == LOWBIT and "(fastest of 3 low-bit and 1 fp32 steps" in decided[1]
     # 8.0x apart: the next fp32 probe step would cost 7 low-bit steps more, so the decision
     # stands 7x `recheck_every` (see test_a_clear_decision_stands_longer_the_further_apart)
     assert decided[1].endswith("; re-checked in 70 steps")
-    assert [m.path(PHASE) for _ in range(70)] == [KEPT_LOW] * 70
+    kept = []
+    for _ in range(70):
+        kept.append((m.probing(PHASE), m.path(PHASE)))
+    assert kept == [(False, KEPT_LOW)] * 70
+    assert m.probing(PHASE)  # `probing` names the step `path` takes next: the re-check's
     assert m.path(PHASE) == L and m.due(PHASE) is None  # rechecking: warm-up
     m = MeasuredAdmission(steps=4, recheck_every=10, warmup=0)
     steps, decided = _cycle(m, low=0.040, fp32=0.019)  # 2.1x the other way
