@@ -473,7 +473,9 @@ class FabricState:
                     raise
         self._fail_pending(failed, args[-1])  # (a worker's: its callback may not have run yet)
         if not inline:  # the step's last bucket: the failed step is over, not counted, and a
-            self._step_started = None  # run that catches the error starts its next as a step
+            # run that catches the error starts its next as a step; the failed step's period
+            # (which would run on through the caller's recovery) is no sample of its path
+            self._step_started, self._timing = None, None
 
     def _plain_direct(self) -> bool:
         """Whether this step is a plain phase's sent by `_fp32_direct` (not traced)."""

@@ -441,6 +441,43 @@ def test_the_probe_waits_while_the_monitor_holds_every_scope() -> None:
     assert event["step"] == 8 and event["to"] == "fp32"
 
 
+def _failed_probe_run(rank: int, world: int) -> dict:
+    """`_measured_run`'s gate, step 1 (a timed low-bit probe step) failing at its last bucket
+    on every rank; the run catches it, takes 0.5 s to recover and goes on."""
+    model, ddp, state = _measured(world, 6)
+    state.gate.measured = probe = MeasuredAdmission(steps=2, recheck_every=100, warmup=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    train_steps(ddp, opt, state, rank, 0, 1)
+    reduce_bucket = state._reduce_bucket
+
+    def failing(*args):  # noqa: ANN002, ANN202
+        if args[3]:
+            raise RuntimeError("last bucket broke")
+        return reduce_bucket(*args)
+
+    state._reduce_bucket = failing
+    with pytest.raises(RuntimeError, match="last bucket broke"):
+        train_steps(ddp, opt, state, rank, 1, 2)
+    state._reduce_bucket = reduce_bucket
+    time.sleep(0.5)  # the caller's recovery
+    train_steps(ddp, opt, state, rank, 1, 4)
+    (cycle,) = probe._cycles.values()
+    state.close()
+    return {"counts": {k: len(v) for k, v in cycle.times.items()}, "decision": cycle.decision,
+            "step": state.step}
+
+
+def test_a_failed_steps_period_is_no_sample_of_its_path() -> None:
+    """A timed step that fails is over at its last bucket: its period is dropped, not recorded
+    at the next step's first bucket with the caller's recovery in it (0.5 s here, which as a
+    low-bit sample decided fp32 at once against the next fp32 step). Cycle positions: 0 the
+    warm-up, 1 the failed low-bit step, then 2 fp32, 3 low-bit (the pair at 1-2 lacks its
+    low-bit sample: nothing to decide), 4 (not timed yet): one sample of each, undecided."""
+    a, b = run_ranks(_failed_probe_run, 2)
+    for r in (a, b):
+        assert r == {"counts": {WARMUP: 1, LOWBIT: 1, FP32: 1}, "decision": None, "step": 4}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_all_finite_finds_any_nan_or_infinity_anywhere(dtype: torch.dtype) -> None:
     # the gated-off step's check (`all_finite`: min and max per buffer): every position of a
