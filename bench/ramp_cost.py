@@ -76,7 +76,8 @@ def run(width: int = 3072, layers: int = 5, rounds: int = 9) -> dict:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
-    arms = {"clip": clip, "clip-abs": clip_abs, "clip-bf16": clip_bf16, "norms": norms, "copy": copy, "compute": compute}
+    arms = {"clip": clip, "clip-abs": clip_abs, "clip-bf16": clip_bf16, "norms": norms,
+            "copy": copy, "compute": compute}
     for fn in arms.values():  # warm: allocations, the first backward
         fn()
     times: dict[str, list[float]] = {a: [] for a in arms}

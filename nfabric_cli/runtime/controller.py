@@ -518,9 +518,13 @@ class StepController:
         # it clipped clips on only while `ramp_clip` and the guard are on here (resumed with
         # `ramp_clip` 0 it clipped each element to 0 x the mean |update|)
         clipping = self._clipping()
-        self._ramps = {s: [*r[:4], bool(r[4:5] and r[4]) and clipping,
-                           r[5] if len(r) > 5 else r[2] > 0]
-                       for s, r in sd.get("ramps", {}).items()} if self.acting else {}
+
+        def restored(r: list[Any]) -> list[Any]:
+            clips, acted = r[4:] or (False, r[2] > 0)
+            return [*r[:4], bool(clips) and clipping, acted]
+
+        self._ramps = ({s: restored(r) for s, r in sd.get("ramps", {}).items()}
+                       if self.acting else {})
         wire = sd.get("wire")  # (states saved before it: the next step opens no gate ramp)
         self._wire = None if wire is None else (frozenset(wire[0]), frozenset(wire[1]))
         self._wire_whole = wire is not None and len(wire) > 2 and bool(wire[2])  # (saved since)

@@ -186,19 +186,23 @@ class MeasuredAdmission:
         c.start, c.times, c.decision, c.reason = c.seen, _no_times(), None, ""
         c.blocks_from, c.block = (self.warmup if c.close_calls else None), []
 
+    def _rechecking(self, c: _Cycle) -> bool:
+        """Whether a decided cycle's decision has stood its time: the next step re-checks."""
+        return c.decision is not None and c.seen - c.decided_at >= self._recheck(c)
+
     def probing(self, phase: str) -> bool:
         """Whether `phase`'s next step would be a probe's (no decision yet, or its re-check
         due): a step the caller cannot time as the path it names waits instead (`FabricState`
         while the monitor holds every low-bit scope), leaving the cycle where it is."""
         c = self._cycles.get(phase)
-        return c is None or c.decision is None or c.seen - c.decided_at >= self._recheck(c)
+        return c is None or c.decision is None or self._rechecking(c)
 
     def path(self, phase: str) -> ProbeStep:
         """This step's path and how it is timed (one call per step of the phase)."""
         c = self._cycles.get(phase)
         if c is None:
             c = self._cycles[phase] = _Cycle(carried=self._last_fp32)
-        if c.decision is not None and c.seen - c.decided_at >= self._recheck(c):
+        if self._rechecking(c):
             # probe again; after a close call on blocks, pooled with the last check's
             c.prior = {k: c.times[k] for k in (LOWBIT, FP32)} if c.close_calls else {}
             self._restart(c)

@@ -410,8 +410,8 @@ class FabricState:
             found = self._step_witness.reduction()
             if found is not None:  # said at the step's end, after its collectives (`_advance`)
                 self._accumulation_found = found
+            self._held_step = self.controller.all_held()  # (read by `_measured_path` too)
             self._direct_step = self._gated_off()
-            self._held_step = self.controller.all_held()
         # a plain phase (every parameter on fp32: the controller's rule, which the simulator
         # drives too) or a gated-off step takes plain DDP's direct path
         if self._plain_direct() or self._direct_step:
@@ -462,20 +462,20 @@ class FabricState:
         an earlier bucket of a step with nothing low-bit (`submit`): the worker has none."""
         queued, self._queued = (None, None) if inline else (self._queued, None)
         failed = queued.exception() if queued is not None else None  # waits for it
-        if failed is None:
+        own = failed is None
+        if own:
             try:
                 self._reduce_bucket(*args, inline)
                 return
             except BaseException as exc:  # handed to DDP's futures, as the worker's are
                 failed = exc
-                if not isinstance(exc, Exception):  # Ctrl-C on DDP's thread: still stop the run
-                    self._fail_pending(exc, args[-1])
-                    raise
         self._fail_pending(failed, args[-1])  # (a worker's: its callback may not have run yet)
         if not inline:  # the step's last bucket: the failed step is over, not counted, and a
             # run that catches the error starts its next as a step; the failed step's period
             # (which would run on through the caller's recovery) is no sample of its path
             self._step_started, self._timing = None, None
+        if own and not isinstance(failed, Exception):  # Ctrl-C on DDP's thread: stop the run
+            raise failed
 
     def _plain_direct(self) -> bool:
         """Whether this step is a plain phase's sent by `_fp32_direct` (not traced)."""
@@ -517,7 +517,7 @@ class FabricState:
         if phase not in self._lowbit_phases:  # nothing to time (e.g. a traced fp32 phase)
             return LOWBIT_PATH
         cycle = self._probe_cycle[phase]
-        if self.controller.all_held() and probe.probing(cycle):
+        if self._held_step and probe.probing(cycle):
             # The monitor holds every low-bit scope: a "low-bit" step would time the held path
             # (fp32 and the statistics round), not low-bit's, and decide between two fp32s.
             # The probe waits, its position and samples as they were; holds are agreed, so
